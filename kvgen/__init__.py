@@ -1,0 +1,9 @@
+"""kvgen: an LLM inference engine that shows what its KV cache is doing."""
+
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.sequence import CompletionOutput, RequestOutput
+from kvgen.errors import InvalidRequestError, KVGenError, ModelLoadError
+from kvgen.llm import LLM
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "KVGenError", "ModelLoadError",
+           "InvalidRequestError"]

@@ -1,0 +1,153 @@
+"""Model configuration: one dataclass for every Llama-family model, read from a Hugging Face config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgen.errors import ModelLoadError
+
+# Families that share the Llama block; they differ only in the fields read below.
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "smollm", "tinyllama"}
+QKV_BIAS_FAMILIES = {"qwen2"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, TinyLlama, SmolLM)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_kv_heads}) must divide num_attention_heads ({self.num_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], source: object = "config.json") -> "ModelConfig":
+        """Builds the config from a Hugging Face `config.json` dict (transformers 4.x and 5.x layouts)."""
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in LLAMA_FAMILY:
+            raise ModelLoadError(source, f"model_type {model_type!r} is not a Llama-family model")
+        try:
+            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            rope = _rope_parameters(cfg)
+            if cfg.get("mlp_bias"):
+                raise ValueError("mlp_bias is not supported")
+            return cls(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", 10000.0)),
+                rope_scaling=_rope_scaling(rope),
+                qkv_bias=model_type in QKV_BIAS_FAMILIES or bool(cfg.get("attention_bias", False)),
+                o_bias=model_type not in QKV_BIAS_FAMILIES and bool(cfg.get("attention_bias", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                sliding_window=_sliding_window(cfg, model_type),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
+                model_type=model_type,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(source, f"bad model config: {e!r}") from None
+
+
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 nests theta and scaling in `rope_parameters`; 4.x has `rope_theta` + `rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if "rope_theta" not in params and "rope_theta" in cfg:
+        params["rope_theta"] = cfg["rope_theta"]
+    if cfg.get("rope_scaling"):
+        params.update(cfg["rope_scaling"])
+    return params
+
+
+def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind not in ("linear", "llama3"):
+        raise ValueError(f"rope scaling {kind!r} is not supported (linear and llama3 are)")
+    return {k: v for k, v in rope.items() if k not in ("rope_theta", "type")} | {"rope_type": kind}
+
+
+def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
+    window = cfg.get("sliding_window")
+    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        return None
+    return int(window) if window else None
+
+
+def _as_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+KV_CACHE_MODES = ("paged", "contiguous", "none")
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options, the same for every interface (`LLM(...)`, `kvgen generate/batch/serve/bench`).
+
+    KV capacity comes from `num_kv_blocks`, else `kv_cache_memory` (bytes), else enough for
+    `max_num_seqs` full-length sequences capped at `DEFAULT_KV_MEMORY`.
+    """
+
+    kv_cache: str = "paged"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+    @property
+    def torch_dtype(self):  # -> torch.dtype (imported lazily: this module stays torch-free)
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype])
+
+
+DEFAULT_KV_MEMORY = 1 << 30

@@ -1,0 +1,119 @@
+"""What every engine shares: model set-up, admission of requests, recording sampled tokens, aborts."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+
+from kvgen.config import EngineConfig
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.sequence import Request, RequestOutput, Sequence, snapshot
+from kvgen.errors import InvalidRequestError
+from kvgen.loaders import LoadedModel
+from kvgen.model.llama import LlamaModel
+from kvgen.sampler import Sampler, SamplerOutput
+
+Prompt = str | list[int]
+
+
+class Engine(ABC):
+    """add_request -> step ... step -> finished outputs. Subclasses decide who runs each step."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        self.model = LlamaModel(loaded.config, loaded.weights, config.device, config.torch_dtype)
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+
+    # -- the public loop ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    arrival: float | None = None) -> Request:
+        """Queues a request; raises InvalidRequestError if it is malformed or could never be served."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        token_ids = self.encode_prompt(prompt)
+        self.check_fits(len(token_ids), params)
+        request = Request(request_id, token_ids, params, self.tokenizer,
+                          prompt=prompt if isinstance(prompt, str) else None, arrival=arrival)
+        self.requests[request_id] = request
+        self._enqueue(request)
+        return request
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns an output for every request that changed (finished ones last time)."""
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request wherever it is and gives its KV blocks back."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.sequences:
+            if not seq.is_finished:
+                seq.finish("abort")
+                self._release(seq)
+        request.metrics.finished = time.monotonic()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Text -> ids (BOS first when the model wants it); an empty prompt means "start from BOS"."""
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        if not token_ids:
+            bos = self.tokenizer.bos_token_id
+            if bos is None:
+                raise InvalidRequestError("the prompt is empty and the model has no BOS token to start from")
+            token_ids = [bos]
+        return token_ids
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
+                f"exceeds the model's context of {self.max_model_len} tokens")
+
+    # -- shared bookkeeping ---------------------------------------------------------------------
+
+    def record(self, rows: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
+        """Appends the sampled tokens, frees finished sequences, returns the changed requests."""
+        now = time.monotonic()
+        deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        for seq, token_id, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):
+            text = seq.append_token(token_id, logprobs)
+            seq.request.record_token_time(now)
+            deltas.setdefault(seq.request.request_id, {})[seq.index] = (text, [token_id])
+            if seq.is_finished:
+                self._release(seq)
+        outputs = []
+        for request_id, request_deltas in deltas.items():
+            request = self.requests[request_id]
+            if request.is_finished:
+                request.metrics.finished = now
+                del self.requests[request_id]
+            outputs.append(snapshot(request, request_deltas))
+        return outputs
+
+    @abstractmethod
+    def _enqueue(self, request: Request) -> None:
+        """Hands a new request to the scheduling part of the engine."""
+
+    @abstractmethod
+    def _release(self, seq: Sequence) -> None:
+        """Gives back whatever a finished or aborted sequence holds."""
+

@@ -1,0 +1,128 @@
+"""The continuous-batching engine over the paged KV cache.
+
+    step = schedule -> run the model on the batch -> sample -> record tokens, free finished
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvgen.cache.kv_manager import KVCacheManager
+from kvgen.cache.sizing import format_bytes, kv_bytes_per_token, num_blocks_for_budget
+from kvgen.config import DEFAULT_KV_MEMORY, EngineConfig
+from kvgen.engine.base import Engine
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvgen.engine.sequence import Request, RequestOutput, Sequence
+from kvgen.errors import InvalidRequestError
+from kvgen.loaders import LoadedModel
+from kvgen.model.attention import PagedKVCache
+from kvgen.runner.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine(Engine):
+    """Many requests at once: one forward pass per step over every scheduled sequence."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        super().__init__(loaded, config)
+        cfg = loaded.config
+        element = torch.tensor([], dtype=config.torch_dtype).element_size()
+        self.bytes_per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, element)
+        num_blocks = self._num_blocks()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        cache = PagedKVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                             self.model.device, self.model.dtype)
+        self.runner = ModelRunner(self.model, cache, self.kv, cfg.sliding_window)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        log.info("%s", self.capacity_report())
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.kv.num_blocks * self.kv.block_size
+
+    def capacity_report(self) -> str:
+        return (f"KV cache: {self.kv.num_blocks} blocks x {self.kv.block_size} tokens = {self.capacity_tokens} tokens, "
+                f"{format_bytes(self.capacity_tokens * self.bytes_per_token)} "
+                f"({self.bytes_per_token} bytes/token, {self.config.dtype})")
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        else:
+            wanted = cfg.max_num_seqs * self.max_model_len * self.bytes_per_token
+            budget = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else min(wanted, DEFAULT_KV_MEMORY)
+            num_blocks = num_blocks_for_budget(budget, cfg.block_size, self.bytes_per_token)
+        if num_blocks < 1:
+            raise ValueError(f"the KV budget holds no block of {cfg.block_size} tokens "
+                             f"({self.bytes_per_token} bytes per token)")
+        return num_blocks
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        super().check_fits(num_prompt_tokens, params)
+        total = num_prompt_tokens + params.max_tokens
+        if self.kv.num_blocks_needed(total) > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
+                f"exceeds the KV cache capacity of {self.capacity_tokens} tokens")
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        schedule = self.scheduler.schedule()
+        if not schedule.chunks:
+            return []
+        self.runner.cache.copy_blocks(self.kv.take_pending_copies())
+        logits = self.runner.execute(schedule.chunks)
+        sampling = [chunk.seq for chunk in schedule.chunks if chunk.completes_sequence]
+        self._mark_computed(schedule)
+        rows, logits = self._sampling_rows(sampling, logits)
+        return self.record(rows, self.sampler(logits, rows)) if rows else []
+
+    def _mark_computed(self, schedule: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for chunk in schedule.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.request.metrics.first_scheduled is None:
+                seq.request.metrics.first_scheduled = now
+
+    def _sampling_rows(self, sampling: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """The sequences to sample for, one logits row each; an n > 1 request forks its completions
+        off the first once the prompt is computed, and they sample from the same logits."""
+        rows: list[Sequence] = []
+        row_index: list[int] = []
+        for i, seq in enumerate(sampling):
+            family = [seq] + (self._fork_completions(seq) if self._is_first_token(seq) else [])
+            rows.extend(family)
+            row_index.extend([i] * len(family))
+        if len(row_index) != logits.shape[0]:
+            logits = logits[torch.tensor(row_index, device=logits.device, dtype=torch.long)]
+        return rows, logits
+
+    @staticmethod
+    def _is_first_token(seq: Sequence) -> bool:
+        return seq.index == 0 and not seq.output_token_ids and seq.request.params.n > 1
+
+    def _fork_completions(self, parent: Sequence) -> list[Sequence]:
+        """Completions 1..n-1 share every prompt block of completion 0 (copy-on-write)."""
+        children = parent.request.sequences[1:]
+        for child in children:
+            if child.status.value != "waiting" or child.is_finished:
+                continue
+            self.kv.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.scheduler.add_running(child)
+        return [c for c in children if not c.is_finished]
+
+    def _enqueue(self, request: Request) -> None:
+        self.scheduler.add(request.sequences[0])
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)

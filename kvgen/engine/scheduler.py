@@ -1,0 +1,133 @@
+"""Who runs this step, and how many tokens each: continuous batching with chunked prefill.
+
+Every step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`).
+Running sequences go first (decodes, and the next chunk of prompts already being prefilled), then
+waiting ones in arrival order (FCFS) while budget, sequence slots and KV blocks last. A prompt longer
+than the remaining budget is split across steps (chunked prefill), so decodes keep flowing.
+
+When the block pool runs dry the newest running sequence is preempted: its blocks go back to the
+pool (full ones stay in the prefix cache) and it waits to be recomputed. Requests that could never
+fit are refused by the engine at admission, so this loop cannot livelock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvgen.cache.kv_manager import KVCacheManager
+from kvgen.engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_tokens` new tokens of `seq`, starting at its first token without K/V."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this chunk reaches the newest token, so a next token will be sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+
+class Scheduler:
+    """Holds the waiting queue and the running list; the KV cache manager holds their blocks."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds blocks (a fork of a running one) joins the running list."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._allocate_or_preempt(seq, num_tokens, out):
+                out.chunks.append(ScheduledChunk(seq, num_tokens))
+                budget -= num_tokens
+                i += 1
+        return budget
+
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Finds blocks for `seq`, preempting the newest running sequences; False if `seq` itself went."""
+        while not self.kv.allocate(seq.seq_id, seq.token_ids, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.kv.find_cached_prefix(seq.token_ids)
+            num_cached = len(cached) * self.kv.block_size
+            num_tokens = min(seq.num_tokens - num_cached, budget)
+            if not self.kv.allocate(seq.seq_id, seq.token_ids, num_tokens, cached_prefix=cached):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, num_tokens))
+            budget -= num_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Frees a finished or aborted sequence, wherever it is."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.seq_id in self.kv:
+            self.kv.free(seq.seq_id)

@@ -1,0 +1,51 @@
+"""The reference engine: one sequence at a time through `kvgen.phases` (contiguous cache or none).
+
+It exists to compare against: `kv_cache="contiguous"` is the textbook preallocated cache and
+`kv_cache="none"` recomputes everything each step. Requests queue and run in arrival order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from kvgen.engine.base import Engine
+from kvgen.engine.sequence import Request, RequestOutput, Sequence, Status
+from kvgen.phases import DecodeState, decode, prefill
+
+
+class SequentialEngine(Engine):
+    """Each step advances the oldest unfinished sequence by one token (its prefill on the first step)."""
+
+    def __init__(self, loaded, config) -> None:
+        super().__init__(loaded, config)
+        self.queue: deque[Sequence] = deque()
+        self.states: dict[int, DecodeState] = {}
+
+    def step(self) -> list[RequestOutput]:
+        if not self.queue:
+            return []
+        seq = self.queue[0]
+        logits = self._next_logits(seq)
+        return self.record([seq], self.sampler(logits[None], [seq]))
+
+    def _next_logits(self, seq: Sequence) -> torch.Tensor:
+        """Prefill on the first step of a sequence, then one decode per step."""
+        if seq.seq_id not in self.states:
+            seq.status = Status.RUNNING
+            seq.request.metrics.first_scheduled = time.monotonic()
+            logits, self.states[seq.seq_id] = prefill(self.model, seq.prompt_token_ids, self.config.kv_cache,
+                                                      max_seq=self.max_model_len)
+            return logits
+        logits, _ = decode(self.model, self.states[seq.seq_id], seq.output_token_ids[-1])
+        return logits
+
+    def _enqueue(self, request: Request) -> None:
+        self.queue.extend(request.sequences)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.queue:
+            self.queue.remove(seq)
+        self.states.pop(seq.seq_id, None)

@@ -1,0 +1,100 @@
+"""The Python API: `LLM(model).generate(prompts, params)`.
+
+    from kvgen import LLM, SamplingParams
+    llm = LLM()                                   # the default model (stories260K)
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=64))
+    print(out[0].text)
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvgen.config import EngineConfig
+from kvgen.engine.base import Engine, Prompt
+from kvgen.engine.llm_engine import LLMEngine
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.sequence import RequestOutput
+from kvgen.engine.sequential import SequentialEngine
+from kvgen.errors import ModelLoadError
+from kvgen.loaders import LoadedModel, load_model
+
+DEFAULT_MODEL_FILE = Path("models") / "stories260K" / "stories260K.bin"
+
+
+def default_model_path() -> Path:
+    """`KVGEN_MODEL` if set, else stories260K in the `shared/` folder beside the checkout."""
+    if os.environ.get("KVGEN_MODEL"):
+        return Path(os.environ["KVGEN_MODEL"])
+    candidates = [Path(__file__).resolve().parents[2] / "shared", Path.cwd().parent / "shared", Path.cwd() / "shared"]
+    for shared in candidates:
+        if (shared / DEFAULT_MODEL_FILE).exists():
+            return shared / DEFAULT_MODEL_FILE
+    raise ModelLoadError(candidates[0] / DEFAULT_MODEL_FILE,
+                         "default model not found; pass --model PATH or set KVGEN_MODEL")
+
+
+def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
+    """The paged continuous-batching engine, or the one-at-a-time reference for contiguous / none."""
+    return LLMEngine(loaded, config) if config.kv_cache == "paged" else SequentialEngine(loaded, config)
+
+
+def load(model: str | Path | None, config: EngineConfig, tokenizer: str | Path | None = None) -> LoadedModel:
+    path = Path(model) if model is not None else default_model_path()
+    return load_model(path, tokenizer_path=tokenizer, device=config.device, dtype=torch.float32)
+
+
+class LLM:
+    """Offline generation over the engine. Engine options are keyword arguments (see EngineConfig)."""
+
+    def __init__(self, model: str | Path | None = None, *, tokenizer: str | Path | None = None,
+                 **engine_options) -> None:
+        self.config = EngineConfig(**engine_options)
+        self.engine = build_engine(load(model, self.config, tokenizer), self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Runs every prompt through the engine; outputs come back in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        param_list = _as_param_list(params, len(prompt_list))
+        ids = [f"gen-{uuid.uuid4().hex}" for _ in prompt_list]
+        for request_id, prompt, p in zip(ids, prompt_list, param_list):
+            self.engine.add_request(request_id, prompt, p)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
+            generated = 0
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    generated += sum(len(c.new_token_ids) for c in out.outputs)
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+                bar.set_postfix(tok_s=f"{generated / max(bar.format_dict['elapsed'], 1e-9):.1f}")
+        return [finished[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _as_param_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params

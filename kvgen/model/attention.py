@@ -1,0 +1,185 @@
+"""Attention backends: how a layer's new K/V are stored and which cached K/V a query reads.
+
+The model computes q, k, v (RoPE applied) for the tokens of one step and hands them to a backend:
+
+    NoCacheAttention     the whole sequence is recomputed every step; nothing is stored.
+    ContiguousAttention  one sequence, a preallocated cache [batch, kv_heads, max_seq, head_dim]
+                         per layer; K/V appended at the next positions (the textbook KV cache).
+    PagedAttention       a ragged batch of many sequences over a block pool: K/V written at slot
+                         indices, read back through per-sequence block tables (PagedAttention).
+
+Each backend is an explicit object passed to `LlamaModel.forward`; nothing global is read.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class Attention(ABC):
+    """Stores this step's K/V (if it caches) and returns the attention output."""
+
+    @abstractmethod
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D]."""
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """q [B, Q, heads, D], k/v [B, L, kv_heads, D], mask [B, 1, Q, L] or None -> [B, Q, heads, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask, is_causal=causal, enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[Q] and [L] positions -> [Q, L] bool: causal, and within the last `window` tokens if given."""
+    allowed = k_positions[None, :] <= q_positions[:, None]
+    if window is not None:
+        allowed &= k_positions[None, :] > q_positions[:, None] - window
+    return allowed
+
+
+class NoCacheAttention(Attention):
+    """Plain causal attention over the tokens given: the baseline without a KV cache."""
+
+    def __init__(self, sliding_window: int | None = None) -> None:
+        self.sliding_window = sliding_window
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.sliding_window is None or q.shape[0] <= self.sliding_window:
+            return sdpa(q[None], k[None], v[None], None, causal=True)[0]
+        positions = torch.arange(q.shape[0], device=q.device)
+        mask = window_mask(positions, positions, self.sliding_window)
+        return sdpa(q[None], k[None], v[None], mask[None, None], causal=False)[0]
+
+
+class ContiguousKVCache:
+    """Per layer K and V of shape [batch, kv_heads, max_seq, head_dim], preallocated; batch is 1 here."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        shape = (1, num_kv_heads, max_seq, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.length = 0  # tokens stored so far
+
+    @property
+    def max_seq(self) -> int:
+        return self.k[0].shape[2]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class ContiguousAttention(Attention):
+    """Appends the new tokens' K/V at positions [start, start + T) and attends over [0, start + T)."""
+
+    def __init__(self, cache: ContiguousKVCache, start: int, sliding_window: int | None = None) -> None:
+        self.cache = cache
+        self.start = start
+        self.sliding_window = sliding_window
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        end = self.start + q.shape[0]
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        k_cache[0, :, self.start : end] = k.transpose(0, 1)
+        v_cache[0, :, self.start : end] = v.transpose(0, 1)
+        keys = k_cache[:, :, :end].transpose(1, 2)  # [1, L, kv_heads, D]
+        values = v_cache[:, :, :end].transpose(1, 2)
+        if self.start == 0 and (self.sliding_window is None or end <= self.sliding_window):
+            return sdpa(q[None], keys, values, None, causal=True)[0]
+        if q.shape[0] == 1 and (self.sliding_window is None or end <= self.sliding_window):
+            return sdpa(q[None], keys, values, None, causal=False)[0]
+        device = q.device
+        mask = window_mask(torch.arange(self.start, end, device=device), torch.arange(end, device=device),
+                           self.sliding_window)
+        return sdpa(q[None], keys, values, mask[None, None], causal=False)[0]
+
+
+@dataclass
+class PagedGroup:
+    """Sequences attended together in one padded SDPA call (the decodes, or the prefill chunks).
+
+    token_index [B, Qmax]: row of each query in the step's flat batch (padding -> the zero row T)
+    kv_slots    [B, L]:    pool slot of each key the sequence may read (padding -> the scratch slot)
+    mask        [B, 1, Qmax, L]: True where query i of sequence b may attend to key j
+    """
+
+    token_index: torch.Tensor
+    kv_slots: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class PagedMetadata:
+    """Everything a layer needs to read and write the block pool for one step; built once per step.
+
+    slot_mapping [T]: pool slot where each token's K/V are written (padding tokens -> scratch slot)
+    out_index    [T]: row of each token's output in the concatenated outputs of the groups
+    """
+
+    slot_mapping: torch.Tensor
+    groups: list[PagedGroup]
+    out_index: torch.Tensor
+
+
+class PagedKVCache:
+    """The K/V pools: per layer [num_slots, kv_heads, head_dim], slot = block * block_size + offset.
+
+    One extra block at the end is scratch space: padding tokens write there and padded keys read
+    from there (always masked out), so the hot path needs no conditionals.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        num_slots = (num_blocks + 1) * block_size
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.scratch_slot = num_blocks * block_size
+
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool of one layer viewed as [num_blocks + 1, block_size, kv_heads, head_dim]."""
+        shape = (-1, self.block_size, *self.k[layer].shape[1:])
+        return self.k[layer].view(shape), self.v[layer].view(shape)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicates whole blocks (src -> dst) in every layer."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.k[0].device)
+        dst = torch.tensor([d for _, d in copies], device=self.k[0].device)
+        for layer in range(len(self.k)):
+            for pool in self.blocks(layer):
+                pool[dst] = pool[src]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class PagedAttention(Attention):
+    """Writes K/V at the step's slots, then attends each group of sequences through its block tables."""
+
+    def __init__(self, cache: PagedKVCache, meta: PagedMetadata) -> None:
+        self.cache = cache
+        self.meta = meta
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
+        k_pool.index_copy_(0, self.meta.slot_mapping, k)
+        v_pool.index_copy_(0, self.meta.slot_mapping, v)
+        q_padded = torch.cat((q, q.new_zeros(1, *q.shape[1:])))  # row T is the padding query
+        outputs = []
+        for group in self.meta.groups:
+            out = sdpa(q_padded[group.token_index], k_pool[group.kv_slots], v_pool[group.kv_slots],
+                       group.mask, causal=False)
+            outputs.append(out.reshape(-1, *q.shape[1:]))
+        return torch.cat(outputs)[self.meta.out_index] if len(outputs) > 1 else outputs[0][self.meta.out_index]

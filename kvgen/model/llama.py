@@ -1,0 +1,89 @@
+"""One Llama-family decoder for every supported family (Llama 2/3, Mistral, Qwen2, TinyLlama, SmolLM).
+
+Pure tensors: the model maps a flat batch of tokens (any mix of sequences) to hidden states and
+logits. Where K/V come from and go to is the job of the `Attention` backend passed to `forward`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvgen.config import ModelConfig
+from kvgen.model.attention import Attention
+from kvgen.model.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer, with q/k/v and gate/up fused so each is a single matmul."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, heads * D]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+class LlamaModel:
+    """Weights plus the forward pass. Built from Hugging Face-named tensors (see `kvgen.loaders`)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.layers = [_layer_weights(w, i, config) for i in range(config.num_layers)]
+        self.final_norm = w["model.norm.weight"]
+        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self.rope = RotaryEmbedding(config, config.max_position_embeddings, self.device, dtype)
+
+    @property
+    def max_positions(self) -> int:
+        return self.rope.max_positions
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """token_ids, positions [T] -> hidden states [T, hidden] after the final norm."""
+        cfg = self.config
+        x = self.embed[token_ids]
+        cos, sin = self.rope.tables(positions)  # [T, 1, D]
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        for index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
+            q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            attn = attention(index, q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
+            x = x + F.linear(attn.reshape(-1, q_size), layer.o, layer.o_bias)
+            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            x = x + swiglu(h, layer.gate_up, layer.down)
+        return rms_norm(x, self.final_norm, cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_head).float()
+
+
+def _layer_weights(w: dict[str, torch.Tensor], i: int, config: ModelConfig) -> LayerWeights:
+    p = f"model.layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    qkv_bias = None
+    if config.qkv_bias:
+        qkv_bias = torch.cat([w[attn + n + "_proj.bias"] for n in ("q", "k", "v")])
+    return LayerWeights(
+        input_norm=w[p + "input_layernorm.weight"],
+        qkv=torch.cat([w[attn + n + "_proj.weight"] for n in ("q", "k", "v")]),
+        qkv_bias=qkv_bias,
+        o=w[attn + "o_proj.weight"],
+        o_bias=w.get(attn + "o_proj.bias") if config.o_bias else None,
+        post_norm=w[p + "post_attention_layernorm.weight"],
+        gate_up=torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]),
+        down=w[mlp + "down_proj.weight"],
+    )
