@@ -1,0 +1,291 @@
+"""Per-sequence block tables over a shared `BlockPool`: allocation, prefix reuse, copy-on-write.
+
+Token t of a sequence lives at slot `table[t // block_size] * block_size + t % block_size`.
+With block_size 4, two sequences sharing a cached 8-token prefix, and a fork of B:
+
+    seq A (10 tokens): [ 3 | 5 | 8 ]        blocks 3, 5: full, cached (hash chain h3 -> h5)
+    seq B ( 9 tokens): [ 3 | 5 | 1 ]        prefix hit on 3, 5 (ref_count 2 each)
+    fork C of B:       [ 3 | 5 | 1 ]        block 1 is partial and shared (ref_count 2)
+    C appends:         [ 3 | 5 | 6 ]        copy-on-write: pending copy (1 -> 6)
+
+A sliding-window sequence drops blocks wholly outside its window:
+
+    free_blocks_before(A, 8):  [ -1 | -1 | 8 ]   (NULL_BLOCK entries are never written)
+
+The manager tracks, per sequence, how many token slots its table covers (`num_slots`); each
+`allocate` extends that by `num_new_tokens`, which the runner then computes in the next step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from kvgen.cache.block_pool import Block, BlockPool, hash_block
+
+NULL_BLOCK = -1
+
+
+@dataclass
+class _SeqState:
+    """Bookkeeping of one live sequence."""
+
+    table: list[int] = field(default_factory=list)
+    num_slots: int = 0  # token slots the table covers
+    num_hashed: int = 0  # leading full blocks already offered to the prefix cache
+    last_hash: int | None = None  # chain hash of block num_hashed - 1
+    num_nulled: int = 0  # leading table entries replaced by NULL_BLOCK
+
+    def copy(self) -> _SeqState:
+        return _SeqState(list(self.table), self.num_slots, self.num_hashed, self.last_hash, self.num_nulled)
+
+
+class KVCacheManager:
+    """Block tables of live sequences (keyed by an opaque int `seq_id`) over one block pool."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if not 1 <= block_size <= 256 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two in 1..256, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self._seqs: dict[int, _SeqState] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which served from cached blocks
+        self.prefix_hit_blocks = 0
+
+    # -- queries ----------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.pool.enable_prefix_caching
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take, cached-evictable ones included."""
+        return self.pool.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.pool.num_cached_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by live sequences."""
+        return self.pool.num_used / self.pool.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens looked up (0 before any)."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's block ids in token order (NULL_BLOCK where a window dropped a block)."""
+        return list(self._state(seq_id).table)
+
+    def num_slots(self, seq_id: int) -> int:
+        """Token slots the sequence's table covers (computed tokens + those scheduled)."""
+        return self._state(seq_id).num_slots
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.pool.num_free
+
+    def find_cached_prefix(self, token_ids: Sequence[int], extra_key: Hashable = None) -> list[Block]:
+        """Longest chain of cached full blocks matching the prompt's prefix; changes nothing.
+
+        Never covers the last prompt token (it is recomputed for its logits), so
+        `len(result) * block_size <= len(token_ids) - 1`.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        blocks: list[Block] = []
+        parent: int | None = None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            chunk = token_ids[i * self.block_size:(i + 1) * self.block_size]
+            parent = hash_block(parent, chunk, extra_key)
+            block = self.pool.lookup(parent, chunk)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    # -- mutations --------------------------------------------------------------------------
+
+    def allocate(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
+                 cached_prefix: list[Block] | None = None) -> bool:
+        """Extends the sequence's table to cover `num_slots + num_new_tokens` slots.
+
+        The first call for a sequence creates it and may pass `cached_prefix` (from
+        `find_cached_prefix`): those blocks join the table as already computed, and
+        `num_new_tokens` counts from the end of the prefix. If the write would land in a
+        partially filled block shared with another sequence, the block is first replaced by a
+        fresh one and a pending copy is recorded (see `take_pending_copies`).
+
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        state = self._seqs.get(seq_id)
+        is_new = state is None
+        prefix = cached_prefix or []
+        if not is_new and prefix:
+            raise ValueError(f"sequence {seq_id}: cached_prefix is only allowed on its first allocate")
+        state = state or _SeqState()
+        self._check_allocate_args(state, token_ids, num_new_tokens, prefix)
+        start = state.num_slots + len(prefix) * self.block_size
+        end = start + num_new_tokens
+        num_fresh = self.num_blocks_needed(end) - len(state.table) - len(prefix)
+        cow = num_new_tokens > 0 and self._shares_partial_block(state)
+        num_revived = sum(1 for b in prefix if b.ref_count == 0)  # leave the free queue too
+        if num_fresh + cow + num_revived > self.pool.num_free:
+            return False
+        self._add_prefix(state, prefix)
+        if cow:
+            self._copy_on_write(state)
+        state.table.extend(self.pool.allocate().block_id for _ in range(num_fresh))
+        state.num_slots = end
+        if is_new:
+            self._seqs[seq_id] = state
+            self._count_prefix_query(len(token_ids), len(prefix))
+        return True
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Makes `child_id` share every block of `parent_id` (copy-on-write on later appends)."""
+        if child_id in self._seqs:
+            raise ValueError(f"fork: sequence {child_id} already exists")
+        child = self._state(parent_id).copy()
+        for block_id in child.table[child.num_nulled:]:
+            self.pool.touch(self.pool.blocks[block_id])
+        self._seqs[child_id] = child
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Returns and clears the (src_block_id, dst_block_id) copies due before the next forward."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int,
+                          extra_key: Hashable = None) -> None:
+        """Registers the chain hash of every newly computed full block of the sequence."""
+        if not self.enable_prefix_caching:
+            return
+        state = self._state(seq_id)
+        if not 0 <= num_computed_tokens <= min(state.num_slots, len(token_ids)):
+            raise ValueError(f"sequence {seq_id}: num_computed_tokens {num_computed_tokens} is beyond "
+                             f"its {state.num_slots} slots or {len(token_ids)} tokens")
+        bs = self.block_size
+        for i in range(state.num_hashed, num_computed_tokens // bs):
+            chunk = token_ids[i * bs:(i + 1) * bs]
+            state.last_hash = hash_block(state.last_hash, chunk, extra_key)
+            if state.table[i] != NULL_BLOCK:
+                self.pool.cache(self.pool.blocks[state.table[i]], state.last_hash, chunk)
+            state.num_hashed = i + 1
+
+    def free(self, seq_id: int) -> None:
+        """Releases every block of the sequence, tail first (so tail blocks are evicted first)."""
+        state = self._state(seq_id)
+        del self._seqs[seq_id]
+        for block_id in reversed(state.table[state.num_nulled:]):
+            self.pool.release(self.pool.blocks[block_id])
+        self._drop_dead_copies()
+
+    def free_blocks_before(self, seq_id: int, num_tokens: int) -> int:
+        """Sliding window: releases the blocks wholly before token `num_tokens`; returns how many.
+
+        Their table entries become NULL_BLOCK, so later token indices keep their positions.
+        """
+        state = self._state(seq_id)
+        if not 0 <= num_tokens <= state.num_slots:
+            raise ValueError(f"sequence {seq_id}: num_tokens {num_tokens} outside 0..{state.num_slots}")
+        first, stop = state.num_nulled, num_tokens // self.block_size
+        for i in range(first, stop):
+            self.pool.release(self.pool.blocks[state.table[i]])
+            state.table[i] = NULL_BLOCK
+        state.num_nulled = max(first, stop)
+        self._drop_dead_copies()
+        return max(0, stop - first)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _state(self, seq_id: int) -> _SeqState:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence {seq_id}") from None
+
+    def _check_allocate_args(self, state: _SeqState, token_ids: Sequence[int], num_new_tokens: int,
+                             prefix: list[Block]) -> None:
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if prefix and len(prefix) * self.block_size > len(token_ids) - 1:
+            raise ValueError("cached_prefix must leave the last prompt token to compute")
+        bs = self.block_size
+        if any(b.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]) for i, b in enumerate(prefix)):
+            raise ValueError("cached_prefix does not match the tokens (evicted since find_cached_prefix?)")
+        end = state.num_slots + len(prefix) * bs + num_new_tokens
+        if end > len(token_ids):
+            raise ValueError(f"allocating up to slot {end} but the sequence has only {len(token_ids)} tokens")
+
+    def _shares_partial_block(self, state: _SeqState) -> bool:
+        """Whether the next write lands in a partially filled block that another table shares."""
+        if state.num_slots % self.block_size == 0:
+            return False
+        return self.pool.blocks[state.table[-1]].ref_count > 1
+
+    def _copy_on_write(self, state: _SeqState) -> None:
+        """Gives the sequence a private copy of its last block; records where its rows come from."""
+        src = self.pool.blocks[state.table[-1]]
+        dst = self.pool.allocate()
+        self.pool.release(src)
+        state.table[-1] = dst.block_id
+        self._pending_copies.append((src.block_id, dst.block_id))
+
+    def _add_prefix(self, state: _SeqState, prefix: list[Block]) -> None:
+        for block in prefix:
+            self.pool.touch(block)
+            state.table.append(block.block_id)
+        if prefix:
+            state.num_slots = len(prefix) * self.block_size
+            state.num_hashed, state.last_hash = len(prefix), prefix[-1].block_hash
+
+    def _count_prefix_query(self, num_prompt_tokens: int, num_prefix_blocks: int) -> None:
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_prompt_tokens
+            self.prefix_hits += num_prefix_blocks * self.block_size
+            self.prefix_hit_blocks += num_prefix_blocks
+
+    def _drop_dead_copies(self) -> None:
+        """Forgets pending copies whose destination block was freed before the runner saw them."""
+        self._pending_copies = [(s, d) for s, d in self._pending_copies if self.pool.blocks[d].ref_count > 0]
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Asserts pool and table bookkeeping agree (for tests and debug runs)."""
+        self.pool.check_invariants()
+        refs: Counter[int] = Counter()
+        for seq_id, state in self._seqs.items():
+            table = state.table
+            assert len(table) == self.num_blocks_needed(state.num_slots), f"seq {seq_id}: table size"
+            assert all(b == NULL_BLOCK for b in table[:state.num_nulled]), f"seq {seq_id}: null prefix"
+            live = table[state.num_nulled:]
+            assert all(0 <= b < self.num_blocks for b in live), f"seq {seq_id}: bad block id"
+            assert state.num_hashed <= state.num_slots // self.block_size, f"seq {seq_id}: hashed a partial block"
+            refs.update(live)
+        for block in self.pool.blocks:
+            assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref_count != table refs"
+        assert all(self.pool.blocks[d].ref_count > 0 for _, d in self._pending_copies), "copy into a free block"
+        if not self._seqs:
+            assert self.pool.num_free == self.num_blocks, "idle manager holds blocks"
