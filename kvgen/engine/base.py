@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from kvgen.config import EngineConfig
 from kvgen.engine.sampling_params import SamplingParams
@@ -14,6 +15,18 @@ from kvgen.model.llama import LlamaModel
 from kvgen.sampler import Sampler, SamplerOutput
 
 Prompt = str | list[int]
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_blocks_cached_free: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of which served from cache
+    num_preemptions: int = 0
 
 
 class Engine(ABC):
@@ -61,6 +74,10 @@ class Engine(ABC):
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    @abstractmethod
+    def stats(self) -> "EngineStats":
+        """A snapshot of queue lengths and KV usage, for logs and /metrics."""
 
     # -- admission ------------------------------------------------------------------------------
 

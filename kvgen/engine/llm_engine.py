@@ -13,7 +13,7 @@ import torch
 from kvgen.cache.kv_manager import KVCacheManager
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token, num_blocks_for_budget
 from kvgen.config import DEFAULT_KV_MEMORY, EngineConfig
-from kvgen.engine.base import Engine
+from kvgen.engine.base import Engine, EngineStats
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvgen.engine.sequence import Request, RequestOutput, Sequence
@@ -70,6 +70,14 @@ class LLMEngine(Engine):
             raise InvalidRequestError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds the KV cache capacity of {self.capacity_tokens} tokens")
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks,
+            kv_blocks_cached_free=self.kv.num_cached_free_blocks, prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
+        )
 
     # -- the step -------------------------------------------------------------------------------
 

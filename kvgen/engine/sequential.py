@@ -11,7 +11,7 @@ from collections import deque
 
 import torch
 
-from kvgen.engine.base import Engine
+from kvgen.engine.base import Engine, EngineStats
 from kvgen.engine.sequence import Request, RequestOutput, Sequence, Status
 from kvgen.phases import DecodeState, decode, prefill
 
@@ -41,6 +41,12 @@ class SequentialEngine(Engine):
             return logits
         logits, _ = decode(self.model, self.states[seq.seq_id], seq.output_token_ids[-1])
         return logits
+
+    def stats(self) -> EngineStats:
+        """One sequence runs at a time; its cache is the only one allocated ("blocks" = sequences)."""
+        running = len(self.states)
+        return EngineStats(num_running=running, num_waiting=len(self.queue) - running,
+                           kv_blocks_used=running, kv_blocks_total=1)
 
     def _enqueue(self, request: Request) -> None:
         self.queue.extend(request.sequences)

@@ -1,0 +1,118 @@
+"""The async API: `AsyncLLM.generate(...)` is an async iterator of incremental outputs.
+
+One background task drives the engine: between steps it applies queued adds and aborts (so the
+engine is only ever touched by one thread at a time), runs `engine.step()` in a worker thread so the
+event loop keeps serving, and routes each output to the queue of the request it belongs to.
+Cancelling an iteration (a client that went away) aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from kvgen.config import EngineConfig
+from kvgen.engine.base import Engine, Prompt
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.sequence import RequestOutput
+from kvgen.llm import build_engine, load
+
+
+class AsyncLLM:
+    """Serves many concurrent `generate` calls from one engine loop."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._adds: list[tuple[str, Prompt, SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+
+    @classmethod
+    def from_options(cls, model: str | Path | None = None, **engine_options) -> "AsyncLLM":
+        config = EngineConfig(**engine_options)
+        return cls(build_engine(load(model, config), config))
+
+    async def generate(self, prompt: Prompt, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's output after every step that changed it; the last one is finished.
+
+        Raises InvalidRequestError at once for a request that can never be served.
+        """
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        token_ids = self.engine.encode_prompt(prompt)
+        self.engine.check_fits(len(token_ids), params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._adds.append((request_id, prompt, params))
+        self._ensure_loop().set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+
+    def _ensure_loop(self) -> asyncio.Event:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.create_task(self._run())
+        return self._wakeup
+
+    async def _run(self) -> None:
+        while True:
+            self._apply_queued()
+            if not self.engine.has_unfinished():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as error:  # the engine is broken: tell every waiting caller
+                self._fail_all(error)
+                raise
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+
+    def _apply_queued(self) -> None:
+        adds, self._adds = self._adds, []
+        for request_id, prompt, params in adds:
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except Exception as error:
+                self._deliver(request_id, error)
+        aborts, self._aborts = self._aborts, []
+        for request_id in aborts:
+            self.engine.abort(request_id)
+
+    def _deliver(self, request_id: str, item: object) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(item)
+
+    def _fail_all(self, error: Exception) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)

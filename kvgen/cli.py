@@ -1,0 +1,251 @@
+"""The `kvgen` command: generate, batch, serve, bench, eval-ppl, kv-size.
+
+Every command that runs the engine takes the same engine options (see `add_engine_options`).
+Errors a user can cause (bad file, bad parameter, prompt too long) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvgen.cache.sizing import format_bytes, kv_bytes_per_token, parse_bytes
+from kvgen.config import DTYPES, KV_CACHE_MODES, EngineConfig, ModelConfig
+from kvgen.engine.base import Engine
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.sequence import RequestOutput
+from kvgen.errors import KVGenError, ModelLoadError
+
+EXIT_USER_ERROR = 2
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model and engine")
+    g.add_argument("--model", help="HF directory, .gguf or llama2.c .bin (default: stories260K, or $KVGEN_MODEL)")
+    g.add_argument("--tokenizer", help="tokenizer file or directory, if not beside the model")
+    g.add_argument("--kv-cache", choices=KV_CACHE_MODES, default="paged", help="KV cache kind (default: paged)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two, 1..256)")
+    g.add_argument("--num-kv-blocks", type=int, help="KV capacity in blocks")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, help="KV capacity in bytes, e.g. 2GiB or 512MB")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        kv_cache=args.kv_cache, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
+    )
+
+
+def build_engine_from_args(args: argparse.Namespace) -> Engine:
+    from kvgen.llm import build_engine, load
+
+    config = engine_config(args)
+    engine = build_engine(load(args.model, config, args.tokenizer), config)
+    if hasattr(engine, "capacity_report"):
+        print(engine.capacity_report(), file=sys.stderr)
+    return engine
+
+
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+
+
+def result_json(out: RequestOutput) -> dict:
+    """The fields `generate --json` and `batch` print for a finished request."""
+    m = out.metrics
+    decode_time = m.token_times[-1] - m.token_times[0] if len(m.token_times) > 1 else 0.0
+    decode_tps = (len(m.token_times) - 1) / decode_time if decode_time > 0 else None
+    return {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
+            "finish_reason": out.finish_reason, "ttft_s": m.ttft, "decode_tokens_per_s": decode_tps}
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = build_engine_from_args(args)
+    engine.add_request("cli", args.prompt, sampling_params(args))
+    final = None
+    if not args.json:
+        print(args.prompt, end="", flush=True)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if not args.json:
+                print(out.outputs[0].new_text, end="", flush=True)
+            final = out
+    if args.json:
+        print(json.dumps(result_json(final)))
+    else:
+        print()
+    return 0
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    requests = _read_batch(Path(args.input))
+    engine = build_engine_from_args(args)
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(i), prompt, params)
+    results: dict[str, RequestOutput] = {}
+    started = time.monotonic()
+    while engine.has_unfinished():
+        results.update((o.request_id, o) for o in engine.step() if o.finished)
+    with open(args.output, "w") as f:
+        for i in range(len(requests)):
+            f.write(json.dumps(result_json(results[str(i)])) + "\n")
+    tokens = sum(len(o.token_ids) for o in results.values())
+    print(f"{len(requests)} requests, {tokens} tokens in {time.monotonic() - started:.2f} s -> {args.output}",
+          file=sys.stderr)
+    return 0
+
+
+def _read_batch(path: Path) -> list[tuple[str | list[int], SamplingParams]]:
+    """One JSON object per line: `prompt` plus SamplingParams fields by name."""
+    fields = set(SamplingParams.__dataclass_fields__)
+    requests = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise KVGenError(f"{path}: {e.strerror}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            prompt = item.pop("prompt")
+        except (json.JSONDecodeError, KeyError, AttributeError):
+            raise KVGenError(f"{path}:{number}: expected a JSON object with a 'prompt'") from None
+        unknown = set(item) - fields
+        if unknown:
+            raise KVGenError(f"{path}:{number}: unknown fields {sorted(unknown)}")
+        requests.append((prompt, SamplingParams(**item)))
+    return requests
+
+
+def cmd_kv_size(args: argparse.Namespace) -> int:
+    config = _config_only(Path(args.model)) if args.model else _default_config()
+    element = {"float32": 4, "bfloat16": 2, "float16": 2}[DTYPES[args.dtype]]
+    per_layer = kv_bytes_per_token(1, config.num_kv_heads, config.head_dim, element)
+    per_token = per_layer * config.num_layers
+    total = per_token * args.tokens
+    report = {"layers": config.num_layers, "kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
+              "dtype": DTYPES[args.dtype], "bytes_per_element": element, "bytes_per_token_per_layer": per_layer,
+              "bytes_per_token": per_token, "tokens": args.tokens, "bytes_per_layer": per_layer * args.tokens,
+              "bytes_total": total}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"layers {config.num_layers}, kv_heads {config.num_kv_heads}, head_dim {config.head_dim}, "
+          f"{DTYPES[args.dtype]} ({element} bytes)")
+    print(f"per token, per layer: 2 x {config.num_kv_heads} x {config.head_dim} x {element} = {per_layer:,} bytes")
+    print(f"per token, all layers: {per_token:,} bytes ({format_bytes(per_token)})")
+    print(f"{args.tokens:,} tokens: {per_layer * args.tokens:,} bytes per layer "
+          f"({format_bytes(per_layer * args.tokens)}), {total:,} bytes in all ({format_bytes(total)}, "
+          f"{format_bytes(total, binary=True)})")
+    return 0
+
+
+def _config_only(path: Path) -> ModelConfig:
+    """The model's config without loading weights where the format allows (HF dir or config.json)."""
+    config_file = path / "config.json" if path.is_dir() else path
+    if config_file.name.endswith(".json"):
+        try:
+            return ModelConfig.from_hf(json.loads(config_file.read_text()), config_file)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelLoadError(config_file, f"cannot read config: {e}") from None
+    from kvgen.loaders import load_model
+
+    return load_model(path).config
+
+
+def _default_config() -> ModelConfig:
+    from kvgen.llm import default_model_path
+
+    return _config_only(default_model_path())
+
+
+# -- wiring -------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgen", description="LLM inference with a KV cache you can see into.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed")
+    gen.add_argument("--prompt", default="", help="prompt text (empty: start from BOS)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_engine_options(gen)
+    add_sampling_options(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    batch = sub.add_parser("batch", help="run a JSONL file of requests through the engine")
+    batch.add_argument("--input", required=True, help="JSONL: one {'prompt': ..., sampling fields} per line")
+    batch.add_argument("--output", required=True, help="JSONL results, in input order")
+    add_engine_options(batch)
+    batch.set_defaults(func=cmd_batch)
+
+    size = sub.add_parser("kv-size", help="KV-cache memory arithmetic for a model")
+    size.add_argument("model", nargs="?", help="HF directory, config.json, .gguf or .bin (default model if omitted)")
+    size.add_argument("--tokens", type=int, default=1, help="number of tokens to size for")
+    size.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
+    size.add_argument("--json", action="store_true")
+    size.set_defaults(func=cmd_kv_size)
+
+    for register in _optional_commands():
+        register(sub, add_engine_options)
+    return parser
+
+
+def _optional_commands() -> list[Callable]:
+    """Commands that live with their subsystem (server, benchmarks, evaluation)."""
+    registers = []
+    for module in ("kvgen.server.cli", "kvgen.bench.cli", "kvgen.eval.cli"):
+        try:
+            registers.append(__import__(module, fromlist=["register"]).register)
+        except ModuleNotFoundError as e:
+            if not module.startswith(e.name or "?"):
+                raise
+    return registers
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (KVGenError, ValueError) as e:
+        print(f"kvgen: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Model loading: one `load_model(path)` that detects the format.
+
+Formats: a Hugging Face directory (config.json + safetensors, single or sharded), a GGUF file, and a
+llama2.c legacy checkpoint (.bin with a tok*.bin tokenizer beside it). Every loader returns weights
+in Hugging Face naming and layout (q/k rows in rotate-half order), so the model has one code path.
+Nothing is unpickled.
+
+Shared here: the expected-shapes table every loader validates against (`finalize_weights`) and the
+q/k row permutation from interleaved-pair RoPE (llama2.c, GGUF) to rotate-half (`interleaved_to_half`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvgen.config import ModelConfig
+from kvgen.errors import ModelLoadError
+from kvgen.tokenizer import Tokenizer
+
+# Tensors older HF checkpoints carry that hold nothing the model needs (RoPE tables it recomputes).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    """What a loader hands the engine: config, weights (HF names), tokenizer, and where it came from."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str
+
+
+def load_model(
+    path: str | Path,
+    *,
+    tokenizer_path: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
+    """Loads a HF directory, a `.gguf` file or a llama2.c `.bin` checkpoint (format from the path).
+
+    `tokenizer_path` overrides the tokenizer the format implies: a HF directory, a `tokenizer.json`,
+    a SentencePiece `.model` or a llama2.c `tok*.bin`.
+    """
+    # Imported here: the format modules import the helpers below from this package.
+    from kvgen.loaders.gguf_file import load_gguf
+    from kvgen.loaders.hf import load_hf
+    from kvgen.loaders.llama2c import load_llama2c
+
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(path, "no such file or directory")
+    if path.is_dir():
+        loader = load_hf
+    elif path.suffix == ".gguf":
+        loader = load_gguf
+    elif path.suffix == ".bin":
+        loader = load_llama2c
+    else:
+        raise ModelLoadError(path, "unknown model format (expected a HF directory, a .gguf or a llama2.c .bin)")
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
+    return loader(path, tokenizer=tokenizer, device=device, dtype=dtype)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Loads a tokenizer on its own: a HF directory, `tokenizer.json`, SentencePiece `.model`, llama2.c `.bin`."""
+    from kvgen.loaders.hf import load_hf_tokenizer
+    from kvgen.loaders.llama2c import load_llama2c_tokenizer
+
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(path, "no such tokenizer file or directory")
+    if path.is_dir():
+        return load_hf_tokenizer(path)
+    if path.suffix in (".json", ".model"):
+        return load_hf_tokenizer(path.parent, tokenizer_file=path)
+    if path.suffix == ".bin":
+        return load_llama2c_tokenizer(path)
+    raise ModelLoadError(path, "unknown tokenizer format (expected tokenizer.json, a .model or a llama2.c tok*.bin)")
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight a Llama-family model needs, HF names -> shape (lm_head only when untied)."""
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_rows, kv_rows = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (q_rows, hidden),
+            p + "self_attn.k_proj.weight": (kv_rows, hidden),
+            p + "self_attn.v_proj.weight": (kv_rows, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q_rows),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+        if config.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,)}
+            shapes |= {p + "self_attn.v_proj.bias": (kv_rows,)}
+        if config.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def finalize_weights(
+    weights: dict[str, torch.Tensor],
+    config: ModelConfig,
+    source: object,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    *,
+    origins: Mapping[str, object] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Checks names and shapes against `expected_shapes(config)`, then moves every tensor to device/dtype.
+
+    A tied `lm_head.weight` that a checkpoint stores anyway is dropped (the model reuses the embedding).
+    `origins` names the file each tensor came from (sharded checkpoints), for the error message.
+    """
+    expected = expected_shapes(config)
+    names = {n for n in weights if not n.endswith(IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        names.discard("lm_head.weight")
+    missing = sorted(set(expected) - names)
+    if missing:
+        if missing == ["lm_head.weight"]:
+            raise ModelLoadError(source, "lm_head.weight is missing and the config does not tie embeddings")
+        raise ModelLoadError(source, f"missing tensors: {_listing(missing)}")
+    unexpected = sorted(names - set(expected))
+    if unexpected:
+        raise ModelLoadError(source, f"unexpected tensors (does the config match?): {_listing(unexpected)}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            problem = f"{name} has shape {tuple(weights[name].shape)}, config implies {shape}"
+            raise ModelLoadError((origins or {}).get(name, source), problem)
+    return {name: weights[name].to(device=device, dtype=dtype) for name in expected}
+
+
+def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorders q/k projection rows from interleaved-pair RoPE to HF's rotate-half layout.
+
+    Within each head, rows (0,1),(2,3),... are the (real, imaginary) pairs in llama2.c and GGUF; HF wants
+    all first halves, then all second halves: [x0, x1, x2, x3] -> [x0, x2, x1, x3]. This is the inverse of
+    llama.cpp's `permute` in convert_hf_to_gguf.py and the `permute` in HF's convert_llama_weights_to_hf.py.
+    """
+    # w: [n_heads * head_dim, ...] -> [n_heads, head_dim/2, 2, ...] -> [n_heads, 2, head_dim/2, ...]
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _listing(names: list[str], limit: int = 5) -> str:
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

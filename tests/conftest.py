@@ -1,0 +1,78 @@
+"""Fixtures shared by every test package."""
+
+from pathlib import Path
+
+import pytest
+
+# The shared model directory sits beside the repository: <repo>/../shared/models/stories260K.
+STORIES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    """stories260K in every format: stories260K.bin, tok512.bin, tok512.model, stories260K.gguf."""
+    if not STORIES_DIR.is_dir():
+        pytest.fail(f"shared test model directory {STORIES_DIR} is missing")
+    return STORIES_DIR
+
+
+# -- random-weight Hugging Face models built from real configs ------------------------------------
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=320, max_position_embeddings=512, bos_token_id=1,
+             eos_token_id=2)
+
+# name -> (transformers classes, config overrides). Real families and the features each exercises.
+HF_MODELS = {
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2-bias-tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "llama3-rope-scaling": ("LlamaConfig", "LlamaForCausalLM", {
+        "num_key_value_heads": 1, "head_dim": 32,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "llama-linear-rope": ("LlamaConfig", "LlamaForCausalLM", {
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 500000.0}),
+}
+
+
+def _word_tokenizer(vocab_size: int, path: Path) -> None:
+    """A WordLevel tokenizer.json whose vocabulary is w0 .. w{vocab_size-1}: enough to load the model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def build_hf_model(name: str, root: Path, **overrides) -> tuple[Path, object]:
+    """Saves a seeded random-weight model with `save_pretrained`; returns (directory, HF model)."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, extra = HF_MODELS[name]
+    torch.manual_seed(sum(map(ord, name)))
+    config = getattr(transformers, config_cls)(**(SMALL | extra | overrides))
+    model = getattr(transformers, model_cls)(config).eval()
+    path = root / name
+    model.save_pretrained(path)
+    _word_tokenizer(config.vocab_size, path)
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory):
+    """Factory: hf_model(name) -> (directory, HF model), built once per session."""
+    built: dict[str, tuple[Path, object]] = {}
+    root = tmp_path_factory.mktemp("hf-models")
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_hf_model(name, root)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def stories_bin(stories_dir) -> Path:
+    return stories_dir / "stories260K.bin"
