@@ -92,8 +92,9 @@ def result_json(out: RequestOutput) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # a bad parameter is reported before the model is loaded
     engine = build_engine_from_args(args)
-    engine.add_request("cli", args.prompt, sampling_params(args))
+    engine.add_request("cli", args.prompt, params)
     final = None
     if not args.json:
         print(args.prompt, end="", flush=True)
@@ -112,23 +113,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_batch(args: argparse.Namespace) -> int:
     requests = _read_batch(Path(args.input))
     engine = build_engine_from_args(args)
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(str(i), prompt, params)
+    for i, (line, prompt, params) in enumerate(requests):
+        try:
+            engine.add_request(str(i), prompt, params)
+        except KVGenError as e:
+            raise KVGenError(f"{args.input}:{line}: {e}") from None
+    try:  # before the run, so that an unwritable path does not throw the results away
+        out_file = open(args.output, "w")
+    except OSError as e:
+        raise KVGenError(f"{args.output}: {e.strerror}") from None
     results: dict[str, RequestOutput] = {}
     started = time.monotonic()
-    while engine.has_unfinished():
-        results.update((o.request_id, o) for o in engine.step() if o.finished)
-    with open(args.output, "w") as f:
+    with out_file:
+        while engine.has_unfinished():
+            results.update((o.request_id, o) for o in engine.step() if o.finished)
         for i in range(len(requests)):
-            f.write(json.dumps(result_json(results[str(i)])) + "\n")
+            out_file.write(json.dumps(result_json(results[str(i)])) + "\n")
     tokens = sum(len(o.token_ids) for o in results.values())
     print(f"{len(requests)} requests, {tokens} tokens in {time.monotonic() - started:.2f} s -> {args.output}",
           file=sys.stderr)
     return 0
 
 
-def _read_batch(path: Path) -> list[tuple[str | list[int], SamplingParams]]:
-    """One JSON object per line: `prompt` plus SamplingParams fields by name."""
+def _read_batch(path: Path) -> list[tuple[int, str | list[int], SamplingParams]]:
+    """One JSON object per line: `prompt` plus SamplingParams fields by name -> (line number, prompt, params)."""
     fields = set(SamplingParams.__dataclass_fields__)
     requests = []
     try:
@@ -140,17 +148,26 @@ def _read_batch(path: Path) -> list[tuple[str | list[int], SamplingParams]]:
             continue
         try:
             item = json.loads(line)
-            prompt = item.pop("prompt")
-        except (json.JSONDecodeError, KeyError, AttributeError):
-            raise KVGenError(f"{path}:{number}: expected a JSON object with a 'prompt'") from None
+        except json.JSONDecodeError:
+            item = None
+        if not isinstance(item, dict) or "prompt" not in item:
+            raise KVGenError(f"{path}:{number}: expected a JSON object with a 'prompt'")
+        prompt = item.pop("prompt")
+        if not isinstance(prompt, (str, list)):
+            raise KVGenError(f"{path}:{number}: 'prompt' must be a string or a list of token ids")
         unknown = set(item) - fields
         if unknown:
             raise KVGenError(f"{path}:{number}: unknown fields {sorted(unknown)}")
-        requests.append((prompt, SamplingParams(**item)))
+        try:
+            requests.append((number, prompt, SamplingParams(**item)))
+        except KVGenError as e:
+            raise KVGenError(f"{path}:{number}: {e}") from None
     return requests
 
 
 def cmd_kv_size(args: argparse.Namespace) -> int:
+    if args.tokens < 1:
+        raise KVGenError(f"--tokens must be a positive number of tokens, got {args.tokens}")
     config = _config_only(Path(args.model)) if args.model else _default_config()
     element = {"float32": 4, "bfloat16": 2, "float16": 2}[DTYPES[args.dtype]]
     per_layer = kv_bytes_per_token(1, config.num_kv_heads, config.head_dim, element)

@@ -65,8 +65,13 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         param_list = _as_param_list(params, len(prompt_list))
         ids = [f"gen-{uuid.uuid4().hex}" for _ in prompt_list]
-        for request_id, prompt, p in zip(ids, prompt_list, param_list):
-            self.engine.add_request(request_id, prompt, p)
+        try:
+            for request_id, prompt, p in zip(ids, prompt_list, param_list):
+                self.engine.add_request(request_id, prompt, p)
+        except BaseException:
+            for request_id in ids:  # a bad prompt must not leave the good ones before it queued
+                self.engine.abort(request_id)
+            raise
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
             generated = 0

@@ -112,12 +112,17 @@ def gather_logprobs(raw: torch.Tensor, token_ids: list[int], rows: list[Sampling
     if all(w is None for w in wanted):
         return [None] * len(rows)
     logprobs = raw.log_softmax(dim=-1)
-    out: list[TokenLogprobs | None] = []
-    for i, k in enumerate(wanted):
-        if k is None:
-            out.append(None)
-            continue
-        top = logprobs[i].topk(k) if k else None
-        top_dict = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
-        out.append(TokenLogprobs(float(logprobs[i, token_ids[i]]), top_dict))
-    return out
+    return [None if k is None else _token_logprobs(logprobs[i], token_ids[i], k) for i, k in enumerate(wanted)]
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:
+    """logits [N, vocab] -> the log-probability of token_ids[i] under row i, with `top` alternatives."""
+    logprobs = logits.log_softmax(dim=-1)
+    return [_token_logprobs(logprobs[i], t, top) for i, t in enumerate(token_ids)]
+
+
+def _token_logprobs(logprobs: torch.Tensor, token_id: int, top: int) -> TokenLogprobs:
+    """logprobs [vocab] -> the chosen token's and the `top` most likely tokens' log-probabilities."""
+    best = logprobs.topk(top) if top else None
+    alternatives = dict(zip(best.indices.tolist(), best.values.tolist())) if best is not None else {}
+    return TokenLogprobs(float(logprobs[token_id]), alternatives)

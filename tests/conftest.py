@@ -1,8 +1,17 @@
 """Fixtures shared by every test package."""
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+
+def pytest_configure(config):
+    """One thread per process: the test models' matmuls are tiny, and on a 2-core machine shared with
+    the servers the tests start, OpenMP barriers make threaded ones many times slower."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the servers started in subprocesses
+    torch.set_num_threads(1)
 
 # The shared model directory sits beside the repository: <repo>/../shared/models/stories260K.
 STORIES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"

@@ -8,9 +8,10 @@ With block_size 4, two sequences sharing a cached 8-token prefix, and a fork of 
     fork C of B:       [ 3 | 5 | 1 ]        block 1 is partial and shared (ref_count 2)
     C appends:         [ 3 | 5 | 6 ]        copy-on-write: pending copy (1 -> 6)
 
-A sliding-window sequence drops blocks wholly outside its window:
+A bounded cache (sliding window, attention sinks, heavy hitters) drops blocks it no longer reads:
 
     free_blocks_before(A, 8):  [ -1 | -1 | 8 ]   (NULL_BLOCK entries are never written)
+    release_blocks(A, [1]):    [ 3 | -1 | 8 ]    (any entry but the newest may be dropped)
 
 The manager tracks, per sequence, how many token slots its table covers (`num_slots`); each
 `allocate` extends that by `num_new_tokens`, which the runner then computes in the next step.
@@ -19,7 +20,7 @@ The manager tracks, per sequence, how many token slots its table covers (`num_sl
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvgen.cache.block_pool import Block, BlockPool, hash_block
@@ -31,14 +32,32 @@ NULL_BLOCK = -1
 class _SeqState:
     """Bookkeeping of one live sequence."""
 
-    table: list[int] = field(default_factory=list)
+    # index in the table -> block id; released entries are absent (NULL_BLOCK), so reading the live
+    # blocks costs O(live) however long a bounded-cache sequence has run. Keys stay in index order.
+    blocks: dict[int, int] = field(default_factory=dict)
+    num_entries: int = 0
     num_slots: int = 0  # token slots the table covers
     num_hashed: int = 0  # leading full blocks already offered to the prefix cache
     last_hash: int | None = None  # chain hash of block num_hashed - 1
-    num_nulled: int = 0  # leading table entries replaced by NULL_BLOCK
 
     def copy(self) -> _SeqState:
-        return _SeqState(list(self.table), self.num_slots, self.num_hashed, self.last_hash, self.num_nulled)
+        return _SeqState(dict(self.blocks), self.num_entries, self.num_slots, self.num_hashed, self.last_hash)
+
+    @property
+    def live_blocks(self) -> list[int]:
+        return list(self.blocks.values())
+
+    @property
+    def table(self) -> list[int]:
+        return [self.blocks.get(i, NULL_BLOCK) for i in range(self.num_entries)]
+
+    @property
+    def last_block(self) -> int:
+        return self.blocks[self.num_entries - 1]
+
+    def append(self, block_id: int) -> None:
+        self.blocks[self.num_entries] = block_id
+        self.num_entries += 1
 
 
 class KVCacheManager:
@@ -90,6 +109,14 @@ class KVCacheManager:
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
+
+    def live_blocks(self, seq_id: int) -> list[tuple[int, int]]:
+        """(index in the table, block id) of every block the sequence still holds, in order."""
+        return list(self._state(seq_id).blocks.items())
+
+    def block_id(self, seq_id: int, index: int) -> int:
+        """The block at `index` of the sequence's table (NULL_BLOCK if released)."""
+        return self._state(seq_id).blocks.get(index, NULL_BLOCK)
 
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's block ids in token order (NULL_BLOCK where a window dropped a block)."""
@@ -147,7 +174,7 @@ class KVCacheManager:
         self._check_allocate_args(state, token_ids, num_new_tokens, prefix)
         start = state.num_slots + len(prefix) * self.block_size
         end = start + num_new_tokens
-        num_fresh = self.num_blocks_needed(end) - len(state.table) - len(prefix)
+        num_fresh = self.num_blocks_needed(end) - state.num_entries - len(prefix)
         cow = num_new_tokens > 0 and self._shares_partial_block(state)
         num_revived = sum(1 for b in prefix if b.ref_count == 0)  # leave the free queue too
         if num_fresh + cow + num_revived > self.pool.num_free:
@@ -155,7 +182,8 @@ class KVCacheManager:
         self._add_prefix(state, prefix)
         if cow:
             self._copy_on_write(state)
-        state.table.extend(self.pool.allocate().block_id for _ in range(num_fresh))
+        for _ in range(num_fresh):
+            state.append(self.pool.allocate().block_id)
         state.num_slots = end
         if is_new:
             self._seqs[seq_id] = state
@@ -167,7 +195,7 @@ class KVCacheManager:
         if child_id in self._seqs:
             raise ValueError(f"fork: sequence {child_id} already exists")
         child = self._state(parent_id).copy()
-        for block_id in child.table[child.num_nulled:]:
+        for block_id in child.live_blocks:
             self.pool.touch(self.pool.blocks[block_id])
         self._seqs[child_id] = child
 
@@ -189,15 +217,15 @@ class KVCacheManager:
         for i in range(state.num_hashed, num_computed_tokens // bs):
             chunk = token_ids[i * bs:(i + 1) * bs]
             state.last_hash = hash_block(state.last_hash, chunk, extra_key)
-            if state.table[i] != NULL_BLOCK:
-                self.pool.cache(self.pool.blocks[state.table[i]], state.last_hash, chunk)
+            if i in state.blocks:
+                self.pool.cache(self.pool.blocks[state.blocks[i]], state.last_hash, chunk)
             state.num_hashed = i + 1
 
     def free(self, seq_id: int) -> None:
         """Releases every block of the sequence, tail first (so tail blocks are evicted first)."""
         state = self._state(seq_id)
         del self._seqs[seq_id]
-        for block_id in reversed(state.table[state.num_nulled:]):
+        for block_id in reversed(state.live_blocks):
             self.pool.release(self.pool.blocks[block_id])
         self._drop_dead_copies()
 
@@ -209,13 +237,21 @@ class KVCacheManager:
         state = self._state(seq_id)
         if not 0 <= num_tokens <= state.num_slots:
             raise ValueError(f"sequence {seq_id}: num_tokens {num_tokens} outside 0..{state.num_slots}")
-        first, stop = state.num_nulled, num_tokens // self.block_size
-        for i in range(first, stop):
-            self.pool.release(self.pool.blocks[state.table[i]])
-            state.table[i] = NULL_BLOCK
-        state.num_nulled = max(first, stop)
+        return self.release_blocks(seq_id, range(num_tokens // self.block_size))
+
+    def release_blocks(self, seq_id: int, block_indices: Iterable[int]) -> int:
+        """Releases the given table entries (already-null ones are skipped); returns how many went back."""
+        state = self._state(seq_id)
+        released = 0
+        for i in block_indices:
+            if not 0 <= i < state.num_entries:
+                raise ValueError(f"sequence {seq_id}: block index {i} outside its table")
+            block_id = state.blocks.pop(i, None)
+            if block_id is not None:
+                self.pool.release(self.pool.blocks[block_id])
+                released += 1
         self._drop_dead_copies()
-        return max(0, stop - first)
+        return released
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -242,20 +278,20 @@ class KVCacheManager:
         """Whether the next write lands in a partially filled block that another table shares."""
         if state.num_slots % self.block_size == 0:
             return False
-        return self.pool.blocks[state.table[-1]].ref_count > 1
+        return self.pool.blocks[state.last_block].ref_count > 1
 
     def _copy_on_write(self, state: _SeqState) -> None:
         """Gives the sequence a private copy of its last block; records where its rows come from."""
-        src = self.pool.blocks[state.table[-1]]
+        src = self.pool.blocks[state.last_block]
         dst = self.pool.allocate()
         self.pool.release(src)
-        state.table[-1] = dst.block_id
+        state.blocks[state.num_entries - 1] = dst.block_id
         self._pending_copies.append((src.block_id, dst.block_id))
 
     def _add_prefix(self, state: _SeqState, prefix: list[Block]) -> None:
         for block in prefix:
             self.pool.touch(block)
-            state.table.append(block.block_id)
+            state.append(block.block_id)
         if prefix:
             state.num_slots = len(prefix) * self.block_size
             state.num_hashed, state.last_hash = len(prefix), prefix[-1].block_hash
@@ -279,8 +315,7 @@ class KVCacheManager:
         for seq_id, state in self._seqs.items():
             table = state.table
             assert len(table) == self.num_blocks_needed(state.num_slots), f"seq {seq_id}: table size"
-            assert all(b == NULL_BLOCK for b in table[:state.num_nulled]), f"seq {seq_id}: null prefix"
-            live = table[state.num_nulled:]
+            live = state.live_blocks
             assert all(0 <= b < self.num_blocks for b in live), f"seq {seq_id}: bad block id"
             assert state.num_hashed <= state.num_slots // self.block_size, f"seq {seq_id}: hashed a partial block"
             refs.update(live)

@@ -6,6 +6,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from kvgen.cache.policies import CachePolicy
 from kvgen.config import EngineConfig
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import Request, RequestOutput, Sequence, snapshot
@@ -50,9 +51,10 @@ class Engine(ABC):
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = self.encode_prompt(prompt)
+        policy = self.resolve_policy(params)
         self.check_fits(len(token_ids), params)
         request = Request(request_id, token_ids, params, self.tokenizer,
-                          prompt=prompt if isinstance(prompt, str) else None, arrival=arrival)
+                          prompt=prompt if isinstance(prompt, str) else None, arrival=arrival, policy=policy)
         self.requests[request_id] = request
         self._enqueue(request)
         return request
@@ -98,12 +100,27 @@ class Engine(ABC):
             token_ids = [bos]
         return token_ids
 
+    def resolve_policy(self, params: SamplingParams) -> CachePolicy:
+        """The request's cache policy; models with a sliding window get it unless told otherwise."""
+        policy = CachePolicy.parse(params.kv_policy)
+        window = self.model_config.sliding_window
+        if policy.kind == "full" and window is not None:
+            return CachePolicy("window", window=window)
+        return policy
+
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuses a request that could never be served (raises InvalidRequestError)."""
+        policy = self.resolve_policy(params)
         total = num_prompt_tokens + params.max_tokens
-        if total > self.max_model_len:
+        if policy.uses_cache_positions:
+            if policy.max_kept > self.max_model_len:
+                raise InvalidRequestError(f"kv_policy {policy.spec} keeps {policy.max_kept} tokens, more than "
+                                          f"the model's context of {self.max_model_len} tokens")
+        elif total > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                f"exceeds the model's context of {self.max_model_len} tokens")
+                f"exceeds the model's context of {self.max_model_len} tokens"
+                + ("" if policy.kind != "full" else "; a bounded kv_policy such as sinks:4,508 can run longer"))
 
     # -- shared bookkeeping ---------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
 from kvgen.model.attention import PagedKVCache
 from kvgen.runner.model_runner import ModelRunner
+from kvgen.sampler import logprobs_of
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class LLMEngine(Engine):
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         cache = PagedKVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                              self.model.device, self.model.dtype)
-        self.runner = ModelRunner(self.model, cache, self.kv, cfg.sliding_window)
+        self.runner = ModelRunner(self.model, cache, self.kv)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         log.info("%s", self.capacity_report())
 
@@ -66,7 +67,7 @@ class LLMEngine(Engine):
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         super().check_fits(num_prompt_tokens, params)
         total = num_prompt_tokens + params.max_tokens
-        if self.kv.num_blocks_needed(total) > self.kv.num_blocks:
+        if self.kv.num_blocks_needed(self._peak_tokens(total, params)) > self.kv.num_blocks:
             raise InvalidRequestError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds the KV cache capacity of {self.capacity_tokens} tokens")
@@ -79,27 +80,77 @@ class LLMEngine(Engine):
             prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
         )
 
+    def _peak_tokens(self, total: int, params: SamplingParams) -> int:
+        """Most KV slots one sequence can hold at once: all its tokens, or what its policy keeps plus
+        one step's chunk and a block of slack on each side of a gap."""
+        kept = self.resolve_policy(params).max_kept
+        if kept is None:
+            return total
+        return min(total, kept + self.config.max_num_batched_tokens + 2 * self.kv.block_size)
+
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         schedule = self.scheduler.schedule()
+        for seq in schedule.preempted:
+            self.runner.forget(seq.seq_id)
         if not schedule.chunks:
             return []
         self.runner.cache.copy_blocks(self.kv.take_pending_copies())
-        logits = self.runner.execute(schedule.chunks)
+        scoring = self._scoring_prompts(schedule)
+        logits = self.runner.execute(schedule.chunks, scoring)
+        logits = self._record_prompt_logprobs(schedule, scoring, logits)
         sampling = [chunk.seq for chunk in schedule.chunks if chunk.completes_sequence]
         self._mark_computed(schedule)
         rows, logits = self._sampling_rows(sampling, logits)
         return self.record(rows, self.sampler(logits, rows)) if rows else []
 
     def _mark_computed(self, schedule: SchedulerOutput) -> None:
+        """Advances each sequence, offers its new full blocks to the prefix cache, drops dead ones."""
         now = time.monotonic()
         for chunk in schedule.chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.policy.shares_prefixes:
+                self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.kv.release_blocks(seq.seq_id, self._dead_blocks(seq))
             if seq.request.metrics.first_scheduled is None:
                 seq.request.metrics.first_scheduled = now
+
+    def _dead_blocks(self, seq: Sequence) -> range | list[int]:
+        """Blocks that no later query of `seq` reads under its cache policy and that it still holds."""
+        if seq.policy.kind == "h2o":
+            return self.runner.evict_heavy_hitters(seq.seq_id, seq.num_computed_tokens, seq.policy)
+        start, end = seq.policy.dead_range(seq.num_computed_tokens)
+        first = max(-(-start // self.kv.block_size), seq.num_dead_blocks)
+        seq.num_dead_blocks = max(first, end // self.kv.block_size)
+        return range(first, seq.num_dead_blocks)
+
+    def _scoring_prompts(self, schedule: SchedulerOutput) -> set[int]:
+        """Sequences that want a log-probability for every prompt token they compute this step."""
+        return {c.seq.seq_id for c in schedule.chunks
+                if c.seq.params.prompt_logprobs is not None and c.start < len(c.seq.prompt_token_ids)}
+
+    def _record_prompt_logprobs(self, schedule: SchedulerOutput, scoring: set[int],
+                                logits: torch.Tensor) -> torch.Tensor:
+        """Takes the prompt rows out of `logits` (recording each next prompt token's log-probability)
+        and returns one row per chunk that completes its sequence, as sampling expects."""
+        if not scoring:
+            return logits
+        keep, row = [], 0
+        for chunk in schedule.chunks:
+            if chunk.seq.seq_id not in scoring:
+                row += chunk.completes_sequence
+                keep.extend([row - 1] if chunk.completes_sequence else [])
+                continue
+            seq, prompt = chunk.seq, chunk.seq.prompt_token_ids
+            targets = prompt[chunk.start + 1 : chunk.start + chunk.num_tokens + 1]
+            rows = logits[row : row + len(targets)]
+            seq.request.prompt_logprobs.extend(
+                logprobs_of(rows, targets, seq.params.prompt_logprobs))
+            row += chunk.num_tokens
+            keep.extend([row - 1] if chunk.completes_sequence else [])
+        return logits[torch.tensor(keep, dtype=torch.long)]
 
     def _sampling_rows(self, sampling: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
         """The sequences to sample for, one logits row each; an n > 1 request forks its completions
@@ -125,6 +176,7 @@ class LLMEngine(Engine):
             if child.status.value != "waiting" or child.is_finished:
                 continue
             self.kv.fork(parent.seq_id, child.seq_id)
+            self.runner.fork_state(parent.seq_id, child.seq_id)
             child.num_computed_tokens = parent.num_computed_tokens
             self.scheduler.add_running(child)
         return [c for c in children if not c.is_finished]
@@ -134,3 +186,4 @@ class LLMEngine(Engine):
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        self.runner.forget(seq.seq_id)

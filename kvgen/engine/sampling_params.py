@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field, replace
 
 from kvgen.errors import InvalidRequestError
@@ -11,7 +13,7 @@ from kvgen.errors import InvalidRequestError
 class SamplingParams:
     """How one request is sampled and when it stops. Defaults follow vLLM / the OpenAI API.
 
-    temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 switch those filters off.
+    temperature 0 (below 1e-5) means greedy. top_k <= 0 and top_p == 1 and min_p == 0 switch those filters off.
     With n > 1 and a seed, completion i uses seed + i, so each equals a separate run with that seed.
     """
 
@@ -29,28 +31,45 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     kv_policy: str = "full"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be a positive integer, got {self.n!r}")
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _check(isinstance(self.top_k, int), f"top_k must be an integer, got {self.top_k!r}")
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        for name in _FLOAT_FIELDS:  # a string or None would otherwise fail with a TypeError below
+            value = getattr(self, name)
+            _check(_is_number(value) and not math.isnan(value), f"{name} must be a number, got {value!r}")
+        _check(_is_int(self.n) and self.n >= 1, f"n must be a positive integer, got {self.n!r}")
+        _check(math.isfinite(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0, got {self.temperature}")
+        _check(_is_int(self.top_k), f"top_k must be an integer, got {self.top_k!r}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         _check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         _check(-2 <= self.frequency_penalty <= 2,
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}")
+        _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be non-empty strings, got {self.stop!r}")
+        _check(isinstance(self.stop_token_ids, (list, tuple, set, frozenset))
+               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               f"logprobs must be in [0, 20], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # As in vLLM, a temperature this small is greedy: dividing logits by it would overflow to inf.
+        return self.temperature < _GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
@@ -60,6 +79,18 @@ class SamplingParams:
         """The parameters of completion `index` of an n > 1 request (its own seed)."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_GREEDY_TEMPERATURE = 1e-5
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _check(ok: bool, message: str) -> None:

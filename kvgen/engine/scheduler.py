@@ -84,7 +84,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_tokens = self._chunk_size(seq, seq.num_computed_tokens, budget)
             if self._allocate_or_preempt(seq, num_tokens, out):
                 out.chunks.append(ScheduledChunk(seq, num_tokens))
                 budget -= num_tokens
@@ -104,9 +104,9 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.kv.find_cached_prefix(seq.token_ids)
+            cached = self.kv.find_cached_prefix(seq.token_ids) if seq.policy.shares_prefixes else []
             num_cached = len(cached) * self.kv.block_size
-            num_tokens = min(seq.num_tokens - num_cached, budget)
+            num_tokens = self._chunk_size(seq, num_cached, budget)
             if not self.kv.allocate(seq.seq_id, seq.token_ids, num_tokens, cached_prefix=cached):
                 break
             self.waiting.popleft()
@@ -116,9 +116,15 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, num_tokens))
             budget -= num_tokens
 
+    @staticmethod
+    def _chunk_size(seq: Sequence, start: int, budget: int) -> int:
+        """Tokens to compute from `start`: the rest of the sequence, within budget and the policy's limit."""
+        limit = seq.policy.max_chunk(start)
+        return min(seq.num_tokens - start, budget, limit if limit is not None else budget)
+
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.seq_id)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_dead_blocks = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvgen.cache.policies import CachePolicy
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.sampler import TokenLogprobs
 from kvgen.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -63,15 +64,19 @@ _seq_ids = itertools.count()
 class Sequence:
     """One completion being generated: its tokens, how many have K/V computed, its stop state."""
 
-    def __init__(self, request: "Request", index: int, params: SamplingParams, tokenizer: Tokenizer) -> None:
+    def __init__(self, request: "Request", index: int, params: SamplingParams, tokenizer: Tokenizer,
+                 policy: CachePolicy) -> None:
         self.seq_id = next(_seq_ids)
         self.request = request
         self.index = index
         self.params = params
+        self.policy = policy
         self.prompt_token_ids = request.prompt_token_ids
         self.output_token_ids: list[int] = []
+        self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt + output, kept in step
         self.logprobs: list[TokenLogprobs] = []
         self.num_computed_tokens = 0
+        self.num_dead_blocks = 0  # table entries below this a bounded cache policy has given back
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
@@ -79,10 +84,6 @@ class Sequence:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.stop_token_ids))
         self.text = ""
         self._pending_text = ""  # text held back because it might be the start of a stop string
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +96,7 @@ class Sequence:
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> str:
         """Records a sampled token, checks every stop condition, returns the new visible text."""
         self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
         if logprobs is not None:
             self.logprobs.append(logprobs)
         if token_id in self.stop_ids:
@@ -150,14 +152,18 @@ class Request:
     """A user's request: a prompt, its parameters, and n sequences that complete it."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer: Tokenizer, prompt: str | None = None, arrival: float | None = None) -> None:
+                 tokenizer: Tokenizer, prompt: str | None = None, arrival: float | None = None,
+                 policy: CachePolicy | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
+        self.policy = policy or CachePolicy.parse(params.kv_policy)
         self.metrics = RequestMetrics(arrival=time.monotonic() if arrival is None else arrival)
-        self.sequences = [Sequence(self, i, params.for_completion(i), tokenizer) for i in range(params.n)]
-        self.error: str | None = None
+        self.sequences = [Sequence(self, i, params.for_completion(i), tokenizer, self.policy)
+                          for i in range(params.n)]
+        # Log-probability of each prompt token given the ones before it (None for the first).
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None] if params.prompt_logprobs is not None else []
 
     @property
     def is_finished(self) -> bool:
@@ -171,7 +177,11 @@ class Request:
 
 @dataclass
 class CompletionOutput:
-    """One completion of a request, cumulative. `new_text` / `new_token_ids` are what this step added."""
+    """One completion of a request, cumulative. `new_text` / `new_token_ids` are what this step added.
+
+    While the request runs, `token_ids` is the engine's live list (copying it every step would make
+    each step O(length)); it is a private copy once the request has finished.
+    """
 
     index: int
     text: str
@@ -192,6 +202,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:
@@ -211,11 +222,13 @@ def snapshot(request: Request, deltas: dict[int, tuple[str, list[int]]] | None =
     deltas = deltas or {}
     outputs = [
         CompletionOutput(
-            index=seq.index, text=seq.text, token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
+            index=seq.index, text=seq.text, finish_reason=seq.finish_reason,
+            token_ids=list(seq.output_token_ids) if seq.is_finished else seq.output_token_ids,
             new_text=deltas.get(seq.index, ("", []))[0], new_token_ids=deltas.get(seq.index, ("", []))[1],
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
         )
         for seq in request.sequences
     ]
+    prompt_logprobs = list(request.prompt_logprobs) if request.params.prompt_logprobs is not None else None
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                         request.is_finished, request.metrics)
+                         request.is_finished, request.metrics, prompt_logprobs)

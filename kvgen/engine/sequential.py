@@ -12,6 +12,8 @@ from collections import deque
 import torch
 
 from kvgen.engine.base import Engine, EngineStats
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.errors import InvalidRequestError
 from kvgen.engine.sequence import Request, RequestOutput, Sequence, Status
 from kvgen.phases import DecodeState, decode, prefill
 
@@ -23,6 +25,11 @@ class SequentialEngine(Engine):
         super().__init__(loaded, config)
         self.queue: deque[Sequence] = deque()
         self.states: dict[int, DecodeState] = {}
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        super().check_fits(num_prompt_tokens, params)
+        if self.resolve_policy(params) != self.resolve_policy(SamplingParams()):  # only the model's own
+            raise InvalidRequestError(f"kv_policy {params.kv_policy} needs the paged KV cache (--kv-cache paged)")
 
     def step(self) -> list[RequestOutput]:
         if not self.queue:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvgen.model.layers import apply_rope
+
 
 class Attention(ABC):
     """Stores this step's K/V (if it caches) and returns the attention output."""
@@ -109,11 +111,19 @@ class PagedGroup:
     token_index [B, Qmax]: row of each query in the step's flat batch (padding -> the zero row T)
     kv_slots    [B, L]:    pool slot of each key the sequence may read (padding -> the scratch slot)
     mask        [B, 1, Qmax, L]: True where query i of sequence b may attend to key j
+    key_rotation (cos, sin) [B, L, 1, D] or None: re-rotates cached keys whose RoPE position has
+                 moved since they were written (attention sinks rank keys by their place in the cache)
+    score_rows  [b] or None: rows whose attention weights are accumulated into `scores` [b, L]
+                 (heavy-hitter tracking), with `query_valid` [b, Qmax] marking real queries
     """
 
     token_index: torch.Tensor
     kv_slots: torch.Tensor
     mask: torch.Tensor
+    key_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+    score_rows: torch.Tensor | None = None
+    query_valid: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
 
 @dataclass
@@ -179,7 +189,21 @@ class PagedAttention(Attention):
         q_padded = torch.cat((q, q.new_zeros(1, *q.shape[1:])))  # row T is the padding query
         outputs = []
         for group in self.meta.groups:
-            out = sdpa(q_padded[group.token_index], k_pool[group.kv_slots], v_pool[group.kv_slots],
-                       group.mask, causal=False)
+            queries, keys = q_padded[group.token_index], k_pool[group.kv_slots]
+            if group.key_rotation is not None:
+                keys = apply_rope(keys, *group.key_rotation)
+            if group.score_rows is not None:
+                rows = group.score_rows
+                group.scores += attention_weights(queries[rows], keys[rows], group.mask[rows], group.query_valid)
+            out = sdpa(queries, keys, v_pool[group.kv_slots], group.mask, causal=False)
             outputs.append(out.reshape(-1, *q.shape[1:]))
         return torch.cat(outputs)[self.meta.out_index] if len(outputs) > 1 else outputs[0][self.meta.out_index]
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, query_valid: torch.Tensor) -> torch.Tensor:
+    """q [b, Q, heads, D], k [b, L, kv_heads, D], mask [b, 1, Q, L] -> [b, L]: softmax weights each key
+    received, summed over heads and real queries (what heavy-hitter eviction ranks keys by)."""
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    logits = torch.einsum("bqhd,blhd->bhql", q.float(), k.float()) / q.shape[-1] ** 0.5
+    weights = logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)  # [b, heads, Q, L]
+    return (weights * query_valid[:, None, :, None]).sum(dim=(1, 2))

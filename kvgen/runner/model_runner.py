@@ -6,7 +6,9 @@ The flat batch puts decode tokens first, then prefill chunks:
     groups       decodes: 3 x 1 query          prefills: 2 x 4 queries (padded); one SDPA call each
     slots      where each token's K/V go: block_table[pos // block_size] * block_size + pos % block_size
 
-Per-step metadata is built once here and shared by every layer.
+Each sequence reads only the blocks its cache policy still holds (null entries are skipped), so a
+bounded cache costs the same per token however long the text grows. Per-step metadata is built
+once here and shared by every layer.
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ from typing import Protocol
 
 import torch
 
+from kvgen.cache.policies import CachePolicy
 from kvgen.engine.scheduler import ScheduledChunk
 from kvgen.model.attention import PagedAttention, PagedGroup, PagedKVCache, PagedMetadata
 from kvgen.model.llama import LlamaModel
 
+FAR = 1 << 40  # logical position of padding keys: later than any query, so always masked
+
 
 class BlockTables(Protocol):
-    def block_table(self, seq_id: int) -> list[int]: ...
+    def live_blocks(self, seq_id: int) -> list[tuple[int, int]]: ...
+
+    def block_id(self, seq_id: int, index: int) -> int: ...
 
 
 def batch_invariant_size(num_tokens: int) -> int:
@@ -39,31 +46,55 @@ def batch_invariant_size(num_tokens: int) -> int:
 @dataclass
 class StepInputs:
     token_ids: torch.Tensor  # [T] (T >= real tokens: padded)
-    positions: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] RoPE positions
     meta: PagedMetadata
-    sample_rows: torch.Tensor  # [S] rows whose hidden states give logits, in the chunks' given order
+    logit_rows: torch.Tensor  # [S] rows whose hidden states give logits, in the chunks' given order
+    score_targets: list["ScoreTarget"]
+
+
+@dataclass
+class ScoreTarget:
+    """Where a group's accumulated attention weights go: row r of `group.scores` -> seq_ids[r]."""
+
+    group: PagedGroup
+    seq_ids: list[int]
+    positions: torch.Tensor  # [b, L] token index of each key
+
+
+@dataclass
+class HeavyHitters:
+    """Accumulated attention per token of an h2o sequence, and which tokens it has evicted."""
+
+    scores: torch.Tensor  # [capacity] fp32, by token index
+    evicted: torch.Tensor  # [capacity] bool
+
+    def grow(self, length: int) -> None:
+        if length > self.scores.numel():
+            extra = max(length, 2 * self.scores.numel()) - self.scores.numel()
+            self.scores = torch.cat((self.scores, self.scores.new_zeros(extra)))
+            self.evicted = torch.cat((self.evicted, self.evicted.new_zeros(extra)))
 
 
 class ModelRunner:
-    """Owns the model and the KV pools; knows tensors, not requests or queues."""
+    """Owns the model, the KV pools and per-sequence tensor state; knows tensors, not queues."""
 
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, block_tables: BlockTables,
-                 sliding_window: int | None = None) -> None:
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, block_tables: BlockTables) -> None:
         self.model = model
         self.cache = cache
         self.block_tables = block_tables
-        self.sliding_window = sliding_window
         self.device = model.device
+        self.heavy_hitters: dict[int, HeavyHitters] = {}
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Runs one step; returns fp32 logits [S, vocab] for the chunks that complete their sequence,
-        in the order they appear in `chunks`."""
-        inputs = self.prepare(chunks)
+    def execute(self, chunks: list[ScheduledChunk], all_logits: set[int] = frozenset()) -> torch.Tensor:
+        """Runs one step; returns fp32 logits in the order of `chunks`: every row of a chunk whose
+        seq_id is in `all_logits`, else one row per chunk that completes its sequence."""
+        inputs = self.prepare(chunks, all_logits)
         hidden = self.model.forward(inputs.token_ids, inputs.positions, PagedAttention(self.cache, inputs.meta))
-        return self.model.logits(hidden[inputs.sample_rows])
+        self._accumulate_scores(inputs.score_targets)
+        return self.model.logits(hidden[inputs.logit_rows])
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+    def prepare(self, chunks: list[ScheduledChunk], all_logits: set[int] = frozenset()) -> StepInputs:
         """Orders the chunks (decodes, then prefills) and builds every tensor of the step."""
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
@@ -71,36 +102,39 @@ class ModelRunner:
         num_real = sum(c.num_tokens for c in ordered)
         num_rows = batch_invariant_size(num_real)
         groups: list[PagedGroup] = []
-        slots, out_index, positions = [], [], []
+        score_targets: list[ScoreTarget] = []
+        out_index, positions = [], []
         first_row, out_base = 0, 0
         for group_chunks in (decodes, prefills):
             if group_chunks:
-                built = self._group(group_chunks, first_row, num_rows, out_base)
-                groups.append(built.group)
-                slots.append(built.slots)
-                out_index.append(built.out_index)
-                positions.append(built.positions)
-                first_row += built.slots.numel()
-                out_base += built.group.token_index.numel()
+                group, group_out, group_pos, target = self._group(group_chunks, first_row, num_rows, out_base)
+                groups.append(group)
+                if target is not None:
+                    score_targets.append(target)
+                out_index.append(group_out)
+                positions.append(group_pos)
+                first_row += group_out.numel()
+                out_base += group.token_index.numel()
         pad = num_rows - num_real
         token_ids = [t for c in ordered for t in c.seq.token_ids[c.start : c.start + c.num_tokens]] + [0] * pad
+        slots = [s for c in ordered for s in self._write_slots(c)] + [self.cache.scratch_slot] * pad
         meta = PagedMetadata(
-            slot_mapping=self._padded(slots, pad, self.cache.scratch_slot),
+            slot_mapping=torch.tensor(slots, device=self.device),
             groups=groups,
-            out_index=self._padded(out_index, pad, 0),
+            out_index=self._padded(out_index, pad),
         )
-        rows = {id(c): r for c, r in zip(ordered, _last_rows(ordered))}
-        sample_rows = [rows[id(c)] for c in chunks if c.completes_sequence]
         return StepInputs(
             token_ids=torch.tensor(token_ids, device=self.device),
-            positions=self._padded(positions, pad, 0),
+            positions=self._padded(positions, pad),
             meta=meta,
-            sample_rows=torch.tensor(sample_rows, device=self.device, dtype=torch.long),
+            logit_rows=torch.tensor(_logit_rows(chunks, ordered, all_logits), device=self.device, dtype=torch.long),
+            score_targets=score_targets,
         )
 
-    def _group(self, chunks: list[ScheduledChunk], first_row: int, num_rows: int, out_base: int) -> "_BuiltGroup":
-        """One SDPA group: queries padded to [B, Qmax], keys read through padded block tables [B, L]."""
-        device, block_size = self.device, self.cache.block_size
+    def _group(self, chunks: list[ScheduledChunk], first_row: int, num_rows: int,
+               out_base: int) -> tuple[PagedGroup, torch.Tensor, torch.Tensor, ScoreTarget | None]:
+        """One SDPA group: queries padded to [B, Qmax], keys read through the live blocks [B, L]."""
+        device = self.device
         n = torch.tensor([c.num_tokens for c in chunks], device=device)  # [B]
         start = torch.tensor([c.start for c in chunks], device=device)  # [B]
         q_max = int(n.max())
@@ -108,46 +142,141 @@ class ModelRunner:
         is_query = i[None, :] < n[:, None]  # [B, Qmax]
         rows = first_row + torch.cumsum(n, 0)[:, None] - n[:, None] + i[None, :]
         token_index = torch.where(is_query, rows, num_rows)  # row num_rows is the zero query
-        q_pos = start[:, None] + i[None, :]  # [B, Qmax]
-        tables = self._block_tables(chunks)  # [B, num_blocks]
-        kv_slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)  # [B, L]
-        k_pos = torch.arange(kv_slots.shape[1], device=device)
-        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, L]
-        if self.sliding_window is not None:
-            mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        q_pos = start[:, None] + i[None, :]  # [B, Qmax] token indices
+        kv_slots, k_pos = self._live_keys(chunks)  # [B, L] each
+        policies = [c.seq.policy for c in chunks]
+        mask = self._policy_mask(policies, q_pos, k_pos)  # [B, Qmax, L]
         mask &= is_query[:, :, None]
         mask[:, :, 0] |= ~is_query  # padding queries look at one key, so no row is all -inf
-        slots = kv_slots.gather(1, q_pos.clamp(max=kv_slots.shape[1] - 1))[is_query]
+        group = PagedGroup(token_index, kv_slots, mask[:, None])
+        self._add_sink_rotation(group, policies, q_pos[:, 0] + n - 1, k_pos)
+        target = self._add_heavy_hitters(group, chunks, k_pos, is_query)
         out_index = (out_base + torch.arange(len(chunks), device=device)[:, None] * q_max + i[None, :])[is_query]
-        return _BuiltGroup(PagedGroup(token_index, kv_slots, mask[:, None]), slots, out_index, q_pos[is_query])
+        return group, out_index, self._rope_positions(policies, q_pos)[is_query], target
 
-    def _block_tables(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """[B, max blocks needed] block ids; unused entries and freed (null, < 0) blocks -> scratch."""
+    def _live_keys(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool slots [B, L] of the blocks each sequence still holds, and their token indices [B, L].
+        Rows are padded with the scratch block at position FAR."""
         block_size, scratch = self.cache.block_size, self.cache.num_blocks
-        needed = [-(-(c.start + c.num_tokens) // block_size) for c in chunks]
-        width = max(needed)
-        padded = []
-        for c, k in zip(chunks, needed):
-            table = self.block_tables.block_table(c.seq.seq_id)[:k]
-            padded.append([b if b >= 0 else scratch for b in table] + [scratch] * (width - k))
-        return torch.tensor(padded, device=self.device)
+        ids, indices = [], []
+        for c in chunks:
+            needed = -(-(c.start + c.num_tokens) // block_size)
+            live = self.block_tables.live_blocks(c.seq.seq_id)
+            ids.append([b for i, b in live if i < needed])
+            indices.append([i for i, _ in live if i < needed])
+        width = max(len(row) for row in ids)
+        far_block = FAR // block_size
+        ids_t = torch.tensor([row + [scratch] * (width - len(row)) for row in ids], device=self.device)
+        idx_t = torch.tensor([row + [far_block] * (width - len(row)) for row in indices], device=self.device)
+        offsets = torch.arange(block_size, device=self.device)
+        return (ids_t[:, :, None] * block_size + offsets).flatten(1), (idx_t[:, :, None] * block_size + offsets).flatten(1)
 
-    def _padded(self, parts: list[torch.Tensor], pad: int, value: int) -> torch.Tensor:
-        return torch.cat(parts + [torch.full((pad,), value, device=self.device, dtype=torch.long)])
+    def _policy_mask(self, policies: list[CachePolicy], q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """[B, Qmax, L]: causal, and inside each sequence's sinks + window."""
+        mask = k_pos[:, None, :] <= q_pos[:, :, None]
+        if all(p.window is None for p in policies):
+            return mask
+        sinks = torch.tensor([p.sinks for p in policies], device=self.device)[:, None, None]
+        window = torch.tensor([p.window or FAR for p in policies], device=self.device)[:, None, None]
+        recent = k_pos[:, None, :] > q_pos[:, :, None] - window
+        return mask & ((k_pos[:, None, :] < sinks) | recent)
+
+    def _rope_positions(self, policies: list[CachePolicy], q_pos: torch.Tensor) -> torch.Tensor:
+        if not any(p.uses_cache_positions for p in policies):
+            return q_pos
+        cap = torch.tensor([p.sinks + p.window - 1 if p.uses_cache_positions else FAR for p in policies],
+                           device=self.device)
+        return torch.minimum(q_pos, cap[:, None])
+
+    def _add_sink_rotation(self, group: PagedGroup, policies: list[CachePolicy], last_q: torch.Tensor,
+                           k_pos: torch.Tensor) -> None:
+        """Keys of a sinks sequence were rotated by their rank when written; ranks shift as the window
+        slides, so rotate each gathered key by (rank now - rank then), a position <= S + W."""
+        if not any(p.uses_cache_positions and last_q[b] >= p.sinks + p.window for b, p in enumerate(policies)):
+            return
+        is_sinks = torch.tensor([p.uses_cache_positions for p in policies], device=self.device)[:, None]
+        sinks = torch.tensor([p.sinks for p in policies], device=self.device)[:, None]
+        window = torch.tensor([p.window or 1 for p in policies], device=self.device)[:, None]
+        rank_then = torch.minimum(k_pos, sinks + window - 1)
+        first_recent = torch.maximum(sinks, last_q[:, None] - window + 1)
+        rank_now = torch.where(k_pos < sinks, k_pos, sinks + k_pos - first_recent)
+        delta = torch.where(is_sinks, rank_now - rank_then, 0).clamp(-(self.model.max_positions - 1), 0)
+        cos, sin = self.model.rope.tables(-delta)  # [B, L, 1, D]; rotating by -x flips sin
+        group.key_rotation = (cos, -sin)
+
+    def _add_heavy_hitters(self, group: PagedGroup, chunks: list[ScheduledChunk], k_pos: torch.Tensor,
+                           is_query: torch.Tensor) -> ScoreTarget | None:
+        """h2o sequences: mask evicted tokens and collect this step's attention weights."""
+        rows = [b for b, c in enumerate(chunks) if c.seq.policy.kind == "h2o"]
+        if not rows:
+            return None
+        for b in rows:
+            c = chunks[b]
+            state = self.heavy_hitters.setdefault(c.seq.seq_id, HeavyHitters(
+                torch.zeros(0, device=self.device), torch.zeros(0, dtype=torch.bool, device=self.device)))
+            state.grow(c.start + c.num_tokens)
+            positions = k_pos[b].clamp(max=state.evicted.numel() - 1)
+            group.mask[b] &= ~(state.evicted[positions] & (k_pos[b] < state.evicted.numel()))
+        group.score_rows = torch.tensor(rows, device=self.device)
+        group.query_valid = is_query[group.score_rows].float()
+        group.scores = torch.zeros(len(rows), k_pos.shape[1], device=self.device)
+        return ScoreTarget(group, [chunks[b].seq.seq_id for b in rows], k_pos[group.score_rows])
+
+    def _accumulate_scores(self, targets: list[ScoreTarget]) -> None:
+        for target in targets:
+            for scores, positions, seq_id in zip(target.group.scores, target.positions, target.seq_ids):
+                state = self.heavy_hitters[seq_id]
+                real = positions < state.scores.numel()
+                state.scores.index_add_(0, positions[real], scores[real])
+
+    @torch.inference_mode()
+    def evict_heavy_hitters(self, seq_id: int, num_computed: int, policy: CachePolicy) -> list[int]:
+        """Keeps the `heavy` highest-scoring tokens outside the window; returns the indices of blocks
+        whose every token is now evicted (the caller gives them back to the pool)."""
+        state = self.heavy_hitters[seq_id]
+        first_recent = num_computed - policy.window + 1
+        candidates = (~state.evicted[:num_computed]).nonzero().flatten()
+        candidates = candidates[candidates < first_recent]
+        excess = candidates.numel() - policy.heavy
+        if excess <= 0:
+            return []
+        order = torch.sort(state.scores[candidates], stable=True).indices
+        state.evicted[candidates[order[:excess]]] = True
+        block_size = self.cache.block_size
+        full_blocks = num_computed // block_size
+        dead = state.evicted[: full_blocks * block_size].view(full_blocks, block_size).all(dim=1)
+        return dead.nonzero().flatten().tolist()
+
+    @torch.inference_mode()
+    def fork_state(self, parent_id: int, child_id: int) -> None:
+        state = self.heavy_hitters.get(parent_id)
+        if state is not None:
+            self.heavy_hitters[child_id] = HeavyHitters(state.scores.clone(), state.evicted.clone())
+
+    def forget(self, seq_id: int) -> None:
+        self.heavy_hitters.pop(seq_id, None)
+
+    def _write_slots(self, c: ScheduledChunk) -> list[int]:
+        block_size, block_id = self.cache.block_size, self.block_tables.block_id
+        return [block_id(c.seq.seq_id, p // block_size) * block_size + p % block_size
+                for p in range(c.start, c.start + c.num_tokens)]
+
+    def _padded(self, parts: list[torch.Tensor], pad: int) -> torch.Tensor:
+        return torch.cat(parts + [torch.zeros(pad, device=self.device, dtype=torch.long)])
 
 
-@dataclass
-class _BuiltGroup:
-    group: PagedGroup
-    slots: torch.Tensor  # [tokens in group]
-    out_index: torch.Tensor  # [tokens in group]
-    positions: torch.Tensor  # [tokens in group]
-
-
-def _last_rows(ordered: list[ScheduledChunk]) -> list[int]:
-    """Flat row of each chunk's last token."""
-    rows, end = [], 0
+def _logit_rows(chunks: list[ScheduledChunk], ordered: list[ScheduledChunk], all_logits: set[int]) -> list[int]:
+    """Flat rows whose logits are wanted, in the order of `chunks`."""
+    first = {}
+    row = 0
     for c in ordered:
-        end += c.num_tokens
-        rows.append(end - 1)
+        first[id(c)] = row
+        row += c.num_tokens
+    rows = []
+    for c in chunks:
+        end = first[id(c)] + c.num_tokens
+        if c.seq.seq_id in all_logits:
+            rows.extend(range(first[id(c)], end))
+        elif c.completes_sequence:
+            rows.append(end - 1)
     return rows

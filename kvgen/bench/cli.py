@@ -1,0 +1,205 @@
+"""`kvgen bench MODE`: latency, throughput, scaling, serve (and plot, to redraw figures from JSON).
+
+Every mode prints a table, writes `<output-dir>/<mode>.json` and, where it has a figure, `<mode>.png`.
+Engine options are the same as for `generate` / `serve`; peers (`--compare hf|llama.cpp|ct2`) run on
+the same files, dtype and requests in the same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvgen.bench import latency, scaling, throughput
+from kvgen.bench.models import BenchModel, resolve
+from kvgen.bench.peers import PEERS, KvgenSystem, PeerUnavailable, System, load_peer
+from kvgen.bench.report import PLOTS, Report, emit
+from kvgen.cache.sizing import parse_bytes
+from kvgen.cli import _config_only, engine_config
+from kvgen.config import DTYPES
+from kvgen.llm import build_engine, load
+
+DEFAULT_BENCH_MODEL = "smollm2-135m"
+
+
+def register(subparsers: argparse._SubParsersAction, add_engine_options: Callable) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks: kvgen beside its peers, tables + JSON + plots")
+    modes = bench.add_subparsers(dest="mode", required=True, metavar="MODE")
+
+    p = _mode(modes, "latency", "batch-1 TTFT, prefill and decode speed, bytes/s vs memory bandwidth",
+              add_engine_options)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up (median reported)")
+    p.add_argument("--bandwidth-size", type=parse_bytes, default="1GiB",
+                   help="bytes copied to measure memory bandwidth (default: 1GiB)")
+    _add_compare(p)
+
+    p = _mode(modes, "throughput", "many requests at once: requests/s and tokens/s", add_engine_options)
+    _add_workload(p)
+    p.add_argument("--sequential", action="store_true",
+                   help="also run the same requests one at a time through the same engine")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 16, 32, 64],
+                   help="static batch sizes peers try, fastest kept (default: 1,8,16,32,64)")
+    _add_compare(p)
+
+    p = _mode(modes, "scaling", "decode step time vs position: no cache vs contiguous vs paged", add_engine_options)
+    p.add_argument("--max-len", type=int, help="largest position (default: min(2048, model context))")
+    p.add_argument("--points", type=int, default=10, help="positions sampled, geometrically spaced")
+    p.add_argument("--steps", type=int, default=3, help="decode steps timed at each position (median)")
+
+    p = _mode(modes, "serve", "load generator against a running `kvgen serve` (loopback only)")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (default: inf)")
+    p.add_argument("--api-key", help="Bearer key, if the server wants one")
+    p.add_argument("--model", help="the served model's file, for its vocabulary (default: the default model)")
+    _add_workload(p)
+
+    p = modes.add_parser("plot", help="redraw the PNG figures from the JSON files in --output-dir")
+    p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    p.set_defaults(func=cmd_plot)
+
+
+def _mode(modes: argparse._SubParsersAction, name: str, help: str, add_engine_options: Callable | None = None
+          ) -> argparse.ArgumentParser:
+    parser = modes.add_parser(name, help=help, description=help)
+    parser.add_argument("--output-dir", type=Path, default=Path("bench-results"), help="JSON and PNG go here")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
+    if add_engine_options is not None:
+        parser.add_argument("--threads", type=int, help="torch threads, also given to peers (default: torch's)")
+        add_engine_options(parser)
+        parser.set_defaults(model=DEFAULT_BENCH_MODEL)
+        parser.epilog = (f"--model also takes {DEFAULT_BENCH_MODEL} (the default: SmolLM2-135M's shape, seeded "
+                         "random weights, built once) and stories260k")
+    parser.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _add_workload(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len-range", type=int, nargs=2, default=[64, 512], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len-range", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+
+
+def _add_compare(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compare", action="append", default=[], choices=PEERS,
+                        help="also run this peer on the same model and requests (repeatable)")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
+    return values
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    _check_args(args)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    runners = {"latency": _latency, "throughput": _throughput, "scaling": _scaling, "serve": _serve}
+    emit(runners[args.mode](args), args.output_dir)
+    return 0
+
+
+def _latency(args: argparse.Namespace) -> Report:
+    model, kvgen, settings = _setup(args)
+    peers, unavailable = _peers(args, model, settings["dtype"], args.prompt_len + args.gen_len)
+    return _noting(latency.run(args, kvgen.engine.model_config, [kvgen, *peers], settings), unavailable)
+
+
+def _throughput(args: argparse.Namespace) -> Report:
+    model, kvgen, settings = _setup(args)
+    longest = args.prompt_len_range[1] + args.output_len_range[1]
+    peers, unavailable = _peers(args, model, settings["dtype"], longest)
+    vocab_size = kvgen.engine.model_config.vocab_size
+    return _noting(throughput.run(args, vocab_size, kvgen, peers, settings), unavailable)
+
+
+def _scaling(args: argparse.Namespace) -> Report:
+    # The engine runs paged whatever --kv-cache says: none and contiguous are timed through kvgen.phases.
+    _, kvgen, settings = _setup(args, kv_cache="paged")
+    max_len = min(args.max_len or 2048, kvgen.engine.max_model_len)
+    return scaling.run(args, kvgen, max_len, settings)
+
+
+def _serve(args: argparse.Namespace) -> Report:
+    from kvgen.bench import serve  # here: it needs httpx, which kvgen itself does not
+
+    model = resolve(args.model)
+    settings = {"model": model.name, "url": args.url, "rate": str(args.rate), "seed": args.seed,
+                "num_requests": args.num_requests, "prompt_len_range": args.prompt_len_range,
+                "output_len_range": args.output_len_range}
+    return serve.run(args, _config_only(model.path).vocab_size, settings)
+
+
+def _setup(args: argparse.Namespace, **overrides) -> tuple[BenchModel, KvgenSystem, dict]:
+    """The model, kvgen's engine on it (engine options + `overrides`), and the settings every JSON records."""
+    model = resolve(args.model)
+    config = dataclasses.replace(engine_config(args), **overrides)
+    engine = build_engine(load(model.path, config, args.tokenizer), config)
+    if hasattr(engine, "capacity_report"):
+        print(engine.capacity_report(), file=sys.stderr)
+    settings = {"model": model.name, "model_path": str(model.path), "dtype": DTYPES[config.dtype],
+                "kv_cache": config.kv_cache, "seed": args.seed, "engine": dataclasses.asdict(config)}
+    return model, KvgenSystem(engine), settings
+
+
+def _noting(report: Report, unavailable: list[str]) -> Report:
+    """Adds the peers that could not run to the printed notes and the JSON."""
+    report.notes += unavailable
+    report.data["unavailable"] = unavailable
+    return report
+
+
+def _peers(args: argparse.Namespace, model: BenchModel, dtype: str, max_len: int) -> tuple[list[System], list[str]]:
+    """The peers of --compare that load, and one line for each that does not."""
+    peers, unavailable = [], []
+    for name in dict.fromkeys(args.compare):
+        try:
+            peers.append(load_peer(name, model, dtype, max_len, args.device))
+        except PeerUnavailable as e:
+            unavailable.append(str(e))
+    return peers, unavailable
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Rejects values no mode can run with (one line, exit 2, like the rest of the CLI)."""
+    for name in ("prompt_len", "repeats", "num_requests", "steps", "max_len", "bandwidth_size", "threads", "rate"):
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in ("prompt_len_range", "output_len_range"):
+        low, high = getattr(args, name, (1, 1))
+        if not 1 <= low <= high:
+            raise ValueError(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {low} {high}")
+    if getattr(args, "gen_len", 2) < 2:
+        raise ValueError("--gen-len must be at least 2 (decode speed is measured after the first token)")
+    if getattr(args, "points", 2) < 2:
+        raise ValueError("--points must be at least 2 (slopes are fitted through them)")
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    drawn = []
+    for mode, plot in PLOTS.items():
+        source = args.output_dir / f"{mode}.json"
+        if source.is_file():
+            plot(json.loads(source.read_text()), args.output_dir / f"{mode}.png")
+            drawn.append(str(args.output_dir / f"{mode}.png"))
+    if not drawn:
+        raise ValueError(f"no {' or '.join(f'{m}.json' for m in PLOTS)} in {args.output_dir}")
+    print("wrote " + ", ".join(drawn))
+    return 0

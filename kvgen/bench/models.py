@@ -1,0 +1,264 @@
+"""Benchmark models: what `--model` names, and the same weights in the form each peer loads.
+
+    smollm2-135m   the SmolLM2-135M architecture with seeded random weights, built on first use and
+                   saved as a Hugging Face directory (safetensors + a WordLevel tokenizer.json), so
+                   kvgen and every peer read the same files. Benchmarks feed token ids, so random
+                   weights and a placeholder vocabulary cost nothing in realism for speed.
+    stories260k    the default model (`kvgen.llm.default_model_path()`); transformers reads the
+                   GGUF copy beside it.
+    any path       a HF directory, a .gguf, or a llama2.c .bin (peers need a .gguf of the same stem).
+
+Conversions for peers (a GGUF for llama.cpp, a plain HF directory for CTranslate2) are cached under
+`$KVGEN_CACHE_DIR` (default ~/.cache/kvgen) beside the generated models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# transformers LlamaConfig fields of each generated architecture.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+        max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    ),
+}
+STORIES = "stories260k"
+DEFAULT_WEIGHTS_SEED = 0
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A model under test: `path` is what kvgen loads; `gguf` is the same weights as GGUF, if known."""
+
+    name: str
+    path: Path
+    gguf: Path | None = None
+
+    @property
+    def is_hf_dir(self) -> bool:
+        return self.path.is_dir()
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVGEN_CACHE_DIR") or Path.home() / ".cache" / "kvgen")
+
+
+def resolve(model: str | None, seed: int = DEFAULT_WEIGHTS_SEED) -> BenchModel:
+    """`--model` -> BenchModel: a generated architecture's name, `stories260k`, a path, or None (default model)."""
+    from kvgen.llm import default_model_path
+
+    if model in ARCHITECTURES:
+        path = cache_root() / "bench-models" / f"{model}-seed{seed}"
+        if not (path / "config.json").is_file():
+            _build_atomically(path, lambda tmp: build_random_model(ARCHITECTURES[model], seed, tmp))
+        return BenchModel(model, path)
+    path = default_model_path() if model in (None, STORIES) else Path(model)
+    gguf = path if path.suffix == ".gguf" else path.with_suffix(".gguf")
+    return BenchModel(model or STORIES, path, gguf if gguf.is_file() else None)
+
+
+def build_random_model(architecture: dict[str, Any], seed: int, path: Path) -> None:
+    """Saves a seeded random-weight LlamaForCausalLM and a WordLevel tokenizer of its vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**architecture)
+    LlamaForCausalLM(config).save_pretrained(path)
+    save_placeholder_tokenizer(config.vocab_size, path)
+
+
+def save_placeholder_tokenizer(vocab_size: int, path: Path) -> None:
+    """tokenizer.json + tokenizer_config.json with words w0 .. w{n-1}: loadable by kvgen, transformers and
+    CTranslate2's converter (benchmarks send token ids, so the vocabulary only has to exist)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(path)
+
+
+def hf_source(model: BenchModel) -> tuple[Path, dict[str, Any]] | None:
+    """(directory, extra from_pretrained kwargs) for transformers, or None if it cannot read the model."""
+    if model.is_hf_dir:
+        return model.path, {}
+    if model.gguf is not None:
+        return model.gguf.parent, {"gguf_file": model.gguf.name}
+    return None
+
+
+def load_hf_model(model: BenchModel, dtype: torch.dtype):
+    """The model as a transformers causal LM in eval mode, from the same files kvgen reads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = hf_source(model)
+    if source is None:
+        raise ValueError(f"transformers cannot read {model.path}: pass a HF directory or a .gguf")
+    directory, kwargs = source
+    config = AutoConfig.from_pretrained(directory, **kwargs)
+    config.pad_token_id = None  # GGUF files give -1 (unset), which transformers rejects
+    return AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=dtype, **kwargs).eval()
+
+
+def plain_hf_dir(model: BenchModel) -> Path:
+    """A HF directory with safetensors and tokenizer files (what CTranslate2's converter needs)."""
+    if model.is_hf_dir:
+        return model.path
+    if hf_source(model) is None:
+        raise ValueError(f"cannot export {model.path} for peers: pass a HF directory or a .gguf")
+
+    def export(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        loaded = load_hf_model(model, torch.float32)
+        # transformers will not save a model it read from GGUF; a fresh copy of it, it will.
+        fresh = AutoModelForCausalLM.from_config(loaded.config)
+        fresh.load_state_dict(loaded.state_dict())
+        fresh.save_pretrained(tmp)
+        save_placeholder_tokenizer(loaded.config.vocab_size, tmp)  # transformers misreads some GGUF vocabularies
+
+    return converted(model, "hf", export)
+
+
+def gguf_for(model: BenchModel, dtype: str) -> Path:
+    """A GGUF of the model for llama.cpp: the existing one, or one written from kvgen's loaded weights."""
+    if model.gguf is not None and dtype == "float32":
+        return model.gguf
+    return converted(model, f"gguf-{dtype}", lambda tmp: write_gguf(model.path, tmp / "model.gguf", dtype),
+                     inner="model.gguf")
+
+
+def converted(model: BenchModel, kind: str, build: Callable[[Path], None], inner: str = "") -> Path:
+    """A cached conversion of `model`, keyed by its path and modification time; built once."""
+    stat = model.path.stat()
+    key = hashlib.sha1(f"{model.path.resolve()}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    path = cache_root() / "bench-models" / "converted" / f"{model.path.stem}-{key}-{kind}"
+    if not path.exists():
+        _build_atomically(path, build)
+    return path / inner if inner else path
+
+
+def _build_atomically(path: Path, build: Callable[[Path], None]) -> None:
+    """Builds into a temporary sibling and renames, so an interrupted build leaves nothing behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    try:
+        build(tmp)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# -- GGUF writer (llama architecture) ---------------------------------------------------------------
+
+def write_gguf(source: Path, out: Path, dtype: str = "float32") -> None:
+    """Writes a llama-architecture GGUF of any model kvgen loads, the way llama.cpp's converter lays it
+    out: llama.cpp tensor names, q/k rows permuted back to interleaved-pair RoPE, norms in F32, and a
+    placeholder SentencePiece vocabulary (<unk> <s> </s>, 256 byte tokens, then ▁w<i>)."""
+    import gguf
+
+    from kvgen.loaders import load_model
+
+    loaded = load_model(source)
+    cfg = loaded.config
+    if cfg.rope_scaling is not None and cfg.rope_scaling.get("rope_type") != "linear":
+        raise ValueError(f"GGUF export supports linear RoPE scaling only, not {cfg.rope_scaling}")
+    writer = gguf.GGUFWriter(str(out), "llama")
+    _write_metadata(writer, cfg)
+    _write_vocab(writer, cfg.vocab_size, cfg.bos_token_id, (cfg.eos_token_ids or (None,))[0])
+    for name, tensor in loaded.weights.items():
+        array, raw_dtype = _gguf_array(_to_interleaved(name, tensor, cfg.num_heads, cfg.num_kv_heads), dtype)
+        writer.add_tensor(_gguf_name(name), array, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _gguf_name(hf_name: str) -> str:
+    """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight (kvgen's GGUF reader, inverted)."""
+    from kvgen.loaders.gguf_file import BLOCK_NAMES, GLOBAL_NAMES
+
+    globals_ = {hf: name for name, hf in GLOBAL_NAMES.items()}
+    if hf_name in globals_:
+        return globals_[hf_name]
+    _, _, layer, *module, suffix = hf_name.split(".")
+    blocks = {hf: name for name, hf in BLOCK_NAMES.items()}
+    return f"blk.{layer}.{blocks['.'.join(module)]}.{suffix}"
+
+
+def _gguf_array(tensor: torch.Tensor, dtype: str):
+    """(numpy array, raw GGML type or None): matrices in `dtype`; vectors (norms, biases) stay F32,
+    as llama.cpp keeps them."""
+    import gguf
+
+    if tensor.ndim == 1 or dtype == "float32":
+        return tensor.to(torch.float32).numpy(), None
+    if dtype == "float16":
+        return tensor.to(torch.float16).numpy(), None
+    bf16 = gguf.GGMLQuantizationType.BF16
+    return gguf.quants.quantize(tensor.to(torch.float32).numpy(), bf16), bf16
+
+
+def _write_metadata(writer, cfg) -> None:
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.rope_scaling is not None:
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_scaling["factor"])
+
+
+def _write_vocab(writer, vocab_size: int, bos: int | None, eos: int | None) -> None:
+    from gguf import TokenType
+
+    special = {0: ("<unk>", TokenType.UNKNOWN), 1: ("<s>", TokenType.CONTROL), 2: ("</s>", TokenType.CONTROL)}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i in special:
+            token, kind = special[i]
+        elif 3 <= i < 259:
+            token, kind = f"<0x{i - 3:02X}>", TokenType.BYTE
+        else:
+            token, kind = f"\u2581w{i}", TokenType.NORMAL
+        tokens.append(token)
+        types.append(kind)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * vocab_size)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    for add, token_id in ((writer.add_bos_token_id, bos), (writer.add_eos_token_id, eos)):
+        if token_id is not None:
+            add(token_id)
+
+
+def _to_interleaved(name: str, tensor: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """HF's rotate-half q/k rows -> llama.cpp's interleaved pairs (inverse of `interleaved_to_half`)."""
+    heads = {"q_proj": num_heads, "k_proj": num_kv_heads}.get(name.split(".")[-2])
+    if heads is None:
+        return tensor
+    rows = tensor.shape[0]
+    return tensor.reshape(heads, 2, rows // heads // 2, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)

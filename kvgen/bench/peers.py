@@ -1,0 +1,271 @@
+"""The systems benchmarked side by side: kvgen's engine, and peers on the same weights.
+
+Every system generates greedily from token ids and never stops early (EOS ignored), so each produces
+exactly the tokens asked for (`make_requests` draws the workload). Two operations:
+
+    generate_timed(prompt, n)  one request alone -> when each output token became available
+    run_batch(requests)        requests run together (kvgen: all submitted at once, continuous
+                               batching; HF / CTranslate2: one static batch; llama.cpp: one by one)
+
+Peers import lazily: a missing package becomes `PeerUnavailable` with the pip command to fix it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvgen.bench.models import BenchModel, converted, gguf_for, load_hf_model, plain_hf_dir
+from kvgen.engine.base import Engine
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.sequence import Request
+
+
+class BenchRequest(NamedTuple):
+    prompt: list[int]
+    output_len: int
+
+
+def random_prompt(rng: np.random.Generator, vocab_size: int, length: int) -> list[int]:
+    """Token ids drawn uniformly, skipping ids 0-2 (the usual unk / BOS / EOS slots)."""
+    return rng.integers(3, vocab_size, size=length).tolist()
+
+
+def make_requests(count: int, prompt_range: Sequence[int], output_range: Sequence[int], vocab_size: int,
+                  seed: int) -> list[BenchRequest]:
+    """`count` requests; lengths uniform in the inclusive ranges, prompt ids random (see random_prompt)."""
+    rng = np.random.default_rng(seed)
+    lengths = zip(rng.integers(prompt_range[0], prompt_range[1] + 1, count).tolist(),
+                  rng.integers(output_range[0], output_range[1] + 1, count).tolist())
+    return [BenchRequest(random_prompt(rng, vocab_size, p), o) for p, o in lengths]
+
+
+@dataclass
+class TokenTimes:
+    """time.monotonic() at submission and at each output token of one request."""
+
+    start: float
+    tokens: list[float]
+
+
+class PeerUnavailable(Exception):
+    """The peer cannot run here; the message says why in one line."""
+
+
+class System(ABC):
+    name: str
+    #: run_batch runs its requests in one batch (False: one after another).
+    batched: bool = True
+
+    @abstractmethod
+    def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
+        """Runs one request alone and records when each output token appeared."""
+
+    @abstractmethod
+    def run_batch(self, requests: Sequence[BenchRequest]) -> None:
+        """Runs the requests together to completion."""
+
+
+class KvgenSystem(System):
+    """kvgen's engine, driven through its public add_request / step loop."""
+
+    name = "kvgen"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._ids = itertools.count()
+
+    def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
+        request = self._add(BenchRequest(prompt, output_len))
+        self._drain()
+        return TokenTimes(request.metrics.arrival, list(request.metrics.token_times))
+
+    def run_batch(self, requests: Sequence[BenchRequest]) -> None:
+        added = [self._add(r) for r in requests]
+        self._drain()
+        short = [(r.request_id, len(r.sequences[0].output_token_ids)) for r in added
+                 if len(r.sequences[0].output_token_ids) != r.params.max_tokens]
+        if short:
+            raise RuntimeError(f"requests stopped before max_tokens (id, tokens): {short[:3]}")
+
+    def _add(self, request: BenchRequest) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
+        return self.engine.add_request(f"bench-{next(self._ids)}", request.prompt, params)
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+
+def load_peer(name: str, model: BenchModel, dtype: str, max_len: int, device: str = "cpu") -> System:
+    """The named peer on `model` in `dtype` ("float32", "float16", "bfloat16") on `device`, able to hold
+    `max_len` tokens. Raises PeerUnavailable when it is not installed or cannot read the model."""
+    system, module, pip_name = _PEERS[name]
+    if device != "cpu" and system is not HFSystem:
+        raise PeerUnavailable(f"{name}: runs on the CPU only in kvgen bench (not {device})")
+    try:
+        return system(model, dtype, max_len, device)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != module:
+            raise
+        raise PeerUnavailable(f"{name}: not installed (pip install {pip_name})") from None
+    except (ValueError, OSError, RuntimeError) as e:
+        raise PeerUnavailable(f"{name}: cannot load {model.path}: {e}") from None
+
+
+# -- Hugging Face transformers --------------------------------------------------------------------
+
+
+class HFSystem(System):
+    """transformers `generate` on the same files (GGUF via gguf_file=), default dynamic KV cache."""
+
+    name = "hf"
+
+    def __init__(self, model: BenchModel, dtype: str, max_len: int, device: str) -> None:
+        self.device = torch.device(device)
+        self.model = load_hf_model(model, getattr(torch, dtype)).to(self.device)
+
+    @torch.inference_mode()
+    def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
+        streamer = _TimingStreamer()
+        start = time.monotonic()
+        self._generate(torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long), output_len, streamer)
+        return TokenTimes(start, streamer.times)
+
+    @torch.inference_mode()
+    def run_batch(self, requests: Sequence[BenchRequest]) -> None:
+        """One static batch: prompts left-padded to the longest, every row decoded to the longest output."""
+        width = max(len(r.prompt) for r in requests)
+        ids = torch.zeros(len(requests), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(requests):
+            ids[row, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[row, width - len(r.prompt):] = 1
+        self._generate(ids, mask, max(r.output_len for r in requests))
+
+    def _generate(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, streamer=None) -> None:
+        self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                            streamer=streamer)
+
+
+class _TimingStreamer:
+    """A transformers streamer (batch 1) that records when each token arrives; the first put is the prompt."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt_seen:  # transformers puts tokens already copied to the CPU: the step is done
+            self.times.append(time.monotonic())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+# -- llama.cpp ------------------------------------------------------------------------------------
+
+
+class LlamaCppSystem(System):
+    """llama-cpp-python on a GGUF of the same weights. Its Python API generates one sequence at a time."""
+
+    name = "llama.cpp"
+    batched = False
+
+    def __init__(self, model: BenchModel, dtype: str, max_len: int, device: str) -> None:
+        from llama_cpp import Llama
+
+        threads = torch.get_num_threads()
+        self.llm = Llama(model_path=str(gguf_for(model, dtype)), n_ctx=max_len, n_batch=512, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+
+    def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
+        self.llm.reset()
+        times: list[float] = []
+        start = time.monotonic()
+        for _ in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            times.append(time.monotonic())
+            if len(times) == output_len:
+                break
+        return TokenTimes(start, times)
+
+    def run_batch(self, requests: Sequence[BenchRequest]) -> None:
+        for r in requests:
+            self.generate_timed(r.prompt, r.output_len)
+
+
+# -- CTranslate2 ----------------------------------------------------------------------------------
+
+
+class CTranslate2System(System):
+    """CTranslate2's Generator on a conversion of the same HF weights (TransformersConverter)."""
+
+    name = "ct2"
+
+    def __init__(self, model: BenchModel, dtype: str, max_len: int, device: str) -> None:
+        import ctranslate2
+
+        directory = _ct2_model(model, dtype)
+        self.generator = ctranslate2.Generator(str(directory), device="cpu", compute_type=dtype,
+                                               intra_threads=torch.get_num_threads())
+        self.vocab = _ct2_vocabulary(directory)
+
+    def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
+        times: list[float] = []
+
+        def on_token(_step) -> bool:
+            times.append(time.monotonic())
+            return False
+
+        start = time.monotonic()
+        self._generate([prompt], output_len, callback=on_token)
+        return TokenTimes(start, times)
+
+    def run_batch(self, requests: Sequence[BenchRequest]) -> None:
+        self._generate([r.prompt for r in requests], max(r.output_len for r in requests))
+
+    def _generate(self, prompts: list[list[int]], new_tokens: int, **kwargs) -> None:
+        """Greedy, at least `new_tokens` per prompt. CTranslate2 forwards the prompts up to the shortest
+        at once and steps the rest of the longer ones through its decoding loop, where they count
+        against max_length: hence the allowance for the spread of prompt lengths."""
+        spread = max(map(len, prompts)) - min(map(len, prompts))
+        results = self.generator.generate_batch(
+            [[self.vocab[t] for t in p] for p in prompts], max_length=new_tokens + spread,
+            min_length=new_tokens + spread, include_prompt_in_result=False, sampling_topk=1, **kwargs)
+        made = min(len(r.sequences_ids[0]) for r in results)
+        if made < new_tokens:
+            raise RuntimeError(f"CTranslate2 generated {made} tokens where {new_tokens} were asked for")
+
+
+def _ct2_model(model: BenchModel, dtype: str) -> Path:
+    from ctranslate2.converters import TransformersConverter
+
+    hf_dir = plain_hf_dir(model)
+    return converted(BenchModel(model.name, hf_dir), f"ct2-{dtype}",
+                     lambda tmp: TransformersConverter(str(hf_dir)).convert(str(tmp), quantization=dtype, force=True))
+
+
+def _ct2_vocabulary(directory: Path) -> list[str]:
+    if (directory / "vocabulary.json").is_file():
+        return json.loads((directory / "vocabulary.json").read_text())
+    return (directory / "vocabulary.txt").read_text().splitlines()
+
+
+# name -> (system, the module it needs, the pip package that provides it)
+_PEERS: dict[str, tuple[type[System], str, str]] = {
+    "hf": (HFSystem, "transformers", "transformers"),
+    "llama.cpp": (LlamaCppSystem, "llama_cpp", "llama-cpp-python"),
+    "ct2": (CTranslate2System, "ctranslate2", "ctranslate2"),
+}
+PEERS = tuple(_PEERS)

@@ -1,0 +1,72 @@
+"""`kvgen bench throughput`: R requests with random prompt and output lengths, all at once.
+
+kvgen gets every request submitted together (continuous batching); `--sequential` runs the same
+requests one at a time through the same engine. Static-batching peers (HF, CTranslate2) try each
+batch size and keep their fastest; their padding costs them time but only the requested output
+tokens count. EOS is ignored everywhere, so every system produces the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import torch
+
+from kvgen.bench.peers import BenchRequest, KvgenSystem, System, make_requests
+from kvgen.bench.report import Metric, Report, comparison_table, timed
+
+METRICS = (
+    Metric("requests_per_s", "requests/s"),
+    Metric("output_tokens_per_s", "output tokens/s"),
+    Metric("total_tokens_per_s", "total tokens/s"),
+)
+
+
+def run(args: argparse.Namespace, vocab_size: int, kvgen: KvgenSystem, peers: Sequence[System],
+        settings: dict) -> Report:
+    requests = make_requests(args.num_requests, args.prompt_len_range, args.output_len_range, vocab_size, args.seed)
+    warmup = make_requests(1, args.prompt_len_range, (8, 8), vocab_size, args.seed + 1)
+    kvgen.run_batch(warmup)
+    device = kvgen.engine.model.device
+    results = {"kvgen": rates(requests, timed(lambda: kvgen.run_batch(requests), device))}
+    if args.sequential:
+        results["kvgen-sequential"] = rates(requests, timed(lambda: run_in_batches(kvgen, requests, 1), device))
+    notes = []
+    for peer in peers:
+        peer.run_batch(warmup)
+        sizes = sorted({min(b, len(requests)) for b in args.batch_sizes}) if peer.batched else [1]
+        results[peer.name] = best_static_batch(peer, requests, sizes, device)
+        notes.append(f"{peer.name}: " + (f"best static batch {results[peer.name]['batch_size']} of {sizes}"
+                                         if peer.batched else "one request at a time (no batched generate)"))
+    title = (f"throughput: {settings['model']}, {settings['dtype']}, {len(requests)} requests, prompts "
+             f"{args.prompt_len_range[0]}-{args.prompt_len_range[1]}, outputs "
+             f"{args.output_len_range[0]}-{args.output_len_range[1]} tokens")
+    table, ratios = comparison_table(title, METRICS, results)
+    settings = settings | {"num_requests": len(requests), "prompt_len_range": args.prompt_len_range,
+                           "output_len_range": args.output_len_range, "batch_sizes": args.batch_sizes}
+    data = {"settings": settings, "results": results, "ratios": ratios,
+            "requests": [{"prompt_len": len(r.prompt), "output_len": r.output_len} for r in requests]}
+    return Report("throughput", data, [table], notes)
+
+
+def best_static_batch(peer: System, requests: Sequence[BenchRequest], sizes: Sequence[int],
+                      device: torch.device) -> dict:
+    """Runs every request in static batches of each size; keeps the fastest size."""
+    elapsed = {size: timed(lambda: run_in_batches(peer, requests, size), device) for size in sizes}
+    best = min(elapsed, key=elapsed.get)
+    return rates(requests, elapsed[best]) | {"batch_size": best, "elapsed_s_by_batch_size": elapsed}
+
+
+def rates(requests: Sequence[BenchRequest], elapsed: float) -> dict:
+    """Throughput counting only the requested tokens (padding and overshoot excluded)."""
+    output = sum(r.output_len for r in requests)
+    prompt = sum(len(r.prompt) for r in requests)
+    return {"elapsed_s": elapsed, "requests_per_s": len(requests) / elapsed, "output_tokens_per_s": output / elapsed,
+            "total_tokens_per_s": (prompt + output) / elapsed, "output_tokens": output, "prompt_tokens": prompt}
+
+
+def run_in_batches(system: System, requests: Sequence[BenchRequest], size: int) -> None:
+    """Consecutive batches of `size` requests, in order, each run to completion before the next."""
+    for i in range(0, len(requests), size):
+        system.run_batch(requests[i:i + size])

@@ -1,0 +1,570 @@
+"""The OpenAI-compatible HTTP server over AsyncLLM: `create_app(engine, model_name=...)`.
+
+    POST /v1/completions       POST /v1/chat/completions       GET /v1/models
+    GET /health                GET /metrics (Prometheus)
+
+Both generation endpoints share one path: the request is validated and turned into a `Job` (prompt
+token ids + SamplingParams) before any response starts, so a bad request always gets its 4xx status;
+`run_job` runs the job's prompts on the engine and yields per-choice deltas; a `ResponseFormat` turns
+deltas into the endpoint's streamed chunks or its aggregated response. All state lives on `app.state`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvgen.async_llm import AsyncLLM
+from kvgen.engine.base import Engine, Prompt
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.sequence import CompletionOutput, RequestOutput
+from kvgen.errors import InvalidRequestError
+from kvgen.sampler import TokenLogprobs
+from kvgen.server.chat import ChatTemplate
+from kvgen.server.metrics import ServerMetrics
+from kvgen.server.protocol import (
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
+    ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
+    CompletionResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList, SamplingRequest, TopLogprob, Usage,
+)
+from kvgen.tokenizer import Tokenizer
+
+log = logging.getLogger("kvgen.server")
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+# -- state and errors ---------------------------------------------------------------------------
+
+
+@dataclass
+class ServerState:
+    llm: AsyncLLM
+    model_name: str
+    api_key: str | None
+    metrics: ServerMetrics
+    chat_template: ChatTemplate
+
+    @property
+    def engine(self) -> Engine:
+        return self.llm.engine
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style error object and an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+    def response(self) -> Response:
+        return _json(ErrorResponse(error=self.info), self.status)
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.kvgen
+
+
+def _serving_state(request: Request, model: str | None) -> ServerState:
+    """The app's state, once the request names the served model (or none)."""
+    state = _state(request)
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+    return state
+
+
+async def check_api_key(request: Request) -> None:
+    key = _state(request).api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    async def invalid_request(_: Request, exc: InvalidRequestError) -> Response:
+        return APIError(400, str(exc)).response()
+
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        described = [_describe(e) for e in exc.errors()]
+        message = "; ".join(f"{param}: {text}" if param else text for param, text in described)
+        return APIError(400, message, param=described[0][0] if described else None).response()
+
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail), type="invalid_request_error" if exc.status_code < 500
+                        else "server_error").response()
+
+    async def server_error(_: Request, exc: Exception) -> Response:
+        return APIError(500, f"internal error: {exc}", type="server_error").response()
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(InvalidRequestError, invalid_request)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
+
+
+def _describe(error: dict) -> tuple[str | None, str]:
+    """(the field, e.g. "messages.0.role", or None; what is wrong) of one pydantic validation error."""
+    if error["type"] == "json_invalid":
+        return None, f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}"
+    param = ".".join(str(part) for part in error["loc"] if part != "body")
+    return param or None, error["msg"]
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 for a body over `max_bytes`, by its Content-Length or by what arrives."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(bytes(body), receive), send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"the request body is over the server's limit of {self.max_bytes} bytes",
+                         code="request_too_large")
+        await error.response()(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands out the already-read body once, then passes through (to see disconnects)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed
+
+
+# -- running a job on the engine ----------------------------------------------------------------
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's text and log-probability, its most likely alternatives, and where the token's
+    text starts in the completion."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+    text_offset: int
+
+
+@dataclass
+class ChoiceDelta:
+    """What one step added to one choice."""
+
+    index: int
+    text: str
+    num_tokens: int
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+@dataclass
+class Choice:
+    """One choice aggregated over its deltas."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text += delta.text
+        self.num_tokens += delta.num_tokens
+        self.logprobs += delta.logprobs
+        self.finish_reason = delta.finish_reason
+
+
+@dataclass
+class Job:
+    """A validated generation request: prompts (token ids) that each get `params.n` choices."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.params.n
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompts)
+
+    @property
+    def want_logprobs(self) -> bool:
+        return self.params.logprobs is not None
+
+    def usage(self, choices: Sequence[Choice]) -> Usage:
+        completion = sum(c.num_tokens for c in choices)
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
+                     total_tokens=self.num_prompt_tokens + completion)
+
+
+def prepare_job(engine: Engine, id_prefix: str, prompts: Sequence[Prompt], body: SamplingRequest) -> Job:
+    """Encodes the prompts and checks they fit with the parameters; raises InvalidRequestError."""
+    token_ids = [engine.encode_prompt(p) for p in prompts]
+    longest = max(len(ids) for ids in token_ids)
+    params = body.sampling_params(max_tokens_left=max(engine.max_model_len - longest, 1))
+    for ids in token_ids:
+        engine.check_fits(len(ids), params)
+    return Job(f"{id_prefix}-{uuid.uuid4().hex}", token_ids, params)
+
+
+class TokenTexts:
+    """The text each generated token adds, decoded in the context of the tokens before it (so pieces
+    keep their leading spaces). A token holding part of a multibyte character reads as U+FFFD."""
+
+    WINDOW = 4
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.context = list(prompt_ids[-self.WINDOW:])
+        self.offset = 0
+
+    def entry(self, token_id: int, logprobs: TokenLogprobs) -> TokenLogprob:
+        prefix = self.tokenizer.decode(self.context)
+        token = self._text(prefix, token_id)
+        top = [(self._text(prefix, alt), value) for alt, value in logprobs.top.items()]
+        entry = TokenLogprob(token, logprobs.token_logprob, top, self.offset)
+        self.offset += len(token)
+        self.context = (self.context + [token_id])[-self.WINDOW:]
+        return entry
+
+    def _text(self, prefix: str, token_id: int) -> str:
+        return self.tokenizer.decode(self.context + [token_id])[len(prefix):]
+
+
+class RequestTracker:
+    """Turns the cumulative snapshots of one engine request (one prompt, n completions) into deltas."""
+
+    def __init__(self, job: Job, prompt_index: int, tokenizer: Tokenizer) -> None:
+        n = job.params.n
+        self.first_index = prompt_index * n
+        self.reported_finish = [False] * n
+        ids = job.prompts[prompt_index]
+        self.token_texts = [TokenTexts(tokenizer, ids) for _ in range(n)] if job.want_logprobs else None
+
+    def deltas(self, out: RequestOutput) -> list[ChoiceDelta]:
+        deltas = []
+        for c in out.outputs:
+            if self.reported_finish[c.index]:
+                continue
+            if c.new_text or c.new_token_ids or c.finish_reason:
+                deltas.append(ChoiceDelta(self.first_index + c.index, c.new_text, len(c.new_token_ids),
+                                          self._new_logprobs(c), c.finish_reason))
+            self.reported_finish[c.index] = c.finish_reason is not None
+        return deltas
+
+    def _new_logprobs(self, c: CompletionOutput) -> list[TokenLogprob]:
+        if self.token_texts is None or not c.logprobs:
+            return []
+        start = len(c.logprobs) - len(c.new_token_ids)  # c.logprobs is a snapshot; c.token_ids is live
+        texts = self.token_texts[c.index]
+        return [texts.entry(t, lp) for t, lp in zip(c.new_token_ids, c.logprobs[start:])]
+
+
+T = TypeVar("T")
+_END = object()
+
+
+async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """(index of the stream, item) as items arrive from any stream. Closing the merge cancels the
+    streams still running (an AsyncLLM stream aborts its request when cancelled)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((index, item))
+            queue.put_nowait((index, _END))
+        except Exception as error:
+            queue.put_nowait((index, error))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def run_job(request: Request, state: ServerState, job: Job) -> AsyncIterator[ChoiceDelta]:
+    """Runs every prompt of the job and yields choice deltas as the engine produces them. Stops early
+    (aborting what still runs) when the client has gone away; keeps the metrics and the request log."""
+    trackers = [RequestTracker(job, i, state.engine.tokenizer) for i in range(len(job.prompts))]
+    streams = [state.llm.generate(ids, job.params, f"{job.request_id}-{i}") for i, ids in enumerate(job.prompts)]
+    unfinished = set(range(len(job.prompts)))
+    state.metrics.on_start(job.num_prompt_tokens)
+    try:
+        async with aclosing(merge(streams)) as outputs:
+            async for index, out in outputs:
+                state.metrics.on_output(out)
+                if out.finished:
+                    unfinished.discard(index)
+                    _log_finished(out)
+                for delta in trackers[index].deltas(out):
+                    yield delta
+                if await request.is_disconnected():
+                    break
+    finally:
+        if unfinished:
+            state.metrics.on_abort(len(unfinished) * job.params.n)
+            log.info("%s: aborted (client went away)", job.request_id)
+
+
+def _log_finished(out: RequestOutput) -> None:
+    m = out.metrics
+    ttft = f"{m.ttft:.3f} s" if m.ttft is not None else "-"
+    log.info("%s: %d prompt tokens, %d output tokens, TTFT %s, total %.3f s", out.request_id,
+             len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), ttft, m.e2e_latency or 0.0)
+
+
+# -- response formats ---------------------------------------------------------------------------
+
+
+class ResponseFormat(Protocol):
+    """How one endpoint spells choices: streamed chunks, or one aggregated response."""
+
+    def opening(self, index: int) -> BaseModel | None:
+        """The chunk a streamed choice starts with, if any."""
+
+    def chunk(self, delta: ChoiceDelta) -> BaseModel: ...
+
+    def usage_chunk(self, usage: Usage) -> BaseModel: ...
+
+    def response(self, choices: Sequence[Choice], usage: Usage) -> BaseModel: ...
+
+
+class CompletionFormat:
+    """/v1/completions: text choices, legacy logprobs; with echo, each choice starts with its prompt."""
+
+    def __init__(self, job: Job, model: str, echo: Sequence[str] | None) -> None:
+        self.job, self.model, self.echo = job, model, echo
+
+    def opening(self, index: int) -> BaseModel | None:
+        return self._message([CompletionChoice(index=index, text=self._echo(index))]) if self.echo else None
+
+    def chunk(self, delta: ChoiceDelta) -> BaseModel:
+        return self._message([self._choice(delta.index, delta.text, delta.logprobs, delta.finish_reason)])
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._message([], usage)
+
+    def response(self, choices: Sequence[Choice], usage: Usage) -> BaseModel:
+        return self._message([self._choice(c.index, self._echo(c.index) + c.text, c.logprobs, c.finish_reason)
+                              for c in choices], usage)
+
+    def _message(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.job.request_id, created=self.job.created, model=self.model,
+                                  choices=choices, usage=usage)
+
+    def _choice(self, index: int, text: str, logprobs: list[TokenLogprob], finish: str | None) -> CompletionChoice:
+        return CompletionChoice(index=index, text=text, finish_reason=finish,
+                                logprobs=self._logprobs(index, logprobs) if self.job.want_logprobs else None)
+
+    def _echo(self, index: int) -> str:
+        return self.echo[index // self.job.params.n] if self.echo else ""
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob]) -> CompletionLogprobs:
+        start = len(self._echo(index))
+        return CompletionLogprobs(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
+                                  top_logprobs=[dict(e.top) for e in entries],
+                                  text_offset=[start + e.text_offset for e in entries])
+
+
+class ChatFormat:
+    """/v1/chat/completions: assistant messages, chat logprobs."""
+
+    def __init__(self, job: Job, model: str) -> None:
+        self.job, self.model = job, model
+
+    def opening(self, index: int) -> BaseModel | None:
+        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+
+    def chunk(self, delta: ChoiceDelta) -> BaseModel:
+        return self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text),
+                                            logprobs=self._logprobs(delta.logprobs),
+                                            finish_reason=delta.finish_reason)])
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._chunk([], usage)
+
+    def response(self, choices: Sequence[Choice], usage: Usage) -> BaseModel:
+        return ChatCompletionResponse(
+            id=self.job.request_id, created=self.job.created, model=self.model, usage=usage,
+            choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                logprobs=self._logprobs(c.logprobs), finish_reason=c.finish_reason)
+                     for c in choices])
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.job.request_id, created=self.job.created, model=self.model,
+                                   choices=choices, usage=usage)
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
+        if not self.job.want_logprobs:
+            return None
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(token=e.token, logprob=e.logprob, bytes=_utf8(e.token),
+                             top_logprobs=[TopLogprob(token=t, logprob=v, bytes=_utf8(t)) for t, v in e.top])
+            for e in entries])
+
+
+def _utf8(text: str) -> list[int] | None:
+    """The token's bytes; None where its text is only part of a character."""
+    return None if "\ufffd" in text else list(text.encode("utf-8"))
+
+
+def _sse(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+async def respond(request: Request, state: ServerState, job: Job, fmt: ResponseFormat,
+                  body: SamplingRequest) -> Response:
+    deltas = run_job(request, state, job)
+    if body.stream:
+        return StreamingResponse(_event_stream(deltas, job, fmt, body.include_usage), media_type="text/event-stream")
+    choices = [Choice(i) for i in range(job.num_choices)]
+    async with aclosing(deltas):
+        async for delta in deltas:
+            choices[delta.index].add(delta)
+    return _json(fmt.response(choices, job.usage(choices)))
+
+
+async def _event_stream(deltas: AsyncIterator[ChoiceDelta], job: Job, fmt: ResponseFormat,
+                        include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: the openings, a chunk per delta, the usage chunk if asked for, [DONE]."""
+    choices = [Choice(i) for i in range(job.num_choices)]
+    for choice in choices:
+        if (opening := fmt.opening(choice.index)) is not None:
+            yield _sse(opening)
+    try:
+        async with aclosing(deltas):
+            async for delta in deltas:
+                choices[delta.index].add(delta)
+                yield _sse(fmt.chunk(delta))
+    except Exception as error:  # the engine failed mid-stream: the status is sent, so say it in the stream
+        log.exception("%s: failed", job.request_id)
+        yield _sse(ErrorResponse(error=ErrorInfo(message=str(error), type="server_error")))
+    else:
+        if include_usage:
+            yield _sse(fmt.usage_chunk(job.usage(choices)))
+    yield _SSE_DONE
+
+
+# -- routes -------------------------------------------------------------------------------------
+
+_open = APIRouter()
+_api = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+
+@_open.get("/health")
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+@_open.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@_api.get("/models")
+async def models(request: Request) -> Response:
+    state = _state(request)
+    return _json(ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.engine.max_model_len)]))
+
+
+@_api.post("/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = _serving_state(request, body.model)
+    prompts = body.prompts()
+    job = prepare_job(state.engine, "cmpl", prompts, body)
+    echo = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts] if body.echo else None
+    return await respond(request, state, job, CompletionFormat(job, state.model_name, echo), body)
+
+
+@_api.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    state = _serving_state(request, body.model)
+    job = prepare_job(state.engine, "chatcmpl", [state.chat_template.prompt_ids(body.messages)], body)
+    return await respond(request, state, job, ChatFormat(job, state.model_name), body)
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+
+def create_app(engine: Engine | AsyncLLM, *, model_name: str, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The server's ASGI app over an engine (or an AsyncLLM already wrapping one)."""
+    llm = engine if isinstance(engine, AsyncLLM) else AsyncLLM(engine)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await llm.shutdown()
+
+    app = FastAPI(title="kvgen", summary="OpenAI-compatible API over the kvgen engine", lifespan=lifespan)
+    app.state.kvgen = ServerState(llm=llm, model_name=model_name, api_key=api_key,
+                                  metrics=ServerMetrics(llm.engine), chat_template=ChatTemplate(llm.tokenizer))
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    _add_error_handlers(app)
+    app.include_router(_open)
+    app.include_router(_api)
+    return app

@@ -1,0 +1,47 @@
+"""`kvgen serve`: the OpenAI-compatible server on uvicorn (registered by kvgen.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from kvgen.cache.sizing import parse_bytes
+
+
+def register(subparsers: argparse._SubParsersAction, add_engine_options: Callable) -> None:
+    serve = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("KVGEN_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $KVGEN_API_KEY, else no key)")
+    g.add_argument("--served-model-name", help="the model's name in the API (default: the model file's name)")
+    g.add_argument("--max-request-bytes", type=parse_bytes, default="1MiB",
+                   help="largest request body accepted, e.g. 64KiB (default: 1MiB)")
+    add_engine_options(serve)
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvgen.cli import build_engine_from_args
+    from kvgen.server.app import create_app
+
+    engine = build_engine_from_args(args)  # prints the KV capacity
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    app = create_app(engine, model_name=args.served_model_name or _model_name(args.model),
+                     api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _model_name(model: str | None) -> str:
+    """stories260K for .../stories260K.bin, the directory's name for a Hugging Face directory."""
+    from kvgen.llm import default_model_path
+
+    path = Path(model) if model else default_model_path()
+    return path.name if path.is_dir() else path.stem

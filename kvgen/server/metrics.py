@@ -1,0 +1,88 @@
+"""Prometheus metrics of one server: request latencies and token counts as requests finish, and the
+engine's queues, KV usage and cumulative cache counters read from `engine.stats()` at scrape time.
+
+Every app has its own CollectorRegistry, so several apps (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvgen.engine.base import Engine
+from kvgen.engine.sequence import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and engine-side counters, read from the engine when scraped."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        yield GaugeMetricFamily("kvgen_num_requests_running", "Sequences being generated.", stats.num_running)
+        yield GaugeMetricFamily("kvgen_num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting)
+        yield GaugeMetricFamily("kvgen_kv_cache_blocks_used", "KV blocks held by sequences.", stats.kv_blocks_used)
+        yield GaugeMetricFamily("kvgen_kv_cache_blocks_total", "KV blocks in the pool.", stats.kv_blocks_total)
+        yield GaugeMetricFamily("kvgen_kv_cache_usage_ratio", "Fraction of KV blocks in use.", usage)
+        yield GaugeMetricFamily("kvgen_prefix_cache_hit_rate",
+                                "Fraction of looked-up prompt tokens served from the prefix cache.", hit_rate)
+        yield CounterMetricFamily("kvgen_num_preemptions", "Sequences preempted for lack of KV blocks.",
+                                  stats.num_preemptions)
+        yield CounterMetricFamily("kvgen_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  stats.prefix_cache_queries)
+        yield CounterMetricFamily("kvgen_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                                  stats.prefix_cache_hits)
+
+
+class ServerMetrics:
+    """The registry of one app; the app reports each engine request's outputs and its end."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("kvgen_time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("kvgen_inter_token_latency_seconds", "Time between output tokens.",
+                                     buckets=_TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("kvgen_e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvgen_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("kvgen_generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter("kvgen_requests", "Completions finished, by finish reason.", ["finish_reason"],
+                                registry=r)
+        r.register(EngineStatsCollector(engine))
+
+    def on_start(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_output(self, out: RequestOutput) -> None:
+        self.generation_tokens.inc(sum(len(c.new_token_ids) for c in out.outputs))
+        if not out.finished:
+            return
+        m = out.metrics
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        steps = sorted(set(m.token_times))  # n > 1 completions get their tokens in the same steps
+        for earlier, later in zip(steps, steps[1:]):
+            self.inter_token.observe(later - earlier)
+        if m.e2e_latency is not None:
+            self.e2e.observe(m.e2e_latency)
+        for completion in out.outputs:
+            self.requests.labels(finish_reason=completion.finish_reason or "abort").inc()
+
+    def on_abort(self, num_completions: int) -> None:
+        """A request that ended before finishing (its client went away)."""
+        self.requests.labels(finish_reason="abort").inc(num_completions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

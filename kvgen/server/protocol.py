@@ -1,0 +1,259 @@
+"""The OpenAI-compatible wire format: request and response models, and request -> SamplingParams.
+
+Requests are validated strictly (a string where a number belongs is an error, not coerced); a field
+sent as `null` counts as not sent, and fields kvgen does not know are ignored (as vLLM does).
+Defaults of the sampling fields are SamplingParams' own: only fields the client sent are passed on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvgen.engine.base import Prompt
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.errors import InvalidRequestError
+
+# Request fields copied into SamplingParams under the same name, when the client sent them.
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "ignore_eos", "stop_token_ids", "kv_policy")
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields completions and chat completions share."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM extras
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    kv_policy: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_unset(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        """Top alternatives per token to return (0: the chosen token's only), None: no logprobs."""
+        return None
+
+    def sampling_params(self, max_tokens_left: int) -> SamplingParams:
+        """The engine's parameters; without max_tokens a request may use the rest of the context.
+
+        Raises InvalidRequestError for values out of range.
+        """
+        fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS if name in self.model_fields_set}
+        max_tokens = self.requested_max_tokens()
+        return SamplingParams(**fields, max_tokens=max_tokens_left if max_tokens is None else max_tokens,
+                              logprobs=self.logprobs_count())
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty_list(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("the prompt list is empty")
+        return prompt
+
+    def prompts(self) -> list[Prompt]:
+        """One prompt per engine request: a string or a list of token ids each."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def logprobs_count(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError("echo with logprobs is not supported: the engine does not score prompt tokens")
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        """The content as one string; text parts are joined with newlines (as vLLM does)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "kvgen"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
