@@ -30,13 +30,20 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache", choices=KV_CACHE_MODES, default="paged", help="KV cache kind (default: paged)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two, 1..256)")
     g.add_argument("--num-kv-blocks", type=int, help="KV capacity in blocks")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, help="KV capacity in bytes, e.g. 2GiB or 512MB")
+    g.add_argument("--kv-cache-memory", type=_byte_size, help="KV capacity in bytes, e.g. 2GiB or 512MB")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -69,13 +76,14 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--kv-policy", default="full", help="full, window:W, sinks:S,W or h2o:H,W (paged cache only)")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
-        stop=args.stop, ignore_eos=args.ignore_eos,
+        stop=args.stop, ignore_eos=args.ignore_eos, kv_policy=args.kv_policy,
     )
 
 

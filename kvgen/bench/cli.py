@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.bench import latency, scaling, throughput
+from kvgen.bench import latency, memory, scaling, throughput
 from kvgen.bench.models import BenchModel, resolve
 from kvgen.bench.peers import PEERS, KvgenSystem, PeerUnavailable, System, load_peer
 from kvgen.bench.report import PLOTS, Report, emit
@@ -54,6 +54,10 @@ def register(subparsers: argparse._SubParsersAction, add_engine_options: Callabl
     p.add_argument("--max-len", type=int, help="largest position (default: min(2048, model context))")
     p.add_argument("--points", type=int, default=10, help="positions sampled, geometrically spaced")
     p.add_argument("--steps", type=int, default=3, help="decode steps timed at each position (median)")
+
+    p = _mode(modes, "memory", "share of reserved KV slots that hold a token: contiguous vs paged",
+              add_engine_options)
+    _add_workload(p)
 
     p = _mode(modes, "serve", "load generator against a running `kvgen serve` (loopback only)")
     p.add_argument("--url", default="http://127.0.0.1:8000")
@@ -110,7 +114,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _check_args(args)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    runners = {"latency": _latency, "throughput": _throughput, "scaling": _scaling, "serve": _serve}
+    runners = {"latency": _latency, "throughput": _throughput, "scaling": _scaling, "memory": _memory,
+               "serve": _serve}
     emit(runners[args.mode](args), args.output_dir)
     return 0
 
@@ -134,6 +139,11 @@ def _scaling(args: argparse.Namespace) -> Report:
     _, kvgen, settings = _setup(args, kv_cache="paged")
     max_len = min(args.max_len or 2048, kvgen.engine.max_model_len)
     return scaling.run(args, kvgen, max_len, settings)
+
+
+def _memory(args: argparse.Namespace) -> Report:
+    _, kvgen, settings = _setup(args, kv_cache="paged")
+    return memory.run(args, kvgen.engine, settings)
 
 
 def _serve(args: argparse.Namespace) -> Report:

@@ -73,6 +73,13 @@ class CachePolicy:
         and h2o decisions depend on attention history that a reused block would not carry."""
         return self.kind in ("full", "window")
 
+    @property
+    def prefix_key(self) -> str | None:
+        """Extra key of the prefix-cache hash (see `hash_block`). A window changes the K/V of every
+        token past the first W in every layer after the first (their hidden states saw fewer tokens),
+        so window blocks may only be shared with requests of the same window."""
+        return None if self.kind == "full" else self.spec
+
     def rope_position(self, index: int) -> int:
         """The position RoPE uses for token `index` when it is computed."""
         return min(index, self.sinks + self.window - 1) if self.uses_cache_positions else index

@@ -67,10 +67,11 @@ class LLMEngine(Engine):
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         super().check_fits(num_prompt_tokens, params)
         total = num_prompt_tokens + params.max_tokens
-        if self.kv.num_blocks_needed(self._peak_tokens(total, params)) > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                f"exceeds the KV cache capacity of {self.capacity_tokens} tokens")
+        peak = self._peak_tokens(total, params)
+        if self.kv.num_blocks_needed(peak) > self.kv.num_blocks:
+            need = (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} tokens"
+                    if peak == total else f"kv_policy {params.kv_policy} holds up to {peak} tokens at once, which")
+            raise InvalidRequestError(f"{need} exceeds the KV cache capacity of {self.capacity_tokens} tokens")
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -82,10 +83,12 @@ class LLMEngine(Engine):
 
     def _peak_tokens(self, total: int, params: SamplingParams) -> int:
         """Most KV slots one sequence can hold at once: all its tokens, or what its policy keeps plus
-        one step's chunk and a block of slack on each side of a gap."""
-        kept = self.resolve_policy(params).max_kept
-        if kept is None:
+        one step's chunk and a block of slack on each side of a gap. Heavy hitters may lie in as
+        many blocks as there are of them, each held for the one token."""
+        policy = self.resolve_policy(params)
+        if policy.max_kept is None:
             return total
+        kept = policy.max_kept + policy.heavy * (self.kv.block_size - 1)
         return min(total, kept + self.config.max_num_batched_tokens + 2 * self.kv.block_size)
 
     # -- the step -------------------------------------------------------------------------------
@@ -112,7 +115,8 @@ class LLMEngine(Engine):
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
             if seq.policy.shares_prefixes:
-                self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                          extra_key=seq.policy.prefix_key)
             self.kv.release_blocks(seq.seq_id, self._dead_blocks(seq))
             if seq.request.metrics.first_scheduled is None:
                 seq.request.metrics.first_scheduled = now
@@ -143,11 +147,12 @@ class LLMEngine(Engine):
                 row += chunk.completes_sequence
                 keep.extend([row - 1] if chunk.completes_sequence else [])
                 continue
-            seq, prompt = chunk.seq, chunk.seq.prompt_token_ids
-            targets = prompt[chunk.start + 1 : chunk.start + chunk.num_tokens + 1]
-            rows = logits[row : row + len(targets)]
-            seq.request.prompt_logprobs.extend(
-                logprobs_of(rows, targets, seq.params.prompt_logprobs))
+            seq, recorded = chunk.seq, chunk.seq.request.prompt_logprobs
+            targets = seq.prompt_token_ids[chunk.start + 1 : chunk.start + chunk.num_tokens + 1]
+            new = len(recorded) - 1 - chunk.start  # a recomputed (preempted) prompt is not scored twice
+            if new < len(targets):
+                rows = logits[row + max(new, 0) : row + len(targets)]
+                recorded.extend(logprobs_of(rows, targets[max(new, 0):], seq.params.prompt_logprobs))
             row += chunk.num_tokens
             keep.extend([row - 1] if chunk.completes_sequence else [])
         return logits[torch.tensor(keep, dtype=torch.long)]

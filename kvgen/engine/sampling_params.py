@@ -6,6 +6,7 @@ import math
 import numbers
 from dataclasses import dataclass, field, replace
 
+from kvgen.cache.policies import CachePolicy
 from kvgen.errors import InvalidRequestError
 
 
@@ -65,6 +66,10 @@ class SamplingParams:
                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+               f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}")
+        _check(isinstance(self.kv_policy, str), f"kv_policy must be a string, got {self.kv_policy!r}")
+        CachePolicy.parse(self.kv_policy)
 
     @property
     def greedy(self) -> bool:

@@ -104,7 +104,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.kv.find_cached_prefix(seq.token_ids) if seq.policy.shares_prefixes else []
+            reuse = seq.may_reuse_cached_prefix
+            cached = self.kv.find_cached_prefix(seq.token_ids, seq.policy.prefix_key) if reuse else []
             num_cached = len(cached) * self.kv.block_size
             num_tokens = self._chunk_size(seq, num_cached, budget)
             if not self.kv.allocate(seq.seq_id, seq.token_ids, num_tokens, cached_prefix=cached):

@@ -86,6 +86,12 @@ class Sequence:
         self._pending_text = ""  # text held back because it might be the start of a stop string
 
     @property
+    def may_reuse_cached_prefix(self) -> bool:
+        """Cached prefix blocks skip computing their tokens: fine unless the policy keys differ or the
+        request wants every prompt token scored."""
+        return self.policy.shares_prefixes and self.params.prompt_logprobs is None
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

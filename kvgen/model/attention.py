@@ -131,12 +131,15 @@ class PagedMetadata:
     """Everything a layer needs to read and write the block pool for one step; built once per step.
 
     slot_mapping [T]: pool slot where each token's K/V are written (padding tokens -> scratch slot)
-    out_index    [T]: row of each token's output in the concatenated outputs of the groups
+    out_index    [T]: row of each token's output in the concatenated outputs of the groups, or None
+                      when they are already in order (a step of decodes only)
+    padded_queries:   whether some group has padding queries (which read a zero row past the batch)
     """
 
     slot_mapping: torch.Tensor
     groups: list[PagedGroup]
-    out_index: torch.Tensor
+    out_index: torch.Tensor | None
+    padded_queries: bool = True
 
 
 class PagedKVCache:
@@ -186,10 +189,11 @@ class PagedAttention(Attention):
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
         k_pool.index_copy_(0, self.meta.slot_mapping, k)
         v_pool.index_copy_(0, self.meta.slot_mapping, v)
-        q_padded = torch.cat((q, q.new_zeros(1, *q.shape[1:])))  # row T is the padding query
+        if self.meta.padded_queries:
+            q = torch.cat((q, q.new_zeros(1, *q.shape[1:])))  # row T is the padding query
         outputs = []
         for group in self.meta.groups:
-            queries, keys = q_padded[group.token_index], k_pool[group.kv_slots]
+            queries, keys = q[group.token_index], k_pool[group.kv_slots]
             if group.key_rotation is not None:
                 keys = apply_rope(keys, *group.key_rotation)
             if group.score_rows is not None:
@@ -197,7 +201,8 @@ class PagedAttention(Attention):
                 group.scores += attention_weights(queries[rows], keys[rows], group.mask[rows], group.query_valid)
             out = sdpa(queries, keys, v_pool[group.kv_slots], group.mask, causal=False)
             outputs.append(out.reshape(-1, *q.shape[1:]))
-        return torch.cat(outputs)[self.meta.out_index] if len(outputs) > 1 else outputs[0][self.meta.out_index]
+        out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        return out if self.meta.out_index is None else out[self.meta.out_index]
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, query_valid: torch.Tensor) -> torch.Tensor:

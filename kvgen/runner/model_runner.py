@@ -118,10 +118,12 @@ class ModelRunner:
         pad = num_rows - num_real
         token_ids = [t for c in ordered for t in c.seq.token_ids[c.start : c.start + c.num_tokens]] + [0] * pad
         slots = [s for c in ordered for s in self._write_slots(c)] + [self.cache.scratch_slot] * pad
+        decodes_only = not prefills and pad == 0  # outputs already in order, no padding query
         meta = PagedMetadata(
             slot_mapping=torch.tensor(slots, device=self.device),
             groups=groups,
-            out_index=self._padded(out_index, pad),
+            out_index=None if decodes_only else self._padded(out_index, pad),
+            padded_queries=not decodes_only,
         )
         return StepInputs(
             token_ids=torch.tensor(token_ids, device=self.device),
@@ -172,12 +174,14 @@ class ModelRunner:
         return (ids_t[:, :, None] * block_size + offsets).flatten(1), (idx_t[:, :, None] * block_size + offsets).flatten(1)
 
     def _policy_mask(self, policies: list[CachePolicy], q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """[B, Qmax, L]: causal, and inside each sequence's sinks + window."""
+        """[B, Qmax, L]: causal, and inside each sequence's sinks + window. (h2o: heavy hitters lie
+        outside the window, so its keys are limited by eviction, in `_add_heavy_hitters`, instead.)"""
         mask = k_pos[:, None, :] <= q_pos[:, :, None]
-        if all(p.window is None for p in policies):
+        windows = [FAR if p.window is None or p.kind == "h2o" else p.window for p in policies]
+        if all(w == FAR for w in windows):
             return mask
         sinks = torch.tensor([p.sinks for p in policies], device=self.device)[:, None, None]
-        window = torch.tensor([p.window or FAR for p in policies], device=self.device)[:, None, None]
+        window = torch.tensor(windows, device=self.device)[:, None, None]
         recent = k_pos[:, None, :] > q_pos[:, :, None] - window
         return mask & ((k_pos[:, None, :] < sinks) | recent)
 

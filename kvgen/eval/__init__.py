@@ -1,0 +1,1 @@
+"""Evaluation: what the KV cache policies cost in quality (`kvgen eval-ppl`)."""
