@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvgen.model.attention import ContiguousAttention, ContiguousKVCache, NoCacheAttention
+from kvgen.model.linear import RowKernels
 from kvgen.model.llama import LlamaModel
 
 KV_MODES = ("contiguous", "none")
@@ -27,6 +28,7 @@ class DecodeState:
 
     token_ids: list[int] = field(default_factory=list)
     cache: ContiguousKVCache | None = None
+    prompt_len: int = 0  # prompt tokens are computed by GEMM, generated ones by GEMV (see model.linear)
 
 
 def prefill(model: LlamaModel, prompt_token_ids: list[int], kv_cache: str = "contiguous",
@@ -35,7 +37,7 @@ def prefill(model: LlamaModel, prompt_token_ids: list[int], kv_cache: str = "con
     if kv_cache not in KV_MODES:
         raise ValueError(f"kv_cache must be one of {KV_MODES}, not {kv_cache!r}")
     cfg = model.config
-    state = DecodeState(token_ids=list(prompt_token_ids))
+    state = DecodeState(token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids))
     if kv_cache == "contiguous":
         state.cache = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                         max_seq or model.max_positions, model.device, model.dtype)
@@ -60,7 +62,9 @@ def _run(model: LlamaModel, state: DecodeState, start: int) -> torch.Tensor:
         attention = ContiguousAttention(state.cache, start, window)
     new_ids = torch.tensor(state.token_ids[start:], device=model.device)
     positions = torch.arange(start, len(state.token_ids), device=model.device)
-    hidden = model.forward(new_ids, positions, attention)
+    rows = RowKernels.split(len(new_ids), num_gemv_last=max(len(state.token_ids) - max(state.prompt_len, start), 0))
+    hidden = model.forward(new_ids, positions, attention, rows)
     if state.cache is not None:
         state.cache.length = len(state.token_ids)
-    return model.logits(hidden[-1:])[0]
+    last = RowKernels.split(1, num_gemv_last=int(len(state.token_ids) > state.prompt_len))
+    return model.logits(hidden[-1:], last)[0]

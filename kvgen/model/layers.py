@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.config import ModelConfig
+from kvgen.model.linear import RowKernels, linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,10 +22,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: RowKernels) -> torch.Tensor:
     """[T, hidden] -> [T, hidden] with the gate and up projections fused into one matmul."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    gate, up = linear(x, gate_up, None, rows).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down, None, rows)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvgen.config import ModelConfig
 from kvgen.model.attention import Attention
 from kvgen.model.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
+from kvgen.model.linear import RowKernels, linear
 
 
 @dataclass
@@ -49,26 +49,30 @@ class LlamaModel:
     def max_positions(self) -> int:
         return self.rope.max_positions
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
-        """token_ids, positions [T] -> hidden states [T, hidden] after the final norm."""
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
+                rows: RowKernels | None = None) -> torch.Tensor:
+        """token_ids, positions [T] -> hidden states [T, hidden] after the final norm.
+        `rows` says which rows are prompt tokens (GEMM) and which generated ones (GEMV); all prompt
+        tokens by default."""
         cfg = self.config
+        rows = rows or RowKernels.split(len(token_ids))
         x = self.embed[token_ids]
         cos, sin = self.rope.tables(positions)  # [T, 1, D]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
+            q, k, v = linear(h, layer.qkv, layer.qkv_bias, rows).split((q_size, kv_size, kv_size), dim=-1)
             q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             attn = attention(index, q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
-            x = x + F.linear(attn.reshape(-1, q_size), layer.o, layer.o_bias)
+            x = x + linear(attn.reshape(-1, q_size), layer.o, layer.o_bias, rows)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = x + swiglu(h, layer.gate_up, layer.down)
+            x = x + swiglu(h, layer.gate_up, layer.down, rows)
         return rms_norm(x, self.final_norm, cfg.rms_norm_eps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head, None, rows or RowKernels.split(len(hidden))).float()
 
 
 def _layer_weights(w: dict[str, torch.Tensor], i: int, config: ModelConfig) -> LayerWeights:

@@ -21,6 +21,7 @@ import torch
 from kvgen.cache.policies import CachePolicy
 from kvgen.engine.scheduler import ScheduledChunk
 from kvgen.model.attention import PagedAttention, PagedGroup, PagedKVCache, PagedMetadata
+from kvgen.model.linear import RowKernels
 from kvgen.model.llama import LlamaModel
 
 FAR = 1 << 40  # logical position of padding keys: later than any query, so always masked
@@ -32,23 +33,15 @@ class BlockTables(Protocol):
     def block_id(self, seq_id: int, index: int) -> int: ...
 
 
-def batch_invariant_size(num_tokens: int) -> int:
-    """Rows to run for `num_tokens` so that each row's matmul result does not depend on the batch.
-
-    CPU GEMM kernels (MKL) take other code paths for 1-3, 5-7 and 9-11 rows, which round
-    differently; padding to a multiple of 4 below 12 rows keeps every row bit-identical to the
-    same row in any larger batch. A determinism choice: a request's tokens must not depend on
-    what else runs beside it.
-    """
-    return num_tokens if num_tokens >= 12 else -(-num_tokens // 4) * 4
-
-
 @dataclass
 class StepInputs:
-    token_ids: torch.Tensor  # [T] (T >= real tokens: padded)
+    token_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T] RoPE positions
+    rows: RowKernels  # generated tokens (GEMV) first, then prompt tokens (GEMM)
     meta: PagedMetadata
-    logit_rows: torch.Tensor  # [S] rows whose hidden states give logits, in the chunks' given order
+    logit_rows: torch.Tensor  # [S] rows whose hidden states give logits, GEMV-role rows first
+    logit_kernels: RowKernels
+    logit_order: torch.Tensor  # [S] puts the logits back in the chunks' order
     score_targets: list["ScoreTarget"]
 
 
@@ -90,17 +83,22 @@ class ModelRunner:
         """Runs one step; returns fp32 logits in the order of `chunks`: every row of a chunk whose
         seq_id is in `all_logits`, else one row per chunk that completes its sequence."""
         inputs = self.prepare(chunks, all_logits)
-        hidden = self.model.forward(inputs.token_ids, inputs.positions, PagedAttention(self.cache, inputs.meta))
+        attention = PagedAttention(self.cache, inputs.meta)
+        hidden = self.model.forward(inputs.token_ids, inputs.positions, attention, inputs.rows)
         self._accumulate_scores(inputs.score_targets)
-        return self.model.logits(hidden[inputs.logit_rows])
+        logits = self.model.logits(hidden[inputs.logit_rows], inputs.logit_kernels)
+        return logits[inputs.logit_order]
 
     def prepare(self, chunks: list[ScheduledChunk], all_logits: set[int] = frozenset()) -> StepInputs:
-        """Orders the chunks (decodes, then prefills) and builds every tensor of the step."""
+        """Lays out the step's rows and builds every tensor of it.
+
+        Chunks are laid out decodes first, then prefills (one attention group each); then the rows
+        are permuted so that generated tokens (GEMV rows) come before prompt tokens (GEMM rows).
+        """
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
         ordered = decodes + prefills
-        num_real = sum(c.num_tokens for c in ordered)
-        num_rows = batch_invariant_size(num_real)
+        num_rows = sum(c.num_tokens for c in ordered)
         groups: list[PagedGroup] = []
         score_targets: list[ScoreTarget] = []
         out_index, positions = [], []
@@ -115,21 +113,32 @@ class ModelRunner:
                 positions.append(group_pos)
                 first_row += group_out.numel()
                 out_base += group.token_index.numel()
-        pad = num_rows - num_real
-        token_ids = [t for c in ordered for t in c.seq.token_ids[c.start : c.start + c.num_tokens]] + [0] * pad
-        slots = [s for c in ordered for s in self._write_slots(c)] + [self.cache.scratch_slot] * pad
-        decodes_only = not prefills and pad == 0  # outputs already in order, no padding query
+        generated = [c.start + i >= len(c.seq.prompt_token_ids) for c in ordered for i in range(c.num_tokens)]
+        perm = [r for r in range(num_rows) if generated[r]] + [r for r in range(num_rows) if not generated[r]]
+        inverse = torch.empty(num_rows + 1, dtype=torch.long, device=self.device)  # + the padding query row
+        inverse[torch.tensor(perm + [num_rows], device=self.device)] = torch.arange(num_rows + 1, device=self.device)
+        for group in groups:
+            group.token_index = inverse[group.token_index]
+        token_ids = [t for c in ordered for t in c.seq.token_ids[c.start : c.start + c.num_tokens]]
+        slots = [s for c in ordered for s in self._write_slots(c)]
+        perm_t = torch.tensor(perm, device=self.device)
+        in_order = perm == sorted(perm) and not prefills  # a step of decodes only: nothing to reorder
         meta = PagedMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device),
+            slot_mapping=torch.tensor(slots, device=self.device)[perm_t],
             groups=groups,
-            out_index=None if decodes_only else self._padded(out_index, pad),
-            padded_queries=not decodes_only,
+            out_index=None if in_order else torch.cat(out_index)[perm_t],
+            padded_queries=bool(prefills),
         )
+        old_rows = _logit_rows(chunks, ordered, all_logits)
+        by_kernel = sorted(range(len(old_rows)), key=lambda i: not generated[old_rows[i]])  # GEMV rows first
         return StepInputs(
-            token_ids=torch.tensor(token_ids, device=self.device),
-            positions=self._padded(positions, pad),
+            token_ids=torch.tensor(token_ids, device=self.device)[perm_t],
+            positions=torch.cat(positions)[perm_t],
+            rows=RowKernels.split(num_rows, num_gemv_first=sum(generated)),
             meta=meta,
-            logit_rows=torch.tensor(_logit_rows(chunks, ordered, all_logits), device=self.device, dtype=torch.long),
+            logit_rows=inverse[torch.tensor([old_rows[i] for i in by_kernel], dtype=torch.long, device=self.device)],
+            logit_kernels=RowKernels.split(len(old_rows), num_gemv_first=sum(generated[r] for r in old_rows)),
+            logit_order=torch.tensor(by_kernel, device=self.device).argsort(),
             score_targets=score_targets,
         )
 
@@ -264,9 +273,6 @@ class ModelRunner:
         block_size, block_id = self.cache.block_size, self.block_tables.block_id
         return [block_id(c.seq.seq_id, p // block_size) * block_size + p % block_size
                 for p in range(c.start, c.start + c.num_tokens)]
-
-    def _padded(self, parts: list[torch.Tensor], pad: int) -> torch.Tensor:
-        return torch.cat(parts + [torch.zeros(pad, device=self.device, dtype=torch.long)])
 
 
 def _logit_rows(chunks: list[ScheduledChunk], ordered: list[ScheduledChunk], all_logits: set[int]) -> list[int]:
