@@ -1,5 +1,7 @@
 """kvgen: an LLM inference engine that shows what its KV cache is doing."""
 
+import kvgen.threads  # noqa: F401  (first: thread settings must precede loading torch and numpy)
+
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import CompletionOutput, RequestOutput
 from kvgen.errors import InvalidRequestError, KVGenError, ModelLoadError

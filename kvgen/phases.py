@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvgen.model.attention import ContiguousAttention, ContiguousKVCache, NoCacheAttention
-from kvgen.model.linear import RowKernels
+from kvgen.model.linear import RowKernels, blas_owns_the_cores
 from kvgen.model.llama import LlamaModel
 
 KV_MODES = ("contiguous", "none")
@@ -63,8 +63,10 @@ def _run(model: LlamaModel, state: DecodeState, start: int) -> torch.Tensor:
     new_ids = torch.tensor(state.token_ids[start:], device=model.device)
     positions = torch.arange(start, len(state.token_ids), device=model.device)
     rows = RowKernels.split(len(new_ids), num_gemv_last=max(len(state.token_ids) - max(state.prompt_len, start), 0))
-    hidden = model.forward(new_ids, positions, attention, rows)
+    last = RowKernels.split(1, num_gemv_last=int(len(state.token_ids) > state.prompt_len))
+    with blas_owns_the_cores(model.device, model.dtype, gemv_only=not rows.gemm):
+        hidden = model.forward(new_ids, positions, attention, rows)
+        logits = model.logits(hidden[-1:], last)[0]
     if state.cache is not None:
         state.cache.length = len(state.token_ids)
-    last = RowKernels.split(1, num_gemv_last=int(len(state.token_ids) > state.prompt_len))
-    return model.logits(hidden[-1:], last)[0]
+    return logits

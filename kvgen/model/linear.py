@@ -16,15 +16,40 @@ differently.) Other devices and dtypes use `F.linear` and make no such promise.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvgen.threads import WORKERS_SLEEP
+
 # Many GEMV rows over a large matrix (an LM head) go tile by tile so each tile is read from memory
 # once and then from cache; a tile's GEMV gives the same bits as the whole matrix's.
 GEMV_TILE_BYTES = 4 << 20
+
+
+def uses_blas(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32
+
+
+@contextmanager
+def blas_owns_the_cores(device: torch.device, dtype: torch.dtype, gemv_only: bool) -> Iterator[None]:
+    """Runs torch's own ops (attention, norms) on one thread while the model runs on OpenBLAS, when
+    that is faster: in GEMV-only steps (decode: memory-bound, OpenBLAS's threads do the reading) and
+    whenever idle workers spin (see kvgen.threads), since two spinning pools slow each other down
+    many times over. Prefill steps with sleeping workers keep torch's threads for attention."""
+    if not uses_blas(device, dtype) or (WORKERS_SLEEP and not gemv_only):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)
@@ -44,7 +69,7 @@ class RowKernels:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKernels) -> torch.Tensor:
     """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out], each row by the kernel `rows` assigns it."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    if not uses_blas(x.device, x.dtype):
         return F.linear(x, weight, bias)
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)

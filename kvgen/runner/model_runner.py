@@ -21,7 +21,7 @@ import torch
 from kvgen.cache.policies import CachePolicy
 from kvgen.engine.scheduler import ScheduledChunk
 from kvgen.model.attention import PagedAttention, PagedGroup, PagedKVCache, PagedMetadata
-from kvgen.model.linear import RowKernels
+from kvgen.model.linear import RowKernels, blas_owns_the_cores
 from kvgen.model.llama import LlamaModel
 
 FAR = 1 << 40  # logical position of padding keys: later than any query, so always masked
@@ -84,9 +84,10 @@ class ModelRunner:
         seq_id is in `all_logits`, else one row per chunk that completes its sequence."""
         inputs = self.prepare(chunks, all_logits)
         attention = PagedAttention(self.cache, inputs.meta)
-        hidden = self.model.forward(inputs.token_ids, inputs.positions, attention, inputs.rows)
-        self._accumulate_scores(inputs.score_targets)
-        logits = self.model.logits(hidden[inputs.logit_rows], inputs.logit_kernels)
+        with blas_owns_the_cores(self.model.device, self.model.dtype, gemv_only=not inputs.rows.gemm):
+            hidden = self.model.forward(inputs.token_ids, inputs.positions, attention, inputs.rows)
+            self._accumulate_scores(inputs.score_targets)
+            logits = self.model.logits(hidden[inputs.logit_rows], inputs.logit_kernels)
         return logits[inputs.logit_order]
 
     def prepare(self, chunks: list[ScheduledChunk], all_logits: set[int] = frozenset()) -> StepInputs:
