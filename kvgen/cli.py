@@ -244,21 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--json", action="store_true")
     size.set_defaults(func=cmd_kv_size)
 
-    for register in _optional_commands():
+    for register in _subsystem_commands():
         register(sub, add_engine_options)
     return parser
 
 
-def _optional_commands() -> list[Callable]:
-    """Commands that live with their subsystem (server, benchmarks, evaluation)."""
-    registers = []
-    for module in ("kvgen.server.cli", "kvgen.bench.cli", "kvgen.eval.cli"):
-        try:
-            registers.append(__import__(module, fromlist=["register"]).register)
-        except ModuleNotFoundError as e:
-            if not module.startswith(e.name or "?"):
-                raise
-    return registers
+def _subsystem_commands() -> list[Callable]:
+    """Commands that live with their subsystem; imported here, late, because they build on this module."""
+    from kvgen.bench.cli import register as register_bench
+    from kvgen.eval.cli import register as register_eval
+    from kvgen.server.cli import register as register_serve
+
+    return [register_serve, register_bench, register_eval]
 
 
 def main(argv: list[str] | None = None) -> int:

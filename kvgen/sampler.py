@@ -103,8 +103,13 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row from [B, vocab] probabilities; row i uses generators[i] alone."""
-    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+    """One token per row from [B, vocab] probabilities; row i uses generators[i] alone.
+
+    Draws happen on the CPU (where the per-request generators live), so a seed gives the same
+    tokens whatever device ran the model."""
+    cpu_probs = probs.cpu()
+    drawn = torch.cat([torch.multinomial(cpu_probs[i], 1, generator=g) for i, g in enumerate(generators)])
+    return drawn.to(probs.device)
 
 
 def gather_logprobs(raw: torch.Tensor, token_ids: list[int], rows: list[SamplingRow]) -> list[TokenLogprobs | None]:

@@ -62,11 +62,14 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         """Appends tokens and returns the text they complete (possibly empty)."""
         self.token_ids.extend(token_ids)
-        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        # A character whose first bytes came earlier decodes as U+FFFD until complete: compare without it.
+        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset]).rstrip("\ufffd")
         new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        if not self.tokenizer.decode(self.token_ids[self.read_offset :]).startswith("\ufffd"):
+            self.prefix_offset = self.read_offset  # the next window starts on a character boundary
+        self.read_offset = len(self.token_ids)
         self.text += delta
         return delta

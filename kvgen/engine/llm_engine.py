@@ -155,7 +155,7 @@ class LLMEngine(Engine):
                 recorded.extend(logprobs_of(rows, targets[max(new, 0):], seq.params.prompt_logprobs))
             row += chunk.num_tokens
             keep.extend([row - 1] if chunk.completes_sequence else [])
-        return logits[torch.tensor(keep, dtype=torch.long)]
+        return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
 
     def _sampling_rows(self, sampling: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
         """The sequences to sample for, one logits row each; an n > 1 request forks its completions
