@@ -270,15 +270,6 @@ def test_preemption_with_bounded_policies_is_invisible(loaded):
 LONG = text(60, 60)  # ~110 tokens, well past the windows below
 
 
-def test_full_and_full_share_prefixes(loaded):
-    eng = engine(loaded)
-    first = run_all(eng, [(LONG, greedy("full", 30))])[0]
-    hits = eng.kv.prefix_hits
-    second = run_all(eng, [(LONG, greedy("full", 30))])[0]
-    assert eng.kv.prefix_hits > hits
-    assert_same([second], [first])
-
-
 @pytest.mark.parametrize("first, then", [("full", "window:40"), ("window:40", "full"), ("window:40", "window:41")])
 def test_different_windows_do_not_mix_cached_blocks(loaded, first, then):
     """Past token W a window changes every later layer's K/V, so a block computed under one policy must
@@ -289,11 +280,12 @@ def test_different_windows_do_not_mix_cached_blocks(loaded, first, then):
     assert_same(warm, run_all(engine(loaded), [(LONG, greedy(then, 30))]), tol=1e-4)
 
 
-def test_same_window_shares_prefixes(loaded):
+@pytest.mark.parametrize("policy", ["full", "window:40"])
+def test_same_policy_shares_prefixes(loaded, policy):
     eng = engine(loaded)
-    first = run_all(eng, [(LONG, greedy("window:40", 30))])[0]
+    first = run_all(eng, [(LONG, greedy(policy, 30))])[0]
     hits = eng.kv.prefix_hits
-    second = run_all(eng, [(LONG, greedy("window:40", 30))])[0]
+    second = run_all(eng, [(LONG, greedy(policy, 30))])[0]
     assert eng.kv.prefix_hits > hits
     assert_same([second], [first])
 
