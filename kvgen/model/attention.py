@@ -32,11 +32,14 @@ class Attention(ABC):
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
     """q [B, Q, heads, D], k/v [B, L, kv_heads, D], mask [B, 1, Q, L] or None -> [B, Q, heads, D]."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask, is_causal=causal, enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
+    return sdpa_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal).transpose(1, 2)
+
+
+def sdpa_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     causal: bool = False) -> torch.Tensor:
+    """q [B, heads, Q, D], k/v [B, kv_heads, L, D], mask [B, 1, Q, L] or None -> [B, heads, Q, D]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -109,16 +112,17 @@ class PagedGroup:
     """Sequences attended together in one padded SDPA call (the decodes, or the prefill chunks).
 
     token_index [B, Qmax]: row of each query in the step's flat batch (padding -> the zero row T)
-    kv_slots    [B, L]:    pool slot of each key the sequence may read (padding -> the scratch slot)
+    kv_blocks   [B, N]:    pool blocks the sequence reads, in order (padding -> the scratch block);
+                           its L = N * block_size keys are read in that order
     mask        [B, 1, Qmax, L]: True where query i of sequence b may attend to key j
-    key_rotation (cos, sin) [B, L, 1, D] or None: re-rotates cached keys whose RoPE position has
+    key_rotation (cos, sin) [B, 1, L, D] or None: re-rotates cached keys whose RoPE position has
                  moved since they were written (attention sinks rank keys by their place in the cache)
     score_rows  [b] or None: rows whose attention weights are accumulated into `scores` [b, L]
                  (heavy-hitter tracking), with `query_valid` [b, Qmax] marking real queries
     """
 
     token_index: torch.Tensor
-    kv_slots: torch.Tensor
+    kv_blocks: torch.Tensor
     mask: torch.Tensor
     key_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
     score_rows: torch.Tensor | None = None
@@ -143,16 +147,18 @@ class PagedMetadata:
 
 
 class PagedKVCache:
-    """The K/V pools: per layer [num_slots, kv_heads, head_dim], slot = block * block_size + offset.
+    """The K/V pools: per layer [kv_heads, num_slots, head_dim], slot = block * block_size + offset.
 
-    One extra block at the end is scratch space: padding tokens write there and padded keys read
-    from there (always masked out), so the hot path needs no conditionals.
+    Heads come first so that gathering a sequence's blocks yields each head's keys as one run of
+    [L, head_dim], the layout SDPA reads fastest (no transposing copy). One extra block at the end is
+    scratch space: padding tokens write there and padded keys read from there (always masked out),
+    so the hot path needs no conditionals.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype) -> None:
         num_slots = (num_blocks + 1) * block_size
-        shape = (num_slots, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_slots, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.num_blocks = num_blocks
@@ -160,9 +166,24 @@ class PagedKVCache:
         self.scratch_slot = num_blocks * block_size
 
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool of one layer viewed as [num_blocks + 1, block_size, kv_heads, head_dim]."""
-        shape = (-1, self.block_size, *self.k[layer].shape[1:])
+        """The pool of one layer viewed as [kv_heads, num_blocks + 1, block_size, head_dim]."""
+        kv_heads, _, head_dim = self.k[layer].shape
+        shape = (kv_heads, -1, self.block_size, head_dim)
         return self.k[layer].view(shape), self.v[layer].view(shape)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [T, kv_heads, D] stored at slots [T]."""
+        self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
+        self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_ids [B, N] -> keys, values [B, kv_heads, N * block_size, D], one copy each."""
+        batch, length = block_ids.shape[0], block_ids.shape[1] * self.block_size
+        k_blocks, v_blocks = self.blocks(layer)
+        flat = block_ids.flatten()
+        keys = k_blocks.index_select(1, flat).view(k_blocks.shape[0], batch, length, -1).transpose(0, 1)
+        values = v_blocks.index_select(1, flat).view(v_blocks.shape[0], batch, length, -1).transpose(0, 1)
+        return keys, values
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates whole blocks (src -> dst) in every layer."""
@@ -172,7 +193,7 @@ class PagedKVCache:
         dst = torch.tensor([d for _, d in copies], device=self.k[0].device)
         for layer in range(len(self.k)):
             for pool in self.blocks(layer):
-                pool[dst] = pool[src]
+                pool[:, dst] = pool[:, src]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -186,29 +207,28 @@ class PagedAttention(Attention):
         self.meta = meta
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
-        k_pool.index_copy_(0, self.meta.slot_mapping, k)
-        v_pool.index_copy_(0, self.meta.slot_mapping, v)
+        self.cache.write(layer, self.meta.slot_mapping, k, v)
         if self.meta.padded_queries:
             q = torch.cat((q, q.new_zeros(1, *q.shape[1:])))  # row T is the padding query
         outputs = []
         for group in self.meta.groups:
-            queries, keys = q[group.token_index], k_pool[group.kv_slots]
+            queries = q[group.token_index].transpose(1, 2)  # [B, heads, Qmax, D]
+            keys, values = self.cache.gather(layer, group.kv_blocks)
             if group.key_rotation is not None:
                 keys = apply_rope(keys, *group.key_rotation)
             if group.score_rows is not None:
                 rows = group.score_rows
                 group.scores += attention_weights(queries[rows], keys[rows], group.mask[rows], group.query_valid)
-            out = sdpa(queries, keys, v_pool[group.kv_slots], group.mask, causal=False)
-            outputs.append(out.reshape(-1, *q.shape[1:]))
+            out = sdpa_heads_first(queries, keys, values, group.mask)
+            outputs.append(out.transpose(1, 2).reshape(-1, *q.shape[1:]))
         out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         return out if self.meta.out_index is None else out[self.meta.out_index]
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, query_valid: torch.Tensor) -> torch.Tensor:
-    """q [b, Q, heads, D], k [b, L, kv_heads, D], mask [b, 1, Q, L] -> [b, L]: softmax weights each key
+    """q [b, heads, Q, D], k [b, kv_heads, L, D], mask [b, 1, Q, L] -> [b, L]: softmax weights each key
     received, summed over heads and real queries (what heavy-hitter eviction ranks keys by)."""
-    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    logits = torch.einsum("bqhd,blhd->bhql", q.float(), k.float()) / q.shape[-1] ** 0.5
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    logits = torch.einsum("bhqd,bhld->bhql", q.float(), k.float()) / q.shape[-1] ** 0.5
     weights = logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)  # [b, heads, Q, L]
     return (weights * query_valid[:, None, :, None]).sum(dim=(1, 2))

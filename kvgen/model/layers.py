@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.config import ModelConfig
-from kvgen.model.linear import RowKernels, linear
+from kvgen.model.linear import Linear, RowKernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,10 +22,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: RowKernels) -> torch.Tensor:
+def swiglu(x: torch.Tensor, gate_up: Linear, down: Linear, rows: RowKernels | None) -> torch.Tensor:
     """[T, hidden] -> [T, hidden] with the gate and up projections fused into one matmul."""
-    gate, up = linear(x, gate_up, None, rows).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, down, None, rows)
+    gate, up = gate_up(x, rows).chunk(2, dim=-1)
+    return down(F.silu(gate) * up, rows)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

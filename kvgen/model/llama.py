@@ -13,7 +13,7 @@ import torch
 from kvgen.config import ModelConfig
 from kvgen.model.attention import Attention
 from kvgen.model.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
-from kvgen.model.linear import RowKernels, linear
+from kvgen.model.linear import Linear, RowKernels, make_linear
 
 
 @dataclass
@@ -21,13 +21,11 @@ class LayerWeights:
     """One decoder layer, with q/k/v and gate/up fused so each is a single matmul."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * D, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, heads * D]
-    o_bias: torch.Tensor | None
+    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * D, with the q/k/v biases if the family has them
+    o: Linear  # heads * D -> hidden
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
 
 
 class LlamaModel:
@@ -42,7 +40,7 @@ class LlamaModel:
         self.embed = w["model.embed_tokens.weight"]
         self.layers = [_layer_weights(w, i, config) for i in range(config.num_layers)]
         self.final_norm = w["model.norm.weight"]
-        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head = make_linear(self.embed if config.tie_word_embeddings else w["lm_head.weight"])
         self.rope = RotaryEmbedding(config, config.max_position_embeddings, self.device, dtype)
 
     @property
@@ -52,27 +50,25 @@ class LlamaModel:
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
                 rows: RowKernels | None = None) -> torch.Tensor:
         """token_ids, positions [T] -> hidden states [T, hidden] after the final norm.
-        `rows` says which rows are prompt tokens (GEMM) and which generated ones (GEMV); all prompt
-        tokens by default."""
+        `rows`, if given, fixes each row's matmul kernel by its role (see kvgen.model.linear)."""
         cfg = self.config
-        rows = rows or RowKernels.split(len(token_ids))
         x = self.embed[token_ids]
         cos, sin = self.rope.tables(positions)  # [T, 1, D]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = linear(h, layer.qkv, layer.qkv_bias, rows).split((q_size, kv_size, kv_size), dim=-1)
+            q, k, v = layer.qkv(h, rows).split((q_size, kv_size, kv_size), dim=-1)
             q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             attn = attention(index, q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
-            x = x + linear(attn.reshape(-1, q_size), layer.o, layer.o_bias, rows)
+            x = x + layer.o(attn.reshape(-1, q_size), rows)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             x = x + swiglu(h, layer.gate_up, layer.down, rows)
         return rms_norm(x, self.final_norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""
-        return linear(hidden, self.lm_head, None, rows or RowKernels.split(len(hidden))).float()
+        return self.lm_head(hidden, rows).float()
 
 
 def _layer_weights(w: dict[str, torch.Tensor], i: int, config: ModelConfig) -> LayerWeights:
@@ -83,11 +79,9 @@ def _layer_weights(w: dict[str, torch.Tensor], i: int, config: ModelConfig) -> L
         qkv_bias = torch.cat([w[attn + n + "_proj.bias"] for n in ("q", "k", "v")])
     return LayerWeights(
         input_norm=w[p + "input_layernorm.weight"],
-        qkv=torch.cat([w[attn + n + "_proj.weight"] for n in ("q", "k", "v")]),
-        qkv_bias=qkv_bias,
-        o=w[attn + "o_proj.weight"],
-        o_bias=w.get(attn + "o_proj.bias") if config.o_bias else None,
+        qkv=make_linear(torch.cat([w[attn + n + "_proj.weight"] for n in ("q", "k", "v")]), qkv_bias),
+        o=make_linear(w[attn + "o_proj.weight"], w.get(attn + "o_proj.bias") if config.o_bias else None),
         post_norm=w[p + "post_attention_layernorm.weight"],
-        gate_up=torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]),
-        down=w[mlp + "down_proj.weight"],
+        gate_up=make_linear(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])),
+        down=make_linear(w[mlp + "down_proj.weight"]),
     )

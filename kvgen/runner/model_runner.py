@@ -6,6 +6,9 @@ The flat batch puts decode tokens first, then prefill chunks:
     groups       decodes: 3 x 1 query          prefills: 2 x 4 queries (padded); one SDPA call each
     slots      where each token's K/V go: block_table[pos // block_size] * block_size + pos % block_size
 
+Decodes are sorted by how many blocks they read and cut into groups of similar length, so that
+padding every sequence of a group to its longest costs little.
+
 Each sequence reads only the blocks its cache policy still holds (null entries are skipped), so a
 bounded cache costs the same per token however long the text grows. Per-step metadata is built
 once here and shared by every layer.
@@ -21,7 +24,7 @@ import torch
 from kvgen.cache.policies import CachePolicy
 from kvgen.engine.scheduler import ScheduledChunk
 from kvgen.model.attention import PagedAttention, PagedGroup, PagedKVCache, PagedMetadata
-from kvgen.model.linear import RowKernels, blas_owns_the_cores
+from kvgen.model.linear import blas_owns_the_cores
 from kvgen.model.llama import LlamaModel
 
 FAR = 1 << 40  # logical position of padding keys: later than any query, so always masked
@@ -37,11 +40,8 @@ class BlockTables(Protocol):
 class StepInputs:
     token_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T] RoPE positions
-    rows: RowKernels  # generated tokens (GEMV) first, then prompt tokens (GEMM)
     meta: PagedMetadata
-    logit_rows: torch.Tensor  # [S] rows whose hidden states give logits, GEMV-role rows first
-    logit_kernels: RowKernels
-    logit_order: torch.Tensor  # [S] puts the logits back in the chunks' order
+    logit_rows: torch.Tensor  # [S] rows whose hidden states give logits, in the chunks' order
     score_targets: list["ScoreTarget"]
 
 
@@ -84,29 +84,28 @@ class ModelRunner:
         seq_id is in `all_logits`, else one row per chunk that completes its sequence."""
         inputs = self.prepare(chunks, all_logits)
         attention = PagedAttention(self.cache, inputs.meta)
-        with blas_owns_the_cores(self.model.device, self.model.dtype, gemv_only=not inputs.rows.gemm):
-            hidden = self.model.forward(inputs.token_ids, inputs.positions, attention, inputs.rows)
+        with blas_owns_the_cores(self.model.device, self.model.dtype, gemv_only=len(inputs.token_ids) == 1):
+            hidden = self.model.forward(inputs.token_ids, inputs.positions, attention)
             self._accumulate_scores(inputs.score_targets)
-            logits = self.model.logits(hidden[inputs.logit_rows], inputs.logit_kernels)
-        return logits[inputs.logit_order]
+            return self.model.logits(hidden[inputs.logit_rows])
 
     def prepare(self, chunks: list[ScheduledChunk], all_logits: set[int] = frozenset()) -> StepInputs:
         """Lays out the step's rows and builds every tensor of it.
 
-        Chunks are laid out decodes first, then prefills (one attention group each); then the rows
-        are permuted so that generated tokens (GEMV rows) come before prompt tokens (GEMM rows).
+        Chunks are laid out decodes first (in groups of similar length), then prefills (one group).
         """
-        decodes = [c for c in chunks if c.num_tokens == 1]
+        reads = {c.seq.seq_id: self._blocks_read(c) for c in chunks}
+        decode_groups = _similar_lengths([c for c in chunks if c.num_tokens == 1], reads)
         prefills = [c for c in chunks if c.num_tokens > 1]
-        ordered = decodes + prefills
+        ordered = [c for group in decode_groups for c in group] + prefills
         num_rows = sum(c.num_tokens for c in ordered)
         groups: list[PagedGroup] = []
         score_targets: list[ScoreTarget] = []
         out_index, positions = [], []
         first_row, out_base = 0, 0
-        for group_chunks in (decodes, prefills):
+        for group_chunks in (*decode_groups, prefills):
             if group_chunks:
-                group, group_out, group_pos, target = self._group(group_chunks, first_row, num_rows, out_base)
+                group, group_out, group_pos, target = self._group(group_chunks, reads, first_row, num_rows, out_base)
                 groups.append(group)
                 if target is not None:
                     score_targets.append(target)
@@ -114,37 +113,24 @@ class ModelRunner:
                 positions.append(group_pos)
                 first_row += group_out.numel()
                 out_base += group.token_index.numel()
-        generated = [c.start + i >= len(c.seq.prompt_token_ids) for c in ordered for i in range(c.num_tokens)]
-        perm = [r for r in range(num_rows) if generated[r]] + [r for r in range(num_rows) if not generated[r]]
-        inverse = torch.empty(num_rows + 1, dtype=torch.long, device=self.device)  # + the padding query row
-        inverse[torch.tensor(perm + [num_rows], device=self.device)] = torch.arange(num_rows + 1, device=self.device)
-        for group in groups:
-            group.token_index = inverse[group.token_index]
         token_ids = [t for c in ordered for t in c.seq.token_ids[c.start : c.start + c.num_tokens]]
         slots = [s for c in ordered for s in self._write_slots(c)]
-        perm_t = torch.tensor(perm, device=self.device)
-        in_order = perm == sorted(perm) and not prefills  # a step of decodes only: nothing to reorder
         meta = PagedMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device)[perm_t],
+            slot_mapping=torch.tensor(slots, device=self.device),
             groups=groups,
-            out_index=None if in_order else torch.cat(out_index)[perm_t],
+            out_index=torch.cat(out_index) if prefills else None,  # decodes only: outputs already in order
             padded_queries=bool(prefills),
         )
-        old_rows = _logit_rows(chunks, ordered, all_logits)
-        by_kernel = sorted(range(len(old_rows)), key=lambda i: not generated[old_rows[i]])  # GEMV rows first
         return StepInputs(
-            token_ids=torch.tensor(token_ids, device=self.device)[perm_t],
-            positions=torch.cat(positions)[perm_t],
-            rows=RowKernels.split(num_rows, num_gemv_first=sum(generated)),
+            token_ids=torch.tensor(token_ids, device=self.device),
+            positions=torch.cat(positions),
             meta=meta,
-            logit_rows=inverse[torch.tensor([old_rows[i] for i in by_kernel], dtype=torch.long, device=self.device)],
-            logit_kernels=RowKernels.split(len(old_rows), num_gemv_first=sum(generated[r] for r in old_rows)),
-            logit_order=torch.tensor(by_kernel, device=self.device).argsort(),
+            logit_rows=torch.tensor(_logit_rows(chunks, ordered, all_logits), dtype=torch.long, device=self.device),
             score_targets=score_targets,
         )
 
-    def _group(self, chunks: list[ScheduledChunk], first_row: int, num_rows: int,
-               out_base: int) -> tuple[PagedGroup, torch.Tensor, torch.Tensor, ScoreTarget | None]:
+    def _group(self, chunks: list[ScheduledChunk], reads: dict[int, list[tuple[int, int]]], first_row: int,
+               num_rows: int, out_base: int) -> tuple[PagedGroup, torch.Tensor, torch.Tensor, ScoreTarget | None]:
         """One SDPA group: queries padded to [B, Qmax], keys read through the live blocks [B, L]."""
         device = self.device
         n = torch.tensor([c.num_tokens for c in chunks], device=device)  # [B]
@@ -155,33 +141,33 @@ class ModelRunner:
         rows = first_row + torch.cumsum(n, 0)[:, None] - n[:, None] + i[None, :]
         token_index = torch.where(is_query, rows, num_rows)  # row num_rows is the zero query
         q_pos = start[:, None] + i[None, :]  # [B, Qmax] token indices
-        kv_slots, k_pos = self._live_keys(chunks)  # [B, L] each
+        kv_blocks, k_pos = self._live_keys([reads[c.seq.seq_id] for c in chunks])  # [B, N], [B, L]
         policies = [c.seq.policy for c in chunks]
         mask = self._policy_mask(policies, q_pos, k_pos)  # [B, Qmax, L]
         mask &= is_query[:, :, None]
         mask[:, :, 0] |= ~is_query  # padding queries look at one key, so no row is all -inf
-        group = PagedGroup(token_index, kv_slots, mask[:, None])
+        group = PagedGroup(token_index, kv_blocks, mask[:, None])
         self._add_sink_rotation(group, policies, q_pos[:, 0] + n - 1, k_pos)
         target = self._add_heavy_hitters(group, chunks, k_pos, is_query)
         out_index = (out_base + torch.arange(len(chunks), device=device)[:, None] * q_max + i[None, :])[is_query]
         return group, out_index, self._rope_positions(policies, q_pos)[is_query], target
 
-    def _live_keys(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool slots [B, L] of the blocks each sequence still holds, and their token indices [B, L].
+    def _blocks_read(self, c: ScheduledChunk) -> list[tuple[int, int]]:
+        """(block index, block id) of every block the chunk's queries read: those its sequence still
+        holds, up to the one of its last token."""
+        needed = -(-(c.start + c.num_tokens) // self.cache.block_size)
+        return [(i, b) for i, b in self.block_tables.live_blocks(c.seq.seq_id) if i < needed]
+
+    def _live_keys(self, reads: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ids [B, N] each sequence reads, and the token index of each key [B, N * block_size].
         Rows are padded with the scratch block at position FAR."""
         block_size, scratch = self.cache.block_size, self.cache.num_blocks
-        ids, indices = [], []
-        for c in chunks:
-            needed = -(-(c.start + c.num_tokens) // block_size)
-            live = self.block_tables.live_blocks(c.seq.seq_id)
-            ids.append([b for i, b in live if i < needed])
-            indices.append([i for i, _ in live if i < needed])
-        width = max(len(row) for row in ids)
+        width = max(len(r) for r in reads)
         far_block = FAR // block_size
-        ids_t = torch.tensor([row + [scratch] * (width - len(row)) for row in ids], device=self.device)
-        idx_t = torch.tensor([row + [far_block] * (width - len(row)) for row in indices], device=self.device)
+        ids_t = torch.tensor([[b for _, b in r] + [scratch] * (width - len(r)) for r in reads], device=self.device)
+        idx_t = torch.tensor([[i for i, _ in r] + [far_block] * (width - len(r)) for r in reads], device=self.device)
         offsets = torch.arange(block_size, device=self.device)
-        return (ids_t[:, :, None] * block_size + offsets).flatten(1), (idx_t[:, :, None] * block_size + offsets).flatten(1)
+        return ids_t, (idx_t[:, :, None] * block_size + offsets).flatten(1)
 
     def _policy_mask(self, policies: list[CachePolicy], q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """[B, Qmax, L]: causal, and inside each sequence's sinks + window. (h2o: heavy hitters lie
@@ -216,7 +202,7 @@ class ModelRunner:
         rank_now = torch.where(k_pos < sinks, k_pos, sinks + k_pos - first_recent)
         delta = torch.where(is_sinks, rank_now - rank_then, 0).clamp(-(self.model.max_positions - 1), 0)
         cos, sin = self.model.rope.tables(-delta)  # [B, L, 1, D]; rotating by -x flips sin
-        group.key_rotation = (cos, -sin)
+        group.key_rotation = (cos.transpose(1, 2), -sin.transpose(1, 2))  # [B, 1, L, D]: keys are heads-first
 
     def _add_heavy_hitters(self, group: PagedGroup, chunks: list[ScheduledChunk], k_pos: torch.Tensor,
                            is_query: torch.Tensor) -> ScoreTarget | None:
@@ -274,6 +260,21 @@ class ModelRunner:
         block_size, block_id = self.cache.block_size, self.block_tables.block_id
         return [block_id(c.seq.seq_id, p // block_size) * block_size + p % block_size
                 for p in range(c.start, c.start + c.num_tokens)]
+
+
+def _similar_lengths(decodes: list[ScheduledChunk], reads: dict[int, list[tuple[int, int]]],
+                     min_fill: float = 0.75) -> list[list[ScheduledChunk]]:
+    """Decodes sorted longest first and cut where a sequence would read less than `min_fill` of its
+    group's longest, so padding wastes at most a quarter of a group's gathered keys."""
+    groups: list[list[ScheduledChunk]] = []
+    longest = 0
+    for c in sorted(decodes, key=lambda c: -len(reads[c.seq.seq_id])):
+        width = len(reads[c.seq.seq_id])
+        if not groups or width < min_fill * longest:
+            groups.append([])
+            longest = width
+        groups[-1].append(c)
+    return groups
 
 
 def _logit_rows(chunks: list[ScheduledChunk], ordered: list[ScheduledChunk], all_logits: set[int]) -> list[int]:
