@@ -16,8 +16,9 @@ once here and shared by every layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -28,6 +29,7 @@ from kvgen.model.linear import blas_owns_the_cores
 from kvgen.model.llama import LlamaModel
 
 FAR = 1 << 40  # logical position of padding keys: later than any query, so always masked
+T = TypeVar("T")
 
 
 class BlockTables(Protocol):
@@ -95,7 +97,7 @@ class ModelRunner:
         Chunks are laid out decodes first (in groups of similar length), then prefills (one group).
         """
         reads = {c.seq.seq_id: self._blocks_read(c) for c in chunks}
-        decode_groups = _similar_lengths([c for c in chunks if c.num_tokens == 1], reads)
+        decode_groups = similar_lengths([c for c in chunks if c.num_tokens == 1], lambda c: len(reads[c.seq.seq_id]))
         prefills = [c for c in chunks if c.num_tokens > 1]
         ordered = [c for group in decode_groups for c in group] + prefills
         num_rows = sum(c.num_tokens for c in ordered)
@@ -262,18 +264,17 @@ class ModelRunner:
                 for p in range(c.start, c.start + c.num_tokens)]
 
 
-def _similar_lengths(decodes: list[ScheduledChunk], reads: dict[int, list[tuple[int, int]]],
-                     min_fill: float = 0.75) -> list[list[ScheduledChunk]]:
-    """Decodes sorted longest first and cut where a sequence would read less than `min_fill` of its
-    group's longest, so padding wastes at most a quarter of a group's gathered keys."""
-    groups: list[list[ScheduledChunk]] = []
+def similar_lengths(items: list[T], length: Callable[[T], int], min_fill: float = 0.75) -> list[list[T]]:
+    """Items sorted longest first and cut where one is shorter than `min_fill` of its group's longest:
+    padding each group to its longest then wastes at most 1 - min_fill of it. (Each group costs an
+    attention call per layer, so groups are not cut finer.)"""
+    groups: list[list[T]] = []
     longest = 0
-    for c in sorted(decodes, key=lambda c: -len(reads[c.seq.seq_id])):
-        width = len(reads[c.seq.seq_id])
-        if not groups or width < min_fill * longest:
+    for item in sorted(items, key=length, reverse=True):
+        if not groups or length(item) < min_fill * longest:
             groups.append([])
-            longest = width
-        groups[-1].append(c)
+            longest = length(item)
+        groups[-1].append(item)
     return groups
 
 

@@ -1,0 +1,47 @@
+"""Linear kernels: each backend computes x @ W^T + b, and role-fixed rows do not depend on the batch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvgen.model.linear import BlasLinear, OneDnnLinear, RowKernels, TorchLinear, make_linear
+
+torch.manual_seed(0)
+WEIGHT, BIAS = torch.randn(96, 64), torch.randn(96)
+
+
+def test_fp32_on_the_cpu_goes_through_blas_and_matches_f_linear():
+    linear = make_linear(WEIGHT, BIAS)
+    assert isinstance(linear, BlasLinear)
+    for rows in (1, 2, 7, 64):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(linear(x), F.linear(x, WEIGHT, BIAS), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_on_the_cpu_uses_packed_onednn_weights_and_matches_f_linear():
+    linear = make_linear(WEIGHT.bfloat16(), BIAS.bfloat16())
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert isinstance(linear, TorchLinear)
+        pytest.skip("this CPU has no native bf16: F.linear is used")
+    assert isinstance(linear, OneDnnLinear)
+    for rows in (1, 3, 64):
+        x = torch.randn(rows, 64).bfloat16()
+        torch.testing.assert_close(linear(x).float(), F.linear(x, WEIGHT.bfloat16(), BIAS.bfloat16()).float(),
+                                   rtol=1e-2, atol=1e-2)
+
+
+def test_other_dtypes_use_f_linear():
+    assert isinstance(make_linear(WEIGHT.half()), TorchLinear)
+
+
+def test_role_kernels_give_a_row_the_same_bits_whatever_runs_beside_it():
+    """What `none` == `contiguous` rests on: a prompt row (GEMM) and a generated row (GEMV) come out
+    bit-identical in a batch of 2 or of 9 rows."""
+    linear = make_linear(WEIGHT)
+    x = torch.randn(9, 64)
+    small = linear(torch.cat((x[:2], x[8:])), RowKernels.split(3, num_gemv_last=1))
+    large = linear(x, RowKernels.split(9, num_gemv_last=1))
+    assert torch.equal(small[:2], large[:2])  # GEMM rows: 2 vs 8 of them
+    assert torch.equal(small[2], large[8])  # the generated row: one GEMV either way
+    padded = linear(x[:1], RowKernels.split(1))  # a lone prompt row is padded to a 2-row GEMM
+    assert torch.equal(padded[0], small[0])
