@@ -59,7 +59,8 @@ class LLM:
         self.engine = build_engine(load(model, self.config, tokenizer), self.config)
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Runs every prompt through the engine; outputs come back in prompt order."""
         prompt_list = _as_prompt_list(prompts)

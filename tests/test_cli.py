@@ -224,7 +224,8 @@ def test_kv_size_json(capsys, llama70b):
 
 def test_kv_size_of_stories260k(capsys, stories_dir):
     # 5 layers x 4 KV heads x head_dim 8, K and V, fp16: 640 bytes per token, whatever the file format
-    for argv in (["kv-size"], ["kv-size", stories_dir / "stories260K.bin"], ["kv-size", stories_dir / "stories260K.gguf"]):
+    for model in ([], [stories_dir / "stories260K.bin"], [stories_dir / "stories260K.gguf"]):
+        argv = ["kv-size", *model]
         code, out, err = run(capsys, *argv, "--json")
         assert code == 0, err
         assert json.loads(out)["bytes_per_token"] == 640

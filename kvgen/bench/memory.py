@@ -19,7 +19,8 @@ from kvgen.engine.sampling_params import SamplingParams
 def measure(engine: LLMEngine, requests: list[BenchRequest]) -> dict:
     """Runs the requests together; returns token, slot and utilization totals over all steps."""
     for i, r in enumerate(requests):
-        engine.add_request(f"mem-{i}", r.prompt, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
+        engine.add_request(f"mem-{i}", r.prompt, params)
     stored = paged = contiguous = steps = peak_blocks = 0
     while engine.has_unfinished():
         engine.step()

@@ -8,10 +8,11 @@
                   plain layout `F.linear` gets.
     TorchLinear   everything else (CUDA, fp16...): `F.linear`.
 
-Batch invariance (fp32 CPU only). By default a step's rows go through one BLAS call: GEMV when it
-has one row, GEMM otherwise, the fastest choice, and a row's low bits then depend on how many rows
-ran with it. A `RowKernels` argument instead fixes each row's kernel by the token's role, never by
-the batch, so results are bit-identical whatever runs alongside (the engine's `batch_invariant`):
+By default a step's rows go through one BLAS call: GEMV for one row, GEMM for more, the fastest
+choice (the engine's batches), and a row's low bits then depend on how many rows ran with it. A
+`RowKernels` argument (fp32 CPU only) instead fixes each row's kernel by the token's role, so a
+row's bits do not depend on the rows beside it; `kvgen.phases` uses it so that recomputing the
+whole sequence (`none`) gives exactly what the contiguous cache gives:
 
     prompt tokens      one GEMM over all of them (padded to 2 rows if alone): OpenBLAS's GEMM gives a
                        row the same bits whatever the row count (2 or more)

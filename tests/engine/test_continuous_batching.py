@@ -74,7 +74,8 @@ def test_batching_changes_logprobs_by_rounding_only(loaded):
 
 
 def test_small_pool_preempts_and_results_are_unchanged(loaded):
-    requests = [(t, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)) for t in prompts(12, seed=1, longest=40)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    requests = [(t, params) for t in prompts(12, seed=1, longest=40)]
     tight = engine(loaded, num_kv_blocks=24, block_size=8)  # 192 slots for up to ~12 x 100 tokens
     assert run_all(tight, requests) == alone(loaded, requests)
     assert tight.scheduler.num_preemptions > 0
