@@ -115,24 +115,27 @@ class ContiguousAttention(Attention):
 
 @dataclass
 class PagedGroup:
-    """Sequences attended together in one padded SDPA call (the decodes, or the prefill chunks).
+    """B sequences of Q queries each, attended together in one SDPA call (decodes of similar length,
+    or one prefill chunk), their keys padded to the longest.
 
-    token_index [B, Qmax]: row of each query in the step's flat batch (padding -> the zero row T)
+    first_row              the group's B * Q queries are rows [first_row, first_row + B * Q) of the step
     kv_blocks   [B, N]:    pool blocks the sequence reads, in order (padding -> the scratch block);
                            its L = N * block_size keys are read in that order
-    mask        [B, 1, Qmax, L]: True where query i of sequence b may attend to key j
+    mask        [B, 1, Q, L]: True where query i of sequence b may attend to key j
+    causal                 `mask` is plain causal from position 0 (a prompt's first chunk): SDPA's own
+                           causal mask replaces it and skips the blocks above the diagonal
     key_rotation (cos, sin) [B, 1, L, D] or None: re-rotates cached keys whose RoPE position has
                  moved since they were written (attention sinks rank keys by their place in the cache)
     score_rows  [b] or None: rows whose attention weights are accumulated into `scores` [b, L]
-                 (heavy-hitter tracking), with `query_valid` [b, Qmax] marking real queries
+                 (heavy-hitter tracking)
     """
 
-    token_index: torch.Tensor
+    first_row: int
     kv_blocks: torch.Tensor
     mask: torch.Tensor
+    causal: bool = False
     key_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
     score_rows: torch.Tensor | None = None
-    query_valid: torch.Tensor | None = None
     scores: torch.Tensor | None = None
 
 
@@ -140,16 +143,12 @@ class PagedGroup:
 class PagedMetadata:
     """Everything a layer needs to read and write the block pool for one step; built once per step.
 
-    slot_mapping [T]: pool slot where each token's K/V are written (padding tokens -> scratch slot)
-    out_index    [T]: row of each token's output in the concatenated outputs of the groups, or None
-                      when they are already in order (a step of decodes only)
-    padded_queries:   whether some group has padding queries (which read a zero row past the batch)
+    slot_mapping [T]: pool slot where each token's K/V are written
+    groups:           in row order, so their outputs concatenate into the step's rows
     """
 
     slot_mapping: torch.Tensor
     groups: list[PagedGroup]
-    out_index: torch.Tensor | None
-    padded_queries: bool = True
 
 
 class PagedKVCache:
@@ -157,8 +156,8 @@ class PagedKVCache:
 
     Heads come first so that gathering a sequence's blocks yields each head's keys as one run of
     [L, head_dim], the layout SDPA reads fastest (no transposing copy). One extra block at the end is
-    scratch space: padding tokens write there and padded keys read from there (always masked out),
-    so the hot path needs no conditionals.
+    scratch space: sequences shorter than the longest of their group read it as padding (always
+    masked out), so the hot path needs no conditionals.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -169,7 +168,6 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.scratch_slot = num_blocks * block_size
 
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool of one layer viewed as [kv_heads, num_blocks + 1, block_size, head_dim]."""
@@ -214,27 +212,26 @@ class PagedAttention(Attention):
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.meta.slot_mapping, k, v)
-        if self.meta.padded_queries:
-            q = torch.cat((q, q.new_zeros(1, *q.shape[1:])))  # row T is the padding query
         outputs = []
         for group in self.meta.groups:
-            queries = q[group.token_index].transpose(1, 2)  # [B, heads, Qmax, D]
+            batch, _, num_queries, _ = group.mask.shape
+            rows = q[group.first_row : group.first_row + batch * num_queries]
+            queries = rows.view(batch, num_queries, *q.shape[1:]).transpose(1, 2)  # [B, heads, Q, D]
             keys, values = self.cache.gather(layer, group.kv_blocks)
             if group.key_rotation is not None:
                 keys = apply_rope(keys, *group.key_rotation)
             if group.score_rows is not None:
-                rows = group.score_rows
-                group.scores += attention_weights(queries[rows], keys[rows], group.mask[rows], group.query_valid)
-            out = sdpa_heads_first(queries, keys, values, group.mask)
+                scored = group.score_rows
+                group.scores += attention_weights(queries[scored], keys[scored], group.mask[scored])
+            out = sdpa_heads_first(queries, keys, values, None if group.causal else group.mask, group.causal)
             outputs.append(out.transpose(1, 2).reshape(-1, *q.shape[1:]))
-        out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-        return out if self.meta.out_index is None else out[self.meta.out_index]
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
-def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, query_valid: torch.Tensor) -> torch.Tensor:
+def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [b, heads, Q, D], k [b, kv_heads, L, D], mask [b, 1, Q, L] -> [b, L]: softmax weights each key
-    received, summed over heads and real queries (what heavy-hitter eviction ranks keys by)."""
+    received, summed over heads and queries (what heavy-hitter eviction ranks keys by)."""
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     logits = torch.einsum("bhqd,bhld->bhql", q.float(), k.float()) / q.shape[-1] ** 0.5
     weights = logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)  # [b, heads, Q, L]
-    return (weights * query_valid[:, None, :, None]).sum(dim=(1, 2))
+    return weights.sum(dim=(1, 2))

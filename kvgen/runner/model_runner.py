@@ -2,12 +2,14 @@
 
 The flat batch puts decode tokens first, then prefill chunks:
 
-    rows       [ d0 d1 d2 | p0 p0 p0 p0 p1 p1 | pad ]      T rows, one forward pass
-    groups       decodes: 3 x 1 query          prefills: 2 x 4 queries (padded); one SDPA call each
+    rows       [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]          T rows, one forward pass
+    groups       decodes: 3 x 1 query       prefill 0: 4 queries   prefill 1: 2; one SDPA call each
     slots      where each token's K/V go: block_table[pos // block_size] * block_size + pos % block_size
 
-Decodes are sorted by how many blocks they read and cut into groups of similar length, so that
-padding every sequence of a group to its longest costs little.
+Each group's queries are consecutive rows, so its outputs come back in row order. Decodes are
+sorted by how many blocks they read and cut into groups of similar length, so that padding each
+sequence's keys to the longest of its group costs little; a prompt that starts at position 0
+attends with SDPA's causal mask, which skips the blocks above the diagonal.
 
 Each sequence reads only the blocks its cache policy still holds (null entries are skipped), so a
 bounded cache costs the same per token however long the text grows. Per-step metadata is built
@@ -94,35 +96,27 @@ class ModelRunner:
     def prepare(self, chunks: list[ScheduledChunk], all_logits: set[int] = frozenset()) -> StepInputs:
         """Lays out the step's rows and builds every tensor of it.
 
-        Chunks are laid out decodes first (in groups of similar length), then prefills (one group).
+        Chunks are laid out decodes first (in groups of similar length), then each prefill chunk.
         """
         reads = {c.seq.seq_id: self._blocks_read(c) for c in chunks}
-        decode_groups = similar_lengths([c for c in chunks if c.num_tokens == 1], lambda c: len(reads[c.seq.seq_id]))
-        prefills = [c for c in chunks if c.num_tokens > 1]
-        ordered = [c for group in decode_groups for c in group] + prefills
-        num_rows = sum(c.num_tokens for c in ordered)
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        chunk_groups = [*similar_lengths(decodes, lambda c: len(reads[c.seq.seq_id])),
+                        *([c] for c in chunks if c.num_tokens > 1)]
+        ordered = [c for group in chunk_groups for c in group]
         groups: list[PagedGroup] = []
         score_targets: list[ScoreTarget] = []
-        out_index, positions = [], []
-        first_row, out_base = 0, 0
-        for group_chunks in (*decode_groups, prefills):
-            if group_chunks:
-                group, group_out, group_pos, target = self._group(group_chunks, reads, first_row, num_rows, out_base)
-                groups.append(group)
-                if target is not None:
-                    score_targets.append(target)
-                out_index.append(group_out)
-                positions.append(group_pos)
-                first_row += group_out.numel()
-                out_base += group.token_index.numel()
+        positions = []
+        first_row = 0
+        for group_chunks in chunk_groups:
+            group, group_pos, target = self._group(group_chunks, reads, first_row)
+            groups.append(group)
+            if target is not None:
+                score_targets.append(target)
+            positions.append(group_pos)
+            first_row += group_pos.numel()
         token_ids = [t for c in ordered for t in c.seq.token_ids[c.start : c.start + c.num_tokens]]
         slots = [s for c in ordered for s in self._write_slots(c)]
-        meta = PagedMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device),
-            groups=groups,
-            out_index=torch.cat(out_index) if prefills else None,  # decodes only: outputs already in order
-            padded_queries=bool(prefills),
-        )
+        meta = PagedMetadata(slot_mapping=torch.tensor(slots, device=self.device), groups=groups)
         return StepInputs(
             token_ids=torch.tensor(token_ids, device=self.device),
             positions=torch.cat(positions),
@@ -131,28 +125,22 @@ class ModelRunner:
             score_targets=score_targets,
         )
 
-    def _group(self, chunks: list[ScheduledChunk], reads: dict[int, list[tuple[int, int]]], first_row: int,
-               num_rows: int, out_base: int) -> tuple[PagedGroup, torch.Tensor, torch.Tensor, ScoreTarget | None]:
-        """One SDPA group: queries padded to [B, Qmax], keys read through the live blocks [B, L]."""
+    def _group(self, chunks: list[ScheduledChunk], reads: dict[int, list[tuple[int, int]]],
+               first_row: int) -> tuple[PagedGroup, torch.Tensor, ScoreTarget | None]:
+        """One SDPA group, B chunks of Q tokens each (B decodes, or one prefill chunk): its keys read
+        through the live blocks [B, L]; returns it, the RoPE positions of its rows and its h2o target."""
         device = self.device
-        n = torch.tensor([c.num_tokens for c in chunks], device=device)  # [B]
+        num_queries = chunks[0].num_tokens
         start = torch.tensor([c.start for c in chunks], device=device)  # [B]
-        q_max = int(n.max())
-        i = torch.arange(q_max, device=device)
-        is_query = i[None, :] < n[:, None]  # [B, Qmax]
-        rows = first_row + torch.cumsum(n, 0)[:, None] - n[:, None] + i[None, :]
-        token_index = torch.where(is_query, rows, num_rows)  # row num_rows is the zero query
-        q_pos = start[:, None] + i[None, :]  # [B, Qmax] token indices
+        q_pos = start[:, None] + torch.arange(num_queries, device=device)[None, :]  # [B, Q] token indices
         kv_blocks, k_pos = self._live_keys([reads[c.seq.seq_id] for c in chunks])  # [B, N], [B, L]
         policies = [c.seq.policy for c in chunks]
-        mask = self._policy_mask(policies, q_pos, k_pos)  # [B, Qmax, L]
-        mask &= is_query[:, :, None]
-        mask[:, :, 0] |= ~is_query  # padding queries look at one key, so no row is all -inf
-        group = PagedGroup(token_index, kv_blocks, mask[:, None])
-        self._add_sink_rotation(group, policies, q_pos[:, 0] + n - 1, k_pos)
-        target = self._add_heavy_hitters(group, chunks, k_pos, is_query)
-        out_index = (out_base + torch.arange(len(chunks), device=device)[:, None] * q_max + i[None, :])[is_query]
-        return group, out_index, self._rope_positions(policies, q_pos)[is_query], target
+        mask = self._policy_mask(policies, q_pos, k_pos)  # [B, Q, L]
+        causal = num_queries > 1 and chunks[0].start == 0 and policies[0].kind == "full"
+        group = PagedGroup(first_row, kv_blocks, mask[:, None], causal)
+        self._add_sink_rotation(group, policies, q_pos[:, -1], k_pos)
+        target = self._add_heavy_hitters(group, chunks, k_pos)
+        return group, self._rope_positions(policies, q_pos).flatten(), target
 
     def _blocks_read(self, c: ScheduledChunk) -> list[tuple[int, int]]:
         """(block index, block id) of every block the chunk's queries read: those its sequence still
@@ -206,8 +194,8 @@ class ModelRunner:
         cos, sin = self.model.rope.tables(-delta)  # [B, L, 1, D]; rotating by -x flips sin
         group.key_rotation = (cos.transpose(1, 2), -sin.transpose(1, 2))  # [B, 1, L, D]: keys are heads-first
 
-    def _add_heavy_hitters(self, group: PagedGroup, chunks: list[ScheduledChunk], k_pos: torch.Tensor,
-                           is_query: torch.Tensor) -> ScoreTarget | None:
+    def _add_heavy_hitters(self, group: PagedGroup, chunks: list[ScheduledChunk],
+                           k_pos: torch.Tensor) -> ScoreTarget | None:
         """h2o sequences: mask evicted tokens and collect this step's attention weights."""
         rows = [b for b, c in enumerate(chunks) if c.seq.policy.kind == "h2o"]
         if not rows:
@@ -220,7 +208,6 @@ class ModelRunner:
             positions = k_pos[b].clamp(max=state.evicted.numel() - 1)
             group.mask[b] &= ~(state.evicted[positions] & (k_pos[b] < state.evicted.numel()))
         group.score_rows = torch.tensor(rows, device=self.device)
-        group.query_valid = is_query[group.score_rows].float()
         group.scores = torch.zeros(len(rows), k_pos.shape[1], device=self.device)
         return ScoreTarget(group, [chunks[b].seq.seq_id for b in rows], k_pos[group.score_rows])
 
