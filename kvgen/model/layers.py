@@ -16,16 +16,17 @@ from kvgen.model.linear import Linear, RowKernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """[T, hidden] -> [T, hidden]; statistics in fp32 whatever the input dtype."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """[T, hidden] -> [T, hidden]; statistics in fp32 whatever the input dtype, and (as HF does) the
+    weight applied after casting back. torch's fused kernel gives HF's fp32 result bit for bit."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
 
 def swiglu(x: torch.Tensor, gate_up: Linear, down: Linear, rows: RowKernels | None) -> torch.Tensor:
     """[T, hidden] -> [T, hidden] with the gate and up projections fused into one matmul."""
     gate, up = gate_up(x, rows).chunk(2, dim=-1)
-    return down(F.silu(gate) * up, rows)
+    return down(F.silu(gate).mul_(up), rows)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -57,7 +58,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables, indexed by position: the same values HF computes per call."""
+    """Precomputed cos/sin tables, indexed by position: the same values HF computes per call, except
+    that the first half of sin is negated (rotate-half's minus sign, folded into the table)."""
 
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype):
         inv_freq = rope_inv_freq(config)
@@ -65,19 +67,23 @@ class RotaryEmbedding:
         freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        sin = emb.sin()
+        sin[:, : sin.shape[1] // 2].neg_()
+        self.sin = sin.to(device=device, dtype=dtype)
 
     @property
     def max_positions(self) -> int:
         return self.cos.shape[0]
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [...] -> cos, sin [..., 1, D], ready to broadcast over heads."""
+        """positions [...] -> cos, signed sin [..., 1, D], ready to broadcast over heads (see apply_rope)."""
         return self.cos[positions].unsqueeze(-2), self.sin[positions].unsqueeze(-2)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., heads, D] rotated in rotate-half layout; cos/sin [..., 1, D]."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, D] rotated in rotate-half layout; cos/signed_sin [..., 1, D] from
+    RotaryEmbedding.tables. HF's x * cos + cat(-x2, x1) * sin, with the same bits: the minus sign
+    sits in the table, and the products are formed in place (fewer fresh buffers per layer)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos).add_(swapped.mul_(signed_sin))

@@ -57,13 +57,13 @@ class LlamaModel:
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = layer.qkv(h, rows).split((q_size, kv_size, kv_size), dim=-1)
-            q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            qk, v = layer.qkv(h, rows).split((q_size + kv_size, kv_size), dim=-1)
+            qk = apply_rope(qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)  # q, k at once
+            q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=1)
             attn = attention(index, q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
-            x = x + layer.o(attn.reshape(-1, q_size), rows)
+            x.add_(layer.o(attn.reshape(-1, q_size), rows))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = x + swiglu(h, layer.gate_up, layer.down, rows)
+            x.add_(swiglu(h, layer.gate_up, layer.down, rows))
         return rms_norm(x, self.final_norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
