@@ -168,6 +168,9 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # Reused by every gather: fresh multi-MB buffers each layer cost more in page faults than the copy.
+        self._gathered_k = torch.empty(0, device=device, dtype=dtype)
+        self._gathered_v = torch.empty(0, device=device, dtype=dtype)
 
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool of one layer viewed as [kv_heads, num_blocks + 1, block_size, head_dim]."""
@@ -181,13 +184,22 @@ class PagedKVCache:
         self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """block_ids [B, N] -> keys, values [B, kv_heads, N * block_size, D], one copy each."""
+        """block_ids [B, N] -> keys, values [B, kv_heads, N * block_size, D], one copy each.
+
+        The copies live in buffers that the next gather overwrites: use them before gathering again.
+        """
         batch, length = block_ids.shape[0], block_ids.shape[1] * self.block_size
         k_blocks, v_blocks = self.blocks(layer)
+        kv_heads, _, _, head_dim = k_blocks.shape
         flat = block_ids.flatten()
-        keys = k_blocks.index_select(1, flat).view(k_blocks.shape[0], batch, length, -1).transpose(0, 1)
-        values = v_blocks.index_select(1, flat).view(v_blocks.shape[0], batch, length, -1).transpose(0, 1)
-        return keys, values
+        shape = (kv_heads, flat.numel(), self.block_size, head_dim)
+        size = kv_heads * flat.numel() * self.block_size * head_dim
+        if self._gathered_k.numel() < size:  # grows to the largest group seen, then stays
+            self._gathered_k, self._gathered_v = k_blocks.new_empty(size), v_blocks.new_empty(size)
+        keys = torch.index_select(k_blocks, 1, flat, out=self._gathered_k[:size].view(shape))
+        values = torch.index_select(v_blocks, 1, flat, out=self._gathered_v[:size].view(shape))
+        return (keys.view(kv_heads, batch, length, head_dim).transpose(0, 1),
+                values.view(kv_heads, batch, length, head_dim).transpose(0, 1))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates whole blocks (src -> dst) in every layer."""
