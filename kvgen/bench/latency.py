@@ -33,7 +33,7 @@ def run(args: argparse.Namespace, config: ModelConfig, systems: Sequence[System]
     rng = np.random.default_rng(args.seed)
     # A fresh prompt per run: a repeated one would be served from kvgen's prefix cache.
     prompts = [random_prompt(rng, config.vocab_size, args.prompt_len) for _ in range(args.repeats + 1)]
-    runs = {s.name: measure(s, prompts, args.gen_len) for s in systems}
+    runs = measure(systems, prompts, args.gen_len)
     bandwidth = memory_bandwidth(args.bandwidth_size, torch.device(args.device))
     element = torch.tensor([], dtype=getattr(torch, settings["dtype"])).element_size()
     weights, kv = weight_bytes(config, element), average_kv_bytes(config, element, args.prompt_len, args.gen_len)
@@ -52,10 +52,16 @@ def run(args: argparse.Namespace, config: ModelConfig, systems: Sequence[System]
     return Report("latency", data, [table], notes)
 
 
-def measure(system: System, prompts: Sequence[list[int]], gen_len: int) -> list[dict]:
-    """A warm-up on prompts[0] (not reported), then one timed run per remaining prompt."""
-    system.generate_timed(prompts[0], gen_len)
-    return [run_stats(system.generate_timed(p, gen_len), len(p)) for p in prompts[1:]]
+def measure(systems: Sequence[System], prompts: Sequence[list[int]], gen_len: int) -> dict[str, list[dict]]:
+    """A warm-up on prompts[0] (not reported), then one timed run per remaining prompt. The systems
+    take turns on each prompt, so a drift in the machine's speed shows in all of them alike."""
+    for system in systems:
+        system.generate_timed(prompts[0], gen_len)
+    runs: dict[str, list[dict]] = {s.name: [] for s in systems}
+    for prompt in prompts[1:]:
+        for system in systems:
+            runs[system.name].append(run_stats(system.generate_timed(prompt, gen_len), len(prompt)))
+    return runs
 
 
 def run_stats(times: TokenTimes, prompt_len: int) -> dict:

@@ -65,6 +65,8 @@ class System(ABC):
     name: str
     #: run_batch runs its requests in one batch (False: one after another).
     batched: bool = True
+    #: static batches are cut from the requests sorted by prompt length, as the peer's own batching does
+    sorts_by_length: bool = False
 
     @abstractmethod
     def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
@@ -209,9 +211,14 @@ class LlamaCppSystem(System):
 
 
 class CTranslate2System(System):
-    """CTranslate2's Generator on a conversion of the same HF weights (TransformersConverter)."""
+    """CTranslate2's Generator on a conversion of the same HF weights (TransformersConverter).
+
+    Its generate_batch(max_batch_size=) sorts prompts by length before cutting batches, so that a
+    batch's shorter prompts wait on few forced steps (see _generate); kvgen bench does the same.
+    """
 
     name = "ct2"
+    sorts_by_length = True
 
     def __init__(self, model: BenchModel, dtype: str, max_len: int, device: str) -> None:
         import ctranslate2

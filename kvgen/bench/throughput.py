@@ -3,7 +3,8 @@
 kvgen gets every request submitted together (continuous batching); `--sequential` runs the same
 requests one at a time through the same engine. Static-batching peers (HF, CTranslate2) try each
 batch size and keep their fastest; their padding costs them time but only the requested output
-tokens count. EOS is ignored everywhere, so every system produces the same number of tokens.
+tokens count. HF's batches are cut in arrival order; CTranslate2's from the requests sorted by
+prompt length, as its own `max_batch_size` batching does. EOS is ignored everywhere, so every system produces the same number of tokens.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def rates(requests: Sequence[BenchRequest], elapsed: float) -> dict:
 
 
 def run_in_batches(system: System, requests: Sequence[BenchRequest], size: int) -> None:
-    """Consecutive batches of `size` requests, in order, each run to completion before the next."""
+    """Consecutive batches of `size` requests, each run to completion before the next: in arrival
+    order, or by prompt length for a peer whose own batching sorts (System.sorts_by_length)."""
+    if system.sorts_by_length:
+        requests = sorted(requests, key=lambda r: len(r.prompt))
     for i in range(0, len(requests), size):
         system.run_batch(requests[i:i + size])
