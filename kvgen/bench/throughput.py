@@ -4,7 +4,8 @@ kvgen gets every request submitted together (continuous batching); `--sequential
 requests one at a time through the same engine. Static-batching peers (HF, CTranslate2) try each
 batch size and keep their fastest; their padding costs them time but only the requested output
 tokens count. HF's batches are cut in arrival order; CTranslate2's from the requests sorted by
-prompt length, as its own `max_batch_size` batching does. EOS is ignored everywhere, so every system produces the same number of tokens.
+prompt length, as its own `max_batch_size` batching does. EOS is ignored everywhere, so every
+system produces the same number of tokens.
 """
 
 from __future__ import annotations
