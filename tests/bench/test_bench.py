@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from kvgen.bench import models
-from kvgen.bench.peers import PeerUnavailable, load_peer, make_requests
+from kvgen.bench.peers import BenchRequest, PeerUnavailable, System, load_peer, make_requests
 from kvgen.bench.report import Metric, comparison_table, distribution, loglog_slope
 from kvgen.bench.scaling import SPEEDUP_AT, positions, total_times
 from kvgen.bench.serve import arrival_offsets
+from kvgen.bench.throughput import run_in_batches
 from kvgen.cli import main
 
 TINY = ["--model", "stories260k", "--threads", "1"]
@@ -242,6 +243,30 @@ def test_requests_are_seeded_and_in_range():
     assert a != make_requests(50, (10, 20), (3, 5), vocab_size=100, seed=2)
     assert all(10 <= len(r.prompt) <= 20 and 3 <= r.output_len <= 5 for r in a)
     assert {len(r.prompt) for r in a} >= {10, 20} and all(3 <= t < 100 for r in a for t in r.prompt)
+
+
+class _BatchLog(System):
+    """Records the prompt lengths of each static batch it is given (bench bookkeeping only)."""
+
+    name = "log"
+
+    def __init__(self, sorts_by_length: bool) -> None:
+        self.sorts_by_length = sorts_by_length
+        self.batches: list[list[int]] = []
+
+    def generate_timed(self, prompt, output_len):
+        raise NotImplementedError
+
+    def run_batch(self, requests):
+        self.batches.append([len(r.prompt) for r in requests])
+
+
+@pytest.mark.parametrize("sorts, expected", [(False, [[5, 1], [4, 2], [3]]), (True, [[1, 2], [3, 4], [5]])])
+def test_static_batches_follow_arrival_or_prompt_length(sorts, expected):
+    requests = [BenchRequest([0] * n, 1) for n in (5, 1, 4, 2, 3)]
+    system = _BatchLog(sorts)
+    run_in_batches(system, requests, 2)
+    assert system.batches == expected
 
 
 def test_arrivals():
