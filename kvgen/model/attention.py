@@ -13,6 +13,7 @@ Each backend is an explicit object passed to `LlamaModel.forward`; nothing globa
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -193,7 +194,7 @@ class PagedKVCache:
         kv_heads, _, _, head_dim = k_blocks.shape
         flat = block_ids.flatten()
         shape = (kv_heads, flat.numel(), self.block_size, head_dim)
-        size = kv_heads * flat.numel() * self.block_size * head_dim
+        size = math.prod(shape)
         if self._gathered_k.numel() < size:  # grows to the largest group seen, then stays
             self._gathered_k, self._gathered_v = k_blocks.new_empty(size), v_blocks.new_empty(size)
         keys = torch.index_select(k_blocks, 1, flat, out=self._gathered_k[:size].view(shape))
