@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token, parse_bytes
-from kvgen.config import DTYPES, KV_CACHE_MODES, EngineConfig, ModelConfig
+from kvgen.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_MODES, EngineConfig, ModelConfig
 from kvgen.engine.base import Engine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import RequestOutput
@@ -37,6 +37,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="paged decode attention: native (compiled CPU kernel, reads blocks in place), "
+                        "sdpa (gathered copy + torch SDPA), auto (native where it builds; default)")
 
 
 def _byte_size(text: str) -> int:
@@ -52,6 +55,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
+        attention_backend=args.attention_backend,
     )
 
 

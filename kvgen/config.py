@@ -112,6 +112,10 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
 
 
 KV_CACHE_MODES = ("paged", "contiguous", "none")
+# How paged decode attention reads K/V: "native" in place through the compiled CPU kernel
+# (kvgen.model.kernels), "sdpa" through a gathered copy and torch's SDPA, "auto" native where it
+# builds and applies (CPU, fp32/bf16), else sdpa.
+ATTENTION_BACKENDS = ("auto", "native", "sdpa")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
 
@@ -134,12 +138,15 @@ class EngineConfig:
     max_model_len: int | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 

@@ -15,7 +15,6 @@ Conversions for peers (a GGUF for llama.cpp, a plain HF directory for CTranslate
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvgen.paths import cache_root
 
 # transformers LlamaConfig fields of each generated architecture.
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -48,10 +49,6 @@ class BenchModel:
     @property
     def is_hf_dir(self) -> bool:
         return self.path.is_dir()
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVGEN_CACHE_DIR") or Path.home() / ".cache" / "kvgen")
 
 
 def resolve(model: str | None, seed: int = DEFAULT_WEIGHTS_SEED) -> BenchModel:

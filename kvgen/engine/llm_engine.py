@@ -20,6 +20,7 @@ from kvgen.engine.sequence import Request, RequestOutput, Sequence
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
 from kvgen.model.attention import PagedKVCache
+from kvgen.model.kernels import paged_decode_for
 from kvgen.runner.model_runner import ModelRunner
 from kvgen.sampler import logprobs_of
 
@@ -38,7 +39,8 @@ class LLMEngine(Engine):
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         cache = PagedKVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                              self.model.device, self.model.dtype)
-        self.runner = ModelRunner(self.model, cache, self.kv)
+        decode_kernel = paged_decode_for(config.attention_backend, self.model.device, self.model.dtype)
+        self.runner = ModelRunner(self.model, cache, self.kv, decode_kernel)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         log.info("%s", self.capacity_report())
 

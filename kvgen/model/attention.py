@@ -6,7 +6,8 @@ The model computes q, k, v (RoPE applied) for the tokens of one step and hands t
     ContiguousAttention  one sequence, a preallocated cache [batch, kv_heads, max_seq, head_dim]
                          per layer; K/V appended at the next positions (the textbook KV cache).
     PagedAttention       a ragged batch of many sequences over a block pool: K/V written at slot
-                         indices, read back through per-sequence block tables (PagedAttention).
+                         indices, read back through per-sequence block tables (PagedAttention);
+                         decodes on the CPU read the blocks in place (kvgen.model.kernels).
 
 Each backend is an explicit object passed to `LlamaModel.forward`; nothing global is read.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvgen.model.kernels import PagedDecode
 from kvgen.model.layers import apply_rope
 
 
@@ -217,28 +219,49 @@ class PagedKVCache:
 
 
 class PagedAttention(Attention):
-    """Writes K/V at the step's slots, then attends each group of sequences through its block tables."""
+    """Writes K/V at the step's slots, then attends each group of sequences through its block tables:
+    decodes through `decode_kernel` (reads blocks in place) when given, else gather + SDPA."""
 
-    def __init__(self, cache: PagedKVCache, meta: PagedMetadata) -> None:
+    def __init__(self, cache: PagedKVCache, meta: PagedMetadata, decode_kernel: PagedDecode | None = None) -> None:
         self.cache = cache
         self.meta = meta
+        self.decode_kernel = decode_kernel
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.meta.slot_mapping, k, v)
         outputs = []
         for group in self.meta.groups:
             batch, _, num_queries, _ = group.mask.shape
-            rows = q[group.first_row : group.first_row + batch * num_queries]
-            queries = rows.view(batch, num_queries, *q.shape[1:]).transpose(1, 2)  # [B, heads, Q, D]
-            keys, values = self.cache.gather(layer, group.kv_blocks)
-            if group.key_rotation is not None:
-                keys = apply_rope(keys, *group.key_rotation)
-            if group.score_rows is not None:
-                scored = group.score_rows
-                group.scores += attention_weights(queries[scored], keys[scored], group.mask[scored])
-            out = sdpa_heads_first(queries, keys, values, None if group.causal else group.mask, group.causal)
-            outputs.append(out.transpose(1, 2).reshape(-1, *q.shape[1:]))
+            outputs.append(self._attend(layer, group, q[group.first_row : group.first_row + batch * num_queries]))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _attend(self, layer: int, group: PagedGroup, rows: torch.Tensor) -> torch.Tensor:
+        """rows [B * Q, heads, D] -> [B * Q, heads, D]: through the kernel where it applies, else
+        through a gathered copy of the group's K/V (also gathered to record heavy-hitter weights)."""
+        batch, _, num_queries, _ = group.mask.shape
+        queries = rows.view(batch, num_queries, *rows.shape[1:]).transpose(1, 2)  # [B, heads, Q, D]
+        in_place = self._in_place(group)
+        gathered = None if in_place and group.score_rows is None else self._gather(layer, group)
+        if group.score_rows is not None:
+            scored = group.score_rows
+            group.scores += attention_weights(queries[scored], gathered[0][scored], group.mask[scored])
+        if in_place:
+            return self.decode_kernel(rows, self.cache.k[layer], self.cache.v[layer], group.kv_blocks,
+                                      self.cache.block_size, group.mask.view(batch, -1))
+        keys, values = gathered
+        out = sdpa_heads_first(queries, keys, values, None if group.causal else group.mask, group.causal)
+        return out.transpose(1, 2).reshape(rows.shape)
+
+    def _in_place(self, group: PagedGroup) -> bool:
+        """The kernel reads the cached keys as they are, for one query per sequence."""
+        return self.decode_kernel is not None and group.mask.shape[2] == 1 and group.key_rotation is None
+
+    def _gather(self, layer: int, group: PagedGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's keys (re-rotated where asked) and values [B, kv_heads, L, D]."""
+        keys, values = self.cache.gather(layer, group.kv_blocks)
+        if group.key_rotation is not None:
+            keys = apply_rope(keys, *group.key_rotation)
+        return keys, values
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 from kvgen.cache.policies import CachePolicy
 from kvgen.engine.scheduler import ScheduledChunk
 from kvgen.model.attention import PagedAttention, PagedGroup, PagedKVCache, PagedMetadata
+from kvgen.model.kernels import PagedDecode
 from kvgen.model.linear import blas_owns_the_cores
 from kvgen.model.llama import LlamaModel
 
@@ -75,9 +76,11 @@ class HeavyHitters:
 class ModelRunner:
     """Owns the model, the KV pools and per-sequence tensor state; knows tensors, not queues."""
 
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, block_tables: BlockTables) -> None:
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, block_tables: BlockTables,
+                 decode_kernel: PagedDecode | None = None) -> None:
         self.model = model
         self.cache = cache
+        self.decode_kernel = decode_kernel
         self.block_tables = block_tables
         self.device = model.device
         self.heavy_hitters: dict[int, HeavyHitters] = {}
@@ -87,7 +90,7 @@ class ModelRunner:
         """Runs one step; returns fp32 logits in the order of `chunks`: every row of a chunk whose
         seq_id is in `all_logits`, else one row per chunk that completes its sequence."""
         inputs = self.prepare(chunks, all_logits)
-        attention = PagedAttention(self.cache, inputs.meta)
+        attention = PagedAttention(self.cache, inputs.meta, self.decode_kernel)
         with blas_owns_the_cores(self.model.device, self.model.dtype, gemv_only=len(inputs.token_ids) == 1):
             hidden = self.model.forward(inputs.token_ids, inputs.positions, attention)
             self._accumulate_scores(inputs.score_targets)

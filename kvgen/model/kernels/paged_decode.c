@@ -1,0 +1,134 @@
+/* Paged decode attention on the CPU: one query per sequence, its keys and values read in place
+ * from the block pool, so no gathered copy of K/V is ever written.
+ *
+ * Built by kvgen/model/kernels/__init__.py with the system's C compiler (-O3 -march=native -fopenmp)
+ * and called through ctypes. One work item is one (sequence, KV head): the `group` query heads that
+ * share the KV head are scored against each key while its row is in L1, then
+ *
+ *     weights = softmax(scale * q . k_j over the keys j the mask allows)     two passes over the
+ *     out     = sum_j weights_j * v_j                                        scores, one over K, one over V
+ *
+ * Masked keys are skipped without being read (padding, sliding windows). Pools are fp32 or bf16
+ * (widened to fp32 on load); queries, scores and outputs are fp32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct paged_decode_args {
+    const float *q;           /* [batch, kv_heads * group, head_dim] */
+    const void *k_pool;       /* [kv_heads, num_slots, head_dim], fp32 or bf16 */
+    const void *v_pool;       /* same */
+    const int64_t *block_ids; /* [batch, blocks_per_seq]: pool block of each of a sequence's blocks */
+    const uint8_t *mask;      /* [batch, blocks_per_seq * block_size]: 1 where the query attends */
+    float *out;               /* [batch, kv_heads * group, head_dim] */
+    int64_t batch, kv_heads, group, head_dim, num_slots, blocks_per_seq, block_size;
+    float scale;
+    int32_t num_threads;
+};
+
+static inline __attribute__((always_inline)) float load(const void *pool, int64_t i, const int bf16) {
+    if (!bf16)
+        return ((const float *)pool)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)pool)[i] << 16; /* bf16 is the high half of an fp32 */
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* Attends the query heads of one (sequence, KV head); `weights` holds group * length floats.
+ * Every field is read into a local first: stores through the float pointers could otherwise alias
+ * the struct's fields and force a reload of each one in the inner loops. */
+static inline __attribute__((always_inline)) void attend(const struct paged_decode_args *a, int64_t item,
+                                                         float *restrict weights, const int bf16) {
+    const int64_t dim = a->head_dim, group = a->group, block_size = a->block_size;
+    const int64_t num_blocks = a->blocks_per_seq, length = num_blocks * block_size;
+    const int64_t b = item / a->kv_heads, h = item % a->kv_heads, head_first_slot = h * a->num_slots;
+    const float scale = a->scale;
+    const void *k_pool = a->k_pool, *v_pool = a->v_pool;
+    const int64_t *restrict blocks = a->block_ids + b * num_blocks;
+    const uint8_t *restrict mask = a->mask + b * length;
+    const float *restrict q = a->q + (b * a->kv_heads + h) * group * dim;
+    float *restrict out = a->out + (b * a->kv_heads + h) * group * dim;
+    float max_score[group], total[group];
+
+    for (int64_t g = 0; g < group; g++)
+        max_score[g] = -INFINITY, total[g] = 0.f;
+    for (int64_t n = 0; n < num_blocks; n++) {
+        const int64_t first_slot = head_first_slot + blocks[n] * block_size;
+        for (int64_t offset = 0; offset < block_size; offset++) {
+            const int64_t j = n * block_size + offset, row = (first_slot + offset) * dim;
+            if (!mask[j])
+                continue;
+            for (int64_t g = 0; g < group; g++) {
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < dim; d++)
+                    dot += q[g * dim + d] * load(k_pool, row + d, bf16);
+                const float score = dot * scale;
+                weights[g * length + j] = score;
+                max_score[g] = score > max_score[g] ? score : max_score[g];
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t j = 0; j < length; j++)
+            if (mask[j]) {
+                const float w = expf(weights[g * length + j] - max_score[g]);
+                weights[g * length + j] = w;
+                total[g] += w;
+            }
+    memset(out, 0, sizeof(float) * group * dim);
+    for (int64_t n = 0; n < num_blocks; n++) {
+        const int64_t first_slot = head_first_slot + blocks[n] * block_size;
+        for (int64_t offset = 0; offset < block_size; offset++) {
+            const int64_t j = n * block_size + offset, row = (first_slot + offset) * dim;
+            if (!mask[j])
+                continue;
+            for (int64_t g = 0; g < group; g++) {
+                const float w = weights[g * length + j];
+#pragma omp simd
+                for (int64_t d = 0; d < dim; d++)
+                    out[g * dim + d] += w * load(v_pool, row + d, bf16);
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const float inverse = total[g] > 0.f ? 1.f / total[g] : 0.f; /* no key allowed: zeros, not NaN */
+        for (int64_t d = 0; d < dim; d++)
+            out[g * dim + d] *= inverse;
+    }
+}
+
+/* Returns 0, or 1 if a thread could not allocate its scores (then `out` is incomplete). */
+static int paged_decode(const struct paged_decode_args *a, const int bf16) {
+    const int64_t items = a->batch * a->kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(a->num_threads)
+    {
+        float *weights = malloc(sizeof(float) * a->group * a->blocks_per_seq * a->block_size);
+        if (!weights) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* Two loops, so that each inlined `attend` sees its element type as a constant. Every
+         * thread reaches the loop, as OpenMP requires; one without memory skips its items. */
+        if (bf16) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < items; item++)
+                if (weights)
+                    attend(a, item, weights, 1);
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < items; item++)
+                if (weights)
+                    attend(a, item, weights, 0);
+        }
+        free(weights);
+    }
+    return failed;
+}
+
+int paged_decode_f32(const struct paged_decode_args *a) { return paged_decode(a, 0); }
+int paged_decode_bf16(const struct paged_decode_args *a) { return paged_decode(a, 1); }

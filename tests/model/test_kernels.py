@@ -1,0 +1,97 @@
+"""The compiled paged decode kernel against its CPU twin (gather + SDPA), and how it is chosen."""
+
+import logging
+
+import pytest
+import torch
+
+from kvgen.model import kernels
+from kvgen.model.attention import PagedKVCache, sdpa_heads_first
+from kvgen.model.kernels import load_paged_decode, paged_decode_for
+
+CPU = torch.device("cpu")
+
+
+def ragged_batch(dtype: torch.dtype, kv_heads: int, group: int, block_size: int, window: int | None, seed: int = 0):
+    """A pool holding 6 sequences of 1..70 keys in shuffled blocks; returns (cache, q [B, heads, D],
+    block_ids [B, N] padded with the scratch block, mask [B, L]: the keys each query may read)."""
+    gen = torch.Generator().manual_seed(seed)
+    head_dim, num_blocks = 32, 160
+    lengths = [1, 70, 17, block_size, block_size + 1, 33]
+    cache = PagedKVCache(1, num_blocks, block_size, kv_heads, head_dim, CPU, dtype)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    per_seq = [-(-n // block_size) for n in lengths]
+    block_ids = torch.full((len(lengths), max(per_seq)), num_blocks)  # the scratch block
+    for b, n in enumerate(per_seq):
+        block_ids[b, :n] = torch.tensor([order.pop() for _ in range(n)])
+    positions = torch.arange(block_ids.shape[1] * block_size)
+    last = torch.tensor(lengths)[:, None] - 1
+    mask = positions[None, :] <= last
+    if window is not None:
+        mask &= positions[None, :] > last - window
+    q = torch.randn(len(lengths), kv_heads * group, head_dim, generator=gen).to(dtype)
+    return cache, q, block_ids, mask
+
+
+def gather_and_sdpa(cache, q, block_ids, mask):
+    keys, values = cache.gather(0, block_ids)
+    return sdpa_heads_first(q[:, :, None], keys, values, mask[:, None, None])[:, :, 0]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("kv_heads, group", [(1, 1), (2, 3), (3, 4)])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_decode_equals_gather_and_sdpa(dtype, tolerance, kv_heads, group, block_size, window):
+    cache, q, block_ids, mask = ragged_batch(dtype, kv_heads, group, block_size, window)
+    got = load_paged_decode()(q, cache.k[0], cache.v[0], block_ids, block_size, mask)
+    want = gather_and_sdpa(cache, q, block_ids, mask)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert (got.float() - want.float()).abs().max().item() <= tolerance
+
+
+def test_paged_decode_ignores_what_the_mask_hides():
+    """Keys outside the mask (padding, evicted by a window) may hold anything, NaN included."""
+    cache, q, block_ids, mask = ragged_batch(torch.float32, 2, 3, 4, window=6)
+    want = load_paged_decode()(q, cache.k[0], cache.v[0], block_ids, 4, mask)
+    k_blocks, v_blocks = cache.blocks(0)  # [kv_heads, blocks, block_size, D]
+    hidden = ~mask.view(*block_ids.shape, 4)  # [B, N, block_size]
+    for b in range(block_ids.shape[0]):
+        for n, block in enumerate(block_ids[b].tolist()):
+            k_blocks[:, block, hidden[b, n]] = float("nan")
+            v_blocks[:, block, hidden[b, n]] = float("nan")
+    assert torch.equal(load_paged_decode()(q, cache.k[0], cache.v[0], block_ids, 4, mask), want)
+
+
+def test_paged_decode_gives_zeros_where_no_key_is_allowed():
+    cache, q, block_ids, mask = ragged_batch(torch.float32, 2, 2, 4, window=None)
+    mask[2] = False
+    out = load_paged_decode()(q, cache.k[0], cache.v[0], block_ids, 4, mask)
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isfinite(out).all()
+
+
+def test_backend_choice():
+    assert paged_decode_for("sdpa", CPU, torch.float32) is None
+    assert paged_decode_for("auto", CPU, torch.float32) is load_paged_decode()
+    assert paged_decode_for("native", CPU, torch.bfloat16) is load_paged_decode()
+    assert paged_decode_for("auto", CPU, torch.float16) is None  # no fp16 kernel: gather + SDPA
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        paged_decode_for("native", CPU, torch.float16)
+    with pytest.raises(ValueError, match="attention_backend"):
+        paged_decode_for("flash", CPU, torch.float32)
+
+
+def test_without_a_compiler_auto_falls_back_and_native_says_why(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    load_paged_decode.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+            assert paged_decode_for("auto", CPU, torch.float32) is None
+        assert "no C compiler" in caplog.text
+        with pytest.raises(ValueError, match="could not be built"):
+            paged_decode_for("native", CPU, torch.float32)
+    finally:
+        load_paged_decode.cache_clear()
