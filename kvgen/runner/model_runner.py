@@ -3,13 +3,14 @@
 The flat batch puts decode tokens first, then prefill chunks:
 
     rows       [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]          T rows, one forward pass
-    groups       decodes: 3 x 1 query       prefill 0: 4 queries   prefill 1: 2; one SDPA call each
+    groups       decodes: 3 x 1 query       prefill 0: 4 queries   prefill 1: 2; one attention call each
     slots      where each token's K/V go: block_table[pos // block_size] * block_size + pos % block_size
 
 Each group's queries are consecutive rows, so its outputs come back in row order. Decodes are
 sorted by how many blocks they read and cut into groups of similar length, so that padding each
-sequence's keys to the longest of its group costs little; a prompt that starts at position 0
-attends with SDPA's causal mask, which skips the blocks above the diagonal.
+sequence's keys to the longest of its group costs little where they are gathered for SDPA (the
+CPU decode kernel skips padding unread); a prompt that starts at position 0 attends with SDPA's
+causal mask, which skips the blocks above the diagonal.
 
 Each sequence reads only the blocks its cache policy still holds (null entries are skipped), so a
 bounded cache costs the same per token however long the text grows. Per-step metadata is built
