@@ -22,8 +22,6 @@ LLAMA2_70B = {
 }
 
 
-
-
 def run(capsys, *argv: str) -> tuple[int, str, str]:
     """main(argv) -> (exit code, stdout, stderr); argparse's own errors exit through SystemExit."""
     try:
@@ -82,6 +80,14 @@ def test_generate_kv_cache_modes(capsys, mode):
     paged = gen_json(capsys, "--max-tokens", 16)
     other = gen_json(capsys, "--kv-cache", mode, "--max-tokens", 16)
     assert (other["text"], other["token_ids"]) == (paged["text"], paged["token_ids"])
+
+
+def test_generate_attention_backends(capsys):
+    args = ("--prompt", "Tom and Lily went to the park", "--max-tokens", 30)
+    native = gen_json(capsys, *args, "--attention-backend", "native")
+    assert gen_json(capsys, *args, "--attention-backend", "sdpa")["token_ids"] == native["token_ids"]
+    code, _, err = run(capsys, "generate", *args, "--dtype", "float16", "--attention-backend", "native")
+    assert_user_error(code, err, "attention_backend 'native'", "float32 or bfloat16")
 
 
 def test_generate_stop(capsys):

@@ -3,10 +3,11 @@
  *
  * Built by kvgen/model/kernels/__init__.py with the system's C compiler (-O3 -march=native -fopenmp)
  * and called through ctypes. One work item is one (sequence, KV head): the `group` query heads that
- * share the KV head are scored against each key while its row is in L1, then
+ * share the KV head are scored against each key while its row is in L1:
  *
- *     weights = softmax(scale * q . k_j over the keys j the mask allows)     two passes over the
- *     out     = sum_j weights_j * v_j                                        scores, one over K, one over V
+ *     scores_j = scale * q . k_j     for each key j the mask allows     (one pass over K)
+ *     weights  = softmax(scores)
+ *     out      = sum_j weights_j v_j                                    (one pass over V)
  *
  * Masked keys are skipped without being read (padding, sliding windows). Pools are fp32 or bf16
  * (widened to fp32 on load); queries, scores and outputs are fp32.
