@@ -52,6 +52,22 @@ def test_paged_decode_equals_gather_and_sdpa(dtype, tolerance, kv_heads, group, 
     assert (got.float() - want.float()).abs().max().item() <= tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_gives_the_same_bits_on_two_threads(dtype):
+    """Each (sequence, KV head) is one thread's work with its own scores buffer (the suite otherwise
+    runs on one thread)."""
+    cache, q, block_ids, mask = ragged_batch(dtype, 3, 3, 4, window=None)
+    kernel = load_paged_decode()
+    one = kernel(q, cache.k[0], cache.v[0], block_ids, 4, mask)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = kernel(q, cache.k[0], cache.v[0], block_ids, 4, mask)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
 def test_paged_decode_ignores_what_the_mask_hides():
     """Keys outside the mask (padding, evicted by a window) may hold anything, NaN included."""
     cache, q, block_ids, mask = ragged_batch(torch.float32, 2, 3, 4, window=6)
