@@ -75,7 +75,7 @@ class PagedDecode:
                      mask.data_ptr(), out.data_ptr(), batch, kv_heads, heads // kv_heads, head_dim, num_slots,
                      block_ids.shape[1], block_size, head_dim ** -0.5, torch.get_num_threads())
         if self._functions[k_pool.dtype](ctypes.byref(args)):
-            raise MemoryError("paged decode attention: out of memory for the attention scores")
+            raise MemoryError("paged decode attention: out of memory for its scratch space")
         return out.to(q.dtype)
 
 

@@ -38,11 +38,12 @@ static inline __attribute__((always_inline)) float load(const void *pool, int64_
     return value;
 }
 
-/* Attends the query heads of one (sequence, KV head); `weights` holds group * length floats.
- * Every field is read into a local first: stores through the float pointers could otherwise alias
- * the struct's fields and force a reload of each one in the inner loops. */
+/* Attends the query heads of one (sequence, KV head). `scratch` holds `length` pool rows then
+ * group * length floats. Every field, and each key's row, is read into a local first: stores
+ * through the float pointers could otherwise alias them and force a reload in the inner loops
+ * (twice as slow). */
 static inline __attribute__((always_inline)) void attend(const struct paged_decode_args *a, int64_t item,
-                                                         float *restrict weights, const int bf16) {
+                                                         void *scratch, const int bf16) {
     const int64_t dim = a->head_dim, group = a->group, block_size = a->block_size;
     const int64_t num_blocks = a->blocks_per_seq, length = num_blocks * block_size;
     const int64_t b = item / a->kv_heads, h = item % a->kv_heads, head_first_slot = h * a->num_slots;
@@ -52,47 +53,44 @@ static inline __attribute__((always_inline)) void attend(const struct paged_deco
     const uint8_t *restrict mask = a->mask + b * length;
     const float *restrict q = a->q + (b * a->kv_heads + h) * group * dim;
     float *restrict out = a->out + (b * a->kv_heads + h) * group * dim;
+    int64_t *restrict rows = scratch;                  /* [count]: where each allowed key's row starts */
+    float *restrict weights = (float *)(rows + length); /* [group, count] */
     float max_score[group], total[group];
+
+    int64_t count = 0;
+    for (int64_t n = 0; n < num_blocks; n++)
+        for (int64_t offset = 0; offset < block_size; offset++)
+            if (mask[n * block_size + offset])
+                rows[count++] = (head_first_slot + blocks[n] * block_size + offset) * dim;
 
     for (int64_t g = 0; g < group; g++)
         max_score[g] = -INFINITY, total[g] = 0.f;
-    for (int64_t n = 0; n < num_blocks; n++) {
-        const int64_t first_slot = head_first_slot + blocks[n] * block_size;
-        for (int64_t offset = 0; offset < block_size; offset++) {
-            const int64_t j = n * block_size + offset, row = (first_slot + offset) * dim;
-            if (!mask[j])
-                continue;
-            for (int64_t g = 0; g < group; g++) {
-                float dot = 0.f;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t row = rows[i];
+        for (int64_t g = 0; g < group; g++) {
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < dim; d++)
-                    dot += q[g * dim + d] * load(k_pool, row + d, bf16);
-                const float score = dot * scale;
-                weights[g * length + j] = score;
-                max_score[g] = score > max_score[g] ? score : max_score[g];
-            }
+            for (int64_t d = 0; d < dim; d++)
+                dot += q[g * dim + d] * load(k_pool, row + d, bf16);
+            const float score = dot * scale;
+            weights[g * count + i] = score;
+            max_score[g] = score > max_score[g] ? score : max_score[g];
         }
     }
     for (int64_t g = 0; g < group; g++)
-        for (int64_t j = 0; j < length; j++)
-            if (mask[j]) {
-                const float w = expf(weights[g * length + j] - max_score[g]);
-                weights[g * length + j] = w;
-                total[g] += w;
-            }
+        for (int64_t i = 0; i < count; i++) {
+            const float w = expf(weights[g * count + i] - max_score[g]);
+            weights[g * count + i] = w;
+            total[g] += w;
+        }
     memset(out, 0, sizeof(float) * group * dim);
-    for (int64_t n = 0; n < num_blocks; n++) {
-        const int64_t first_slot = head_first_slot + blocks[n] * block_size;
-        for (int64_t offset = 0; offset < block_size; offset++) {
-            const int64_t j = n * block_size + offset, row = (first_slot + offset) * dim;
-            if (!mask[j])
-                continue;
-            for (int64_t g = 0; g < group; g++) {
-                const float w = weights[g * length + j];
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t row = rows[i];
+        for (int64_t g = 0; g < group; g++) {
+            const float w = weights[g * count + i];
 #pragma omp simd
-                for (int64_t d = 0; d < dim; d++)
-                    out[g * dim + d] += w * load(v_pool, row + d, bf16);
-            }
+            for (int64_t d = 0; d < dim; d++)
+                out[g * dim + d] += w * load(v_pool, row + d, bf16);
         }
     }
     for (int64_t g = 0; g < group; g++) {
@@ -102,14 +100,14 @@ static inline __attribute__((always_inline)) void attend(const struct paged_deco
     }
 }
 
-/* Returns 0, or 1 if a thread could not allocate its scores (then `out` is incomplete). */
+/* Returns 0, or 1 if a thread could not allocate its scratch space (then `out` is incomplete). */
 static int paged_decode(const struct paged_decode_args *a, const int bf16) {
-    const int64_t items = a->batch * a->kv_heads;
+    const int64_t items = a->batch * a->kv_heads, length = a->blocks_per_seq * a->block_size;
     int failed = 0;
 #pragma omp parallel num_threads(a->num_threads)
     {
-        float *weights = malloc(sizeof(float) * a->group * a->blocks_per_seq * a->block_size);
-        if (!weights) {
+        void *scratch = malloc(length * (sizeof(int64_t) + a->group * sizeof(float)));
+        if (!scratch) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -118,15 +116,15 @@ static int paged_decode(const struct paged_decode_args *a, const int bf16) {
         if (bf16) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < items; item++)
-                if (weights)
-                    attend(a, item, weights, 1);
+                if (scratch)
+                    attend(a, item, scratch, 1);
         } else {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < items; item++)
-                if (weights)
-                    attend(a, item, weights, 0);
+                if (scratch)
+                    attend(a, item, scratch, 0);
         }
-        free(weights);
+        free(scratch);
     }
     return failed;
 }
