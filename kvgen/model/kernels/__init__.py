@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from kvgen.config import ATTENTION_BACKENDS
 from kvgen.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -80,10 +79,9 @@ class PagedDecode:
 
 
 def paged_decode_for(backend: str, device: torch.device, dtype: torch.dtype) -> PagedDecode | None:
-    """The kernel decode attention should use under `backend` (see ATTENTION_BACKENDS), or None for
-    gather + SDPA. "native" insists on the kernel and says why when it cannot have it."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    """The kernel decode attention should use under `backend` (one of kvgen.config.ATTENTION_BACKENDS,
+    which EngineConfig checks), or None for gather + SDPA. "native" insists on the kernel and says
+    why when it cannot have it."""
     if backend == "sdpa":
         return None
     if device.type != "cpu" or dtype not in POOL_DTYPES:
