@@ -22,22 +22,15 @@ from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import RequestOutput
 from kvgen.engine.sequential import SequentialEngine
-from kvgen.errors import ModelLoadError
 from kvgen.loaders import LoadedModel, load_model
 
-DEFAULT_MODEL_FILE = Path("models") / "stories260K" / "stories260K.bin"
+# stories260K ships inside the package (MIT licence; see its README), so the default works anywhere.
+DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "stories260K" / "stories260K.bin"
 
 
 def default_model_path() -> Path:
-    """`KVGEN_MODEL` if set, else stories260K in the `shared/` folder beside the checkout."""
-    if os.environ.get("KVGEN_MODEL"):
-        return Path(os.environ["KVGEN_MODEL"])
-    candidates = [Path(__file__).resolve().parents[2] / "shared", Path.cwd().parent / "shared", Path.cwd() / "shared"]
-    for shared in candidates:
-        if (shared / DEFAULT_MODEL_FILE).exists():
-            return shared / DEFAULT_MODEL_FILE
-    raise ModelLoadError(candidates[0] / DEFAULT_MODEL_FILE,
-                         "default model not found; pass --model PATH or set KVGEN_MODEL")
+    """`KVGEN_MODEL` if set, else the packaged stories260K."""
+    return Path(os.environ["KVGEN_MODEL"]) if os.environ.get("KVGEN_MODEL") else DEFAULT_MODEL
 
 
 def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:

@@ -19,7 +19,8 @@ STORIES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "models" /
 
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
-    """stories260K in every format: stories260K.bin, tok512.bin, tok512.model, stories260K.gguf."""
+    """stories260K in every format: stories260K.bin, tok512.bin, tok512.model, stories260K.gguf (the
+    packaged default model holds the first two only)."""
     if not STORIES_DIR.is_dir():
         pytest.fail(f"shared test model directory {STORIES_DIR} is missing")
     return STORIES_DIR
@@ -83,5 +84,8 @@ def hf_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def stories_bin(stories_dir) -> Path:
-    return stories_dir / "stories260K.bin"
+def stories_bin() -> Path:
+    """The packaged default model (stories260K.bin with tok512.bin beside it)."""
+    from kvgen.llm import DEFAULT_MODEL
+
+    return DEFAULT_MODEL

@@ -1,0 +1,19 @@
+"""The default model is package data: a wheel (what `pip install .` installs) carries it."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_carries_the_default_model_and_kernel_sources(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = tmp_path.glob("kvgen-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in ("stories260K.bin", "tok512.bin", "README.md", "LICENSE"):
+        assert f"kvgen/models/stories260K/{name}" in names
+    assert "kvgen/model/kernels/paged_decode.c" in names
