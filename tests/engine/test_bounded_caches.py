@@ -15,11 +15,12 @@ import time
 import pytest
 
 from kvgen import SamplingParams
-from kvgen.config import EngineConfig
+from kvgen.config import EngineConfig, ModelConfig
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.sequence import RequestOutput
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import load_model
+from tests.tolerances import assert_same_logprobs, logprob_gap
 
 _ids = itertools.count()
 WORDS = "the a cat dog Lily Tom park ball happy sad big little ran jumped saw played with and sun tree".split()
@@ -65,16 +66,11 @@ def completions(outputs: list[RequestOutput]) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
 
-def max_logprob_gap(a: RequestOutput, b: RequestOutput) -> float:
-    gaps = [abs(x.token_logprob - y.token_logprob)
-            for ca, cb in zip(a.outputs, b.outputs) for x, y in zip(ca.logprobs, cb.logprobs)]
-    return max(gaps, default=0.0)
-
-
-def assert_same(got: list[RequestOutput], want: list[RequestOutput], tol: float = 1e-4) -> None:
+def assert_same(got: list[RequestOutput], want: list[RequestOutput], config: ModelConfig) -> None:
+    """Same tokens; logprobs to fp32 rounding (see tests/tolerances.py)."""
     assert completions(got) == completions(want)
-    for g, w in zip(got, want):
-        assert max_logprob_gap(g, w) <= tol
+    for g, w in zip(got, want, strict=True):
+        assert_same_logprobs(g, w, config)
 
 
 # -- a budget that covers the whole text changes nothing -----------------------------------------
@@ -92,11 +88,12 @@ def test_budget_covering_the_text_equals_full(loaded, block_size):
     assert max(len(o.prompt_token_ids) + 150 for o in want) <= 300
     for policy in policies:
         got = run_all(engine(loaded, block_size=block_size), requests(policy))
-        assert completions(got) == completions(want), policy
+        assert_same(got, want, loaded.config)
         for g, w in zip(got, want):
-            assert max_logprob_gap(g, w) <= 1e-5, policy
             assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(w.prompt_token_ids)
-            assert all(abs(x.token_logprob - y.token_logprob) <= 1e-5
+            gap = logprob_gap(loaded.config, len(w.prompt_token_ids),
+                              max(abs(x.token_logprob) for x in w.prompt_logprobs[1:]) + 1)
+            assert all(abs(x.token_logprob - y.token_logprob) <= gap
                        for x, y in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:])), policy
 
 
@@ -111,7 +108,7 @@ def test_sinks_without_sinks_equals_window(loaded, block_size):
     want = run_all(engine(loaded, block_size=block_size), requests("window:40"))
     got = run_all(engine(loaded, block_size=block_size), requests("sinks:0,40"))
     assert len(got[1].prompt_token_ids) > 40  # the long prompt is prefilled one token at a time past 40
-    assert_same(got, want, tol=1e-4)
+    assert_same(got, want, loaded.config)
     # Sanity: the window matters here, so the comparison above is not trivially full == full.
     full = run_all(engine(loaded, block_size=block_size), requests("full"))
     assert completions(full) != completions(want)
@@ -157,7 +154,7 @@ def test_bounded_policies_bound_memory(loaded, policy):
     eng.kv.check_invariants()
     assert eng.kv.num_used_blocks == 0
     # The same text under the policy with a roomy pool (and no chunking limits): same tokens.
-    assert_same([out], run_all(engine(loaded, block_size=BLOCK), [(PROMPT, greedy(policy, 400))]), tol=1e-5)
+    assert_same([out], run_all(engine(loaded, block_size=BLOCK), [(PROMPT, greedy(policy, 400))]), loaded.config)
 
 
 def test_h2o_tiny_pool_is_refused_not_livelocked(loaded):
@@ -235,7 +232,7 @@ def test_mixed_policies_batched_equal_each_alone(loaded, block_size):
     got = run_all(batched, requests)
     batched.kv.check_invariants()
     assert batched.kv.num_used_blocks == 0
-    assert_same(got, alone(loaded, requests, block_size=block_size))  # batched rows round differently
+    assert_same(got, alone(loaded, requests, block_size=block_size), loaded.config)  # batched rows round differently
 
 
 @pytest.mark.parametrize("policy", ["window:24", "sinks:4,20", "h2o:8,16"])
@@ -262,7 +259,7 @@ def test_preemption_with_bounded_policies_is_invisible(loaded):
     assert tight.scheduler.num_preemptions > 0
     tight.kv.check_invariants()
     assert tight.kv.num_used_blocks == 0
-    assert_same(got, alone(loaded, requests, block_size=BLOCK), tol=1e-5)
+    assert_same(got, alone(loaded, requests, block_size=BLOCK), loaded.config)
 
 
 # -- prefix caching --------------------------------------------------------------------------
@@ -277,7 +274,7 @@ def test_different_windows_do_not_mix_cached_blocks(loaded, first, then):
     eng = engine(loaded)
     run_all(eng, [(LONG, greedy(first, 30))])
     warm = run_all(eng, [(LONG, greedy(then, 30))])
-    assert_same(warm, run_all(engine(loaded), [(LONG, greedy(then, 30))]), tol=1e-4)
+    assert_same(warm, run_all(engine(loaded), [(LONG, greedy(then, 30))]), loaded.config)
 
 
 @pytest.mark.parametrize("policy", ["full", "window:40"])
@@ -287,7 +284,7 @@ def test_same_policy_shares_prefixes(loaded, policy):
     hits = eng.kv.prefix_hits
     second = run_all(eng, [(LONG, greedy(policy, 30))])[0]
     assert eng.kv.prefix_hits > hits
-    assert_same([second], [first])
+    assert_same([second], [first], loaded.config)
 
 
 @pytest.mark.parametrize("policy", ["sinks:4,36", "h2o:8,32", "sinks:4,300", "h2o:300,16"])
@@ -298,8 +295,8 @@ def test_sinks_and_h2o_never_reuse_cached_blocks(loaded, policy):
     warm = run_all(eng, [(LONG, greedy(policy, 30))] * 2)  # and itself: its blocks are never offered
     assert eng.kv.prefix_hits == hits
     cold = run_all(engine(loaded), [(LONG, greedy(policy, 30))])
-    assert_same(warm[:1], cold, tol=1e-5)
-    assert_same(warm[1:], cold, tol=1e-5)
+    assert_same(warm[:1], cold, loaded.config)
+    assert_same(warm[1:], cold, loaded.config)
     eng.kv.check_invariants()
 
 

@@ -9,6 +9,7 @@ from kvgen.config import EngineConfig
 from kvgen.model import kernels
 from kvgen.model.attention import PagedKVCache, sdpa_heads_first
 from kvgen.model.kernels import load_paged_decode, paged_decode_for
+from tests.tolerances import fp32_gap
 
 CPU = torch.device("cpu")
 
@@ -41,15 +42,20 @@ def gather_and_sdpa(cache, q, block_ids, mask):
     return sdpa_heads_first(q[:, :, None], keys, values, mask[:, None, None])[:, :, 0]
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads, group", [(1, 1), (2, 3), (3, 4)])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_decode_equals_gather_and_sdpa(dtype, tolerance, kv_heads, group, block_size, window):
+def test_paged_decode_equals_gather_and_sdpa(dtype, kv_heads, group, block_size, window):
     cache, q, block_ids, mask = ragged_batch(dtype, kv_heads, group, block_size, window)
     got = load_paged_decode()(q, cache.k[0], cache.v[0], block_ids, block_size, mask)
     want = gather_and_sdpa(cache, q, block_ids, mask)
     assert got.dtype == dtype and got.shape == want.shape
+    # fp32: scores over head_dim, softmax and P @ V over the keys; bf16: both round the output once
+    # (2**-8 relative) after fp32 sums that differ, so they may land one bf16 step apart.
+    values = cache.v[0].float().abs().max().item()
+    keys = int(mask.sum(-1).max())
+    tolerance = fp32_gap(q.shape[-1] + 2 * keys, values) if dtype == torch.float32 else 2 * 2**-8 * values
     assert (got.float() - want.float()).abs().max().item() <= tolerance
 
 

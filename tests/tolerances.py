@@ -1,0 +1,49 @@
+"""Tolerances derived from fp32 rounding, so that they hold on any x86-64 (SSE, AVX2 or AVX-512, with
+or without FMA, any BLAS blocking), instead of numbers tuned to one CPU.
+
+Two fp32 evaluations of the same value that differ only in the order of their sums (another kernel,
+another SIMD width, a GEMM instead of a GEMV) each lie within Higham's deterministic bound of the
+exact value: a sum of n terms errs by at most gamma(n) * sum |term|, gamma(n) = n u / (1 - n u), with u
+= 2**-24 the fp32 unit roundoff. So the two differ by at most 2 gamma(n) * sum |term|. A model's output
+is a chain of such sums; to first order their errors add, so n is the sum of the reduction lengths
+along one token's path, and `magnitude` stands for the size of the values compared.
+"""
+
+from kvgen.config import ModelConfig
+
+FP32_UNIT_ROUNDOFF = 2.0**-24
+
+
+def gamma(n: int) -> float:
+    return n * FP32_UNIT_ROUNDOFF / (1 - n * FP32_UNIT_ROUNDOFF)
+
+
+def fp32_gap(reduction_length: int, magnitude: float = 1.0) -> float:
+    """The largest difference two fp32 evaluations that differ in summation order can show."""
+    return 2 * gamma(reduction_length) * max(magnitude, 1.0)
+
+
+def model_reduction_length(config: ModelConfig, context: int) -> int:
+    """Sum of the reduction lengths one token's logprobs go through: per layer RMSNorm, the q/k/v
+    projection, the scores (head_dim), softmax and P @ V (context), o_proj, RMSNorm, gate/up, down;
+    then the final norm, the LM head and the log-softmax (vocab)."""
+    hidden, heads_width = config.hidden_size, config.num_heads * config.head_dim
+    per_layer = 2 * hidden + config.head_dim + 2 * context + heads_width + 2 * hidden + config.intermediate_size
+    return config.num_layers * per_layer + 2 * hidden + config.vocab_size
+
+
+def logprob_gap(config: ModelConfig, context: int, magnitude: float) -> float:
+    """Tolerance for the logprobs of one model run two ways (kernels, batching, cache layouts)."""
+    return fp32_gap(model_reduction_length(config, context), magnitude)
+
+
+def assert_same_logprobs(a, b, config: ModelConfig) -> None:
+    """Two RequestOutputs of one request run two ways: the same chosen and top tokens per step, and
+    log-probabilities within `logprob_gap` over the sequence's full context."""
+    for ca, cb in zip(a.outputs, b.outputs, strict=True):
+        context = len(a.prompt_token_ids) + len(ca.token_ids)
+        for la, lb in zip(ca.logprobs or [], cb.logprobs or [], strict=True):
+            assert la.top.keys() == lb.top.keys()
+            pairs = [(la.token_logprob, lb.token_logprob)] + [(la.top[t], lb.top[t]) for t in la.top]
+            magnitude = max(max(abs(x), abs(y)) for x, y in pairs)
+            assert max(abs(x - y) for x, y in pairs) <= logprob_gap(config, context, magnitude)
