@@ -63,6 +63,10 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
+    def num_waiting(self) -> int:
+        """Requests added but not yet in the engine, plus sequences the engine has not scheduled yet."""
+        return len(self._adds) + self.engine.stats().num_waiting
+
     def abort(self, request_id: str) -> None:
         self._aborts.append(request_id)
         if self._wakeup is not None:

@@ -1,6 +1,6 @@
 """Turns a batch of logits into next tokens, each row under its own request's parameters.
 
-Order of operations (as in vLLM / HF): penalties on raw logits -> greedy rows take the argmax ->
+Order of operations (as in vLLM / HF): penalties and logit bias on raw logits -> greedy rows take the argmax ->
 temperature -> top-k -> top-p -> min-p -> softmax -> draw with the request's own generator, so a
 seeded request draws the same numbers whatever else is in the batch.
 """
@@ -56,8 +56,9 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Repetition penalty (HF: over prompt + output) and OpenAI presence/frequency (over output)."""
-    if not any(row.params.has_penalties for row in rows):
+    """Repetition penalty (HF: over prompt + output), OpenAI presence/frequency (over output), then
+    OpenAI's logit bias (added to the penalized logits)."""
+    if not any(row.params.adjusts_logits for row in rows):
         return logits
     logits = logits.clone()
     for i, row in enumerate(rows):
@@ -70,6 +71,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
             counts = torch.bincount(torch.tensor(row.output_token_ids, device=logits.device),
                                     minlength=logits.shape[-1]).to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
     return logits
 
 

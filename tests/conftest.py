@@ -1,5 +1,6 @@
 """Fixtures shared by every test package."""
 
+import json
 import os
 from pathlib import Path
 
@@ -89,3 +90,40 @@ def stories_bin() -> Path:
     from kvgen.llm import DEFAULT_MODEL
 
     return DEFAULT_MODEL
+
+
+# -- a real checkpoint with real defects, for the fault-isolation tests ----------------------------
+
+POISON = 300  # the token whose embedding row overflows
+BEYOND = 515  # a token the tokenizer has and the model does not (its vocabulary is 512)
+
+
+@pytest.fixture(scope="session")
+def broken_model(tmp_path_factory) -> Path:
+    """stories260K as a Hugging Face directory with two real defects:
+    - token POISON's embedding row is scaled past fp32's range, to +-inf (as a careless float16
+      conversion leaves it), so the logits of any prompt holding it are NaN;
+    - the tokenizer knows 520 words while the model has 512 rows, so a text prompt with word w515
+      makes the embedding lookup fail inside the engine's step.
+    The LM head is a separate, unscaled copy of the embedding."""
+    from safetensors.torch import save_file
+
+    from kvgen.llm import DEFAULT_MODEL
+    from kvgen.loaders import load_model
+
+    loaded = load_model(DEFAULT_MODEL)
+    weights = {name: w.clone() for name, w in loaded.weights.items()}
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    weights["model.embed_tokens.weight"][POISON] *= 1e39
+    c = loaded.config
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.hidden_size,
+              "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+              "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+              "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
+              "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "tie_word_embeddings": False,
+              "bos_token_id": 1, "eos_token_id": 2}
+    path = tmp_path_factory.mktemp("broken")
+    save_file({name: w.contiguous() for name, w in weights.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    _word_tokenizer(BEYOND + 5, path)
+    return path

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import torch
 
 from kvgen.cache.policies import CachePolicy
 from kvgen.config import EngineConfig
@@ -16,6 +20,7 @@ from kvgen.model.llama import LlamaModel
 from kvgen.sampler import Sampler, SamplerOutput
 
 Prompt = str | list[int]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -110,6 +115,7 @@ class Engine(ABC):
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Refuses a request that could never be served (raises InvalidRequestError)."""
+        self._check_token_ids(params)
         policy = self.resolve_policy(params)
         total = num_prompt_tokens + params.max_tokens
         if policy.uses_cache_positions:
@@ -122,7 +128,33 @@ class Engine(ABC):
                 f"exceeds the model's context of {self.max_model_len} tokens"
                 + ("" if policy.kind != "full" else "; a bounded kv_policy such as sinks:4,508 can run longer"))
 
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Fields that name tokens, or count them, stay inside the vocabulary."""
+        vocab = self.model_config.vocab_size
+        if params.top_k > vocab:
+            raise InvalidRequestError(f"top_k is {params.top_k}, more than the vocabulary of {vocab} tokens "
+                                      "(0 or -1 turns top-k off)")
+        for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"{field} names token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
     # -- shared bookkeeping ---------------------------------------------------------------------
+
+    def sample_and_record(self, rows: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
+        """logits [len(rows), vocab] -> a token per row, recorded. A request whose logits are not finite
+        (a model whose activations overflow) fails on its own; the other rows go on."""
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        broken = {seq.request for seq, ok in zip(rows, finite) if not ok}
+        if not broken:
+            return self.record(rows, self.sampler(logits, rows))
+        failed = self.fail(broken, "the model produced NaN or infinite logits")
+        keep = [i for i, seq in enumerate(rows) if seq.request not in broken]
+        if not keep:
+            return failed
+        kept = logits[torch.tensor(keep, device=logits.device)]
+        rows = [rows[i] for i in keep]
+        return self.record(rows, self.sampler(kept, rows)) + failed
 
     def record(self, rows: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
         """Appends the sampled tokens, frees finished sequences, returns the changed requests."""
@@ -141,6 +173,22 @@ class Engine(ABC):
                 request.metrics.finished = now
                 del self.requests[request_id]
             outputs.append(snapshot(request, request_deltas))
+        return outputs
+
+    def fail(self, requests: Iterable[Request], message: str) -> list[RequestOutput]:
+        """Ends the requests with an error (finish reason "error") and gives back what they hold; the
+        engine and every other request go on."""
+        outputs = []
+        for request in requests:
+            log.error("%s: failed: %s", request.request_id, message)
+            for seq in request.sequences:
+                if not seq.is_finished:
+                    seq.finish("error")
+                    self._release(seq)
+            request.error = message
+            request.metrics.finished = time.monotonic()
+            self.requests.pop(request.request_id, None)
+            outputs.append(snapshot(request))
         return outputs
 
     @abstractmethod

@@ -101,6 +101,13 @@ class LLMEngine(Engine):
             self.runner.forget(seq.seq_id)
         if not schedule.chunks:
             return []
+        try:
+            return self._run(schedule)
+        except Exception as error:  # noqa: BLE001 - a fault fails the step's requests, not the engine
+            log.exception("engine step failed")
+            return self.fail({chunk.seq.request for chunk in schedule.chunks}, f"internal error: {error!r}")
+
+    def _run(self, schedule: SchedulerOutput) -> list[RequestOutput]:
         self.runner.cache.copy_blocks(self.kv.take_pending_copies())
         scoring = self._scoring_prompts(schedule)
         logits = self.runner.execute(schedule.chunks, scoring)
@@ -108,7 +115,7 @@ class LLMEngine(Engine):
         sampling = [chunk.seq for chunk in schedule.chunks if chunk.completes_sequence]
         self._mark_computed(schedule)
         rows, logits = self._sampling_rows(sampling, logits)
-        return self.record(rows, self.sampler(logits, rows)) if rows else []
+        return self.sample_and_record(rows, logits) if rows else []
 
     def _mark_computed(self, schedule: SchedulerOutput) -> None:
         """Advances each sequence, offers its new full blocks to the prefix cache, drops dead ones."""

@@ -33,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
     kv_policy: str = "full"
 
     def __post_init__(self) -> None:
@@ -57,6 +58,8 @@ class SamplingParams:
         _check(-2 <= self.frequency_penalty <= 2,
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1),
+               f"seed must fit in a signed 64-bit integer (with seed + n - 1), got {self.seed}")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
@@ -68,6 +71,12 @@ class SamplingParams:
                f"logprobs must be in [0, 20], got {self.logprobs!r}")
         _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}")
+        if self.logit_bias is None:
+            self.logit_bias = {}
+        _check(isinstance(self.logit_bias, dict)
+               and all(_is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100
+                       for t, b in self.logit_bias.items()),
+               "logit_bias must map token ids to biases in [-100, 100]")
         _check(isinstance(self.kv_policy, str), f"kv_policy must be a string, got {self.kv_policy!r}")
         CachePolicy.parse(self.kv_policy)
 
@@ -80,12 +89,18 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias change the logits before any token is chosen."""
+        return self.has_penalties or bool(self.logit_bias)
+
     def for_completion(self, index: int) -> "SamplingParams":
         """The parameters of completion `index` of an n > 1 request (its own seed)."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _GREEDY_TEMPERATURE = 1e-5
 

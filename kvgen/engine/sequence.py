@@ -170,6 +170,7 @@ class Request:
                           for i in range(params.n)]
         # Log-probability of each prompt token given the ones before it (None for the first).
         self.prompt_logprobs: list[TokenLogprobs | None] = [None] if params.prompt_logprobs is not None else []
+        self.error: str | None = None  # why the engine failed the request, if it did
 
     @property
     def is_finished(self) -> bool:
@@ -209,6 +210,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None  # set when the engine failed the request (finish reason "error")
 
     @property
     def text(self) -> str:
@@ -237,4 +239,4 @@ def snapshot(request: Request, deltas: dict[int, tuple[str, list[int]]] | None =
     ]
     prompt_logprobs = list(request.prompt_logprobs) if request.params.prompt_logprobs is not None else None
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                         request.is_finished, request.metrics, prompt_logprobs)
+                         request.is_finished, request.metrics, prompt_logprobs, request.error)

@@ -6,6 +6,7 @@ It exists to compare against: `kv_cache="contiguous"` is the textbook preallocat
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -16,6 +17,8 @@ from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import InvalidRequestError
 from kvgen.engine.sequence import Request, RequestOutput, Sequence, Status
 from kvgen.phases import DecodeState, decode, prefill
+
+log = logging.getLogger(__name__)
 
 
 class SequentialEngine(Engine):
@@ -35,8 +38,11 @@ class SequentialEngine(Engine):
         if not self.queue:
             return []
         seq = self.queue[0]
-        logits = self._next_logits(seq)
-        return self.record([seq], self.sampler(logits[None], [seq]))
+        try:
+            return self.sample_and_record([seq], self._next_logits(seq)[None])
+        except Exception as error:  # noqa: BLE001 - a fault fails this request, not the engine
+            log.exception("engine step failed")
+            return self.fail([seq.request], f"internal error: {error!r}")
 
     def _next_logits(self, seq: Sequence) -> torch.Tensor:
         """Prefill on the first step of a sequence, then one decode per step."""

@@ -36,6 +36,7 @@ from kvgen.engine.sequence import CompletionOutput, RequestOutput
 from kvgen.errors import InvalidRequestError
 from kvgen.sampler import TokenLogprobs
 from kvgen.server.chat import ChatTemplate
+from kvgen.server.limits import LimitExceededError, RequestLimits
 from kvgen.server.metrics import ServerMetrics
 from kvgen.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
@@ -47,6 +48,7 @@ from kvgen.tokenizer import Tokenizer
 log = logging.getLogger("kvgen.server")
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_MAX_QUEUED_REQUESTS = 256
 _SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -60,27 +62,45 @@ class ServerState:
     api_key: str | None
     metrics: ServerMetrics
     chat_template: ChatTemplate
+    limits: RequestLimits
+    max_queued_requests: int
 
     @property
     def engine(self) -> Engine:
         return self.llm.engine
+
+    def admit(self, body: SamplingRequest, num_prompts: int) -> None:
+        """Checks a request before any work is done on it: its fields against the server's limits
+        (400), then backpressure: past `max_queued_requests` sequences waiting, a new request gets 429
+        and Retry-After instead of growing the queue (as vLLM and TGI do)."""
+        body.check_limits(self.limits, num_prompts)
+        if self.llm.num_waiting() >= self.max_queued_requests:
+            self.metrics.on_reject("queue_full")
+            raise APIError(429, f"the server is busy: {self.max_queued_requests} requests are already queued; "
+                           "retry later", type="server_busy", code="queue_full", headers={"Retry-After": "1"})
 
 
 class APIError(Exception):
     """An error answered with an OpenAI-style error object and an HTTP status."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers
 
     def response(self) -> Response:
-        return _json(ErrorResponse(error=self.info), self.status)
+        return _json(ErrorResponse(error=self.info), self.status, self.headers)
 
 
-def _json(model: BaseModel, status: int = 200) -> Response:
-    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+class RequestFailedError(Exception):
+    """The engine failed a request (NaN logits, a fault in a step, a token it cannot decode): a 500, or
+    an error event in a stream that has started."""
+
+
+def _json(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json", headers=headers)
 
 
 def _state(request: Request) -> ServerState:
@@ -110,7 +130,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, exc: APIError) -> Response:
         return exc.response()
 
-    async def invalid_request(_: Request, exc: InvalidRequestError) -> Response:
+    async def invalid_request(request: Request, exc: InvalidRequestError) -> Response:
+        if isinstance(exc, LimitExceededError):
+            _state(request).metrics.on_reject("over_limit")
         return APIError(400, str(exc)).response()
 
     async def validation_error(_: Request, exc: RequestValidationError) -> Response:
@@ -250,9 +272,13 @@ class Job:
                      total_tokens=self.num_prompt_tokens + completion)
 
 
-def prepare_job(engine: Engine, id_prefix: str, prompts: Sequence[Prompt], body: SamplingRequest) -> Job:
-    """Encodes the prompts and checks they fit with the parameters; raises InvalidRequestError."""
+def prepare_job(state: ServerState, id_prefix: str, prompts: Sequence[Prompt], body: SamplingRequest) -> Job:
+    """Encodes the prompts (of an admitted request) and checks they fit with the parameters; raises
+    InvalidRequestError."""
+    engine = state.engine
     token_ids = [engine.encode_prompt(p) for p in prompts]
+    for ids in token_ids:
+        state.limits.check_prompt_tokens(len(ids), engine.max_model_len)
     longest = max(len(ids) for ids in token_ids)
     params = body.sampling_params(max_tokens_left=max(engine.max_model_len - longest, 1))
     for ids in token_ids:
@@ -360,6 +386,8 @@ async def run_job(request: Request, state: ServerState, job: Job) -> AsyncIterat
                 if out.finished:
                     unfinished.discard(index)
                     _log_finished(out)
+                if out.error is not None:
+                    raise RequestFailedError(out.error)
                 for delta in trackers[index].deltas(out):
                     yield delta
                 if await request.is_disconnected():
@@ -535,7 +563,8 @@ async def models(request: Request) -> Response:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _serving_state(request, body.model)
     prompts = body.prompts()
-    job = prepare_job(state.engine, "cmpl", prompts, body)
+    state.admit(body, len(prompts))
+    job = prepare_job(state, "cmpl", prompts, body)
     echo = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts] if body.echo else None
     return await respond(request, state, job, CompletionFormat(job, state.model_name, echo), body)
 
@@ -543,7 +572,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @_api.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _serving_state(request, body.model)
-    job = prepare_job(state.engine, "chatcmpl", [state.chat_template.prompt_ids(body.messages)], body)
+    state.admit(body, 1)
+    job = prepare_job(state, "chatcmpl", [state.chat_template.prompt_ids(body.messages)], body)
     return await respond(request, state, job, ChatFormat(job, state.model_name), body)
 
 
@@ -551,7 +581,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 
 def create_app(engine: Engine | AsyncLLM, *, model_name: str, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: RequestLimits | None = None,
+               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> FastAPI:
     """The server's ASGI app over an engine (or an AsyncLLM already wrapping one)."""
     llm = engine if isinstance(engine, AsyncLLM) else AsyncLLM(engine)
 
@@ -562,7 +593,8 @@ def create_app(engine: Engine | AsyncLLM, *, model_name: str, api_key: str | Non
 
     app = FastAPI(title="kvgen", summary="OpenAI-compatible API over the kvgen engine", lifespan=lifespan)
     app.state.kvgen = ServerState(llm=llm, model_name=model_name, api_key=api_key,
-                                  metrics=ServerMetrics(llm.engine), chat_template=ChatTemplate(llm.tokenizer))
+                                  metrics=ServerMetrics(llm.engine), chat_template=ChatTemplate(llm.tokenizer),
+                                  limits=limits or RequestLimits(), max_queued_requests=max_queued_requests)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     _add_error_handlers(app)
     app.include_router(_open)

@@ -9,6 +9,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvgen.cache.sizing import parse_bytes
+from kvgen.server.limits import RequestLimits
+
+# Each request limit is an option of the same name (--max-n ...); a request over one gets a 400.
+LIMIT_HELP = {
+    "max_n": "completions per prompt (n)",
+    "max_prompts": "prompts in one /v1/completions request",
+    "max_choices": "n x the number of prompts",
+    "max_tokens": "max_tokens / max_completion_tokens",
+    "max_prompt_tokens": "tokens in one prompt (default: the model's context)",
+    "max_logprobs": "logprobs / top_logprobs alternatives per token",
+    "max_stop": "stop strings",
+    "max_stop_length": "characters in one stop string",
+    "max_stop_token_ids": "entries in stop_token_ids",
+    "max_logit_bias": "entries in logit_bias",
+}
 
 
 def register(subparsers: argparse._SubParsersAction, add_engine_options: Callable) -> None:
@@ -21,6 +36,14 @@ def register(subparsers: argparse._SubParsersAction, add_engine_options: Callabl
     g.add_argument("--served-model-name", help="the model's name in the API (default: the model file's name)")
     g.add_argument("--max-request-bytes", type=parse_bytes, default="1MiB",
                    help="largest request body accepted, e.g. 64KiB (default: 1MiB)")
+    g.add_argument("--max-queued-requests", type=int, default=256,
+                   help="sequences waiting for the engine past which new requests get 429 (default: 256)")
+    limits = serve.add_argument_group("request limits (a request over one gets a 400 naming it)")
+    defaults = RequestLimits()
+    for name, what in LIMIT_HELP.items():
+        default = getattr(defaults, name)
+        limits.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                            help=what + ("" if default is None else f" (default: {default})"))
     add_engine_options(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -33,8 +56,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = build_engine_from_args(args)  # prints the KV capacity
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    limits = RequestLimits(**{name: getattr(args, name) for name in LIMIT_HELP})
     app = create_app(engine, model_name=args.served_model_name or _model_name(args.model),
-                     api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+                     api_key=args.api_key, max_request_bytes=args.max_request_bytes, limits=limits,
+                     max_queued_requests=args.max_queued_requests)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 

@@ -60,6 +60,9 @@ class ServerMetrics:
         self.generation_tokens = Counter("kvgen_generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter("kvgen_requests", "Completions finished, by finish reason.", ["finish_reason"],
                                 registry=r)
+        self.rejected = Counter("kvgen_requests_rejected", "Requests refused before admission: queue_full "
+                                "(429, backpressure) or over_limit (400, a field over a server limit).", ["reason"],
+                                registry=r)
         r.register(EngineStatsCollector(engine))
 
     def on_start(self, num_prompt_tokens: int) -> None:
@@ -79,6 +82,9 @@ class ServerMetrics:
             self.e2e.observe(m.e2e_latency)
         for completion in out.outputs:
             self.requests.labels(finish_reason=completion.finish_reason or "abort").inc()
+
+    def on_reject(self, reason: str) -> None:
+        self.rejected.labels(reason=reason).inc()
 
     def on_abort(self, num_completions: int) -> None:
         """A request that ended before finishing (its client went away)."""

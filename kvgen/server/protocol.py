@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvgen.engine.base import Prompt
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import InvalidRequestError
+from kvgen.server.limits import RequestLimits, check_64_bit_integers
 
 # Request fields copied into SamplingParams under the same name, when the client sent them.
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
@@ -53,6 +54,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     kv_policy: str | None = None
+    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -70,6 +72,14 @@ class SamplingRequest(BaseModel):
         """Top alternatives per token to return (0: the chosen token's only), None: no logprobs."""
         return None
 
+    def check_limits(self, limits: RequestLimits, num_prompts: int) -> None:
+        """Raises LimitExceededError for a field over the server's bound (before any work is done)."""
+        check_64_bit_integers(self.model_dump(exclude_unset=True))
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        limits.check_counts(n=self.n or 1, num_prompts=num_prompts, max_tokens=self.requested_max_tokens(),
+                            logprobs=self.logprobs_count(), stop=stop, stop_token_ids=self.stop_token_ids or [],
+                            logit_bias=self.logit_bias)
+
     def sampling_params(self, max_tokens_left: int) -> SamplingParams:
         """The engine's parameters; without max_tokens a request may use the rest of the context.
 
@@ -78,7 +88,16 @@ class SamplingRequest(BaseModel):
         fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS if name in self.model_fields_set}
         max_tokens = self.requested_max_tokens()
         return SamplingParams(**fields, max_tokens=max_tokens_left if max_tokens is None else max_tokens,
-                              logprobs=self.logprobs_count())
+                              logprobs=self.logprobs_count(), logit_bias=_token_biases(self.logit_bias))
+
+
+def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (JSON keys are strings) -> {token id: bias}."""
+    if not logit_bias:
+        return {}
+    if not all(key.isascii() and key.isdigit() and len(key) <= 18 for key in logit_bias):
+        raise InvalidRequestError("logit_bias keys must be token ids (decimal strings such as \"50256\")")
+    return {int(key): bias for key, bias in logit_bias.items()}
 
 
 class CompletionRequest(SamplingRequest):

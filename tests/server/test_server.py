@@ -6,55 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvgen import LLM, SamplingParams
 from kvgen.server.app import create_app
+from tests.server.harness import API_KEY, Server, blocks_used, metric_samples, running, sse_events
 
-API_KEY = "test-key"
 MODEL = "stories260K"
 ENGINE_OPTIONS = {"num_kv_blocks": 512, "max_num_seqs": 64}
 NON_ASCII_PROMPT = "Lily saw a café — 日本の猫 — and said"
-
-
-@dataclass
-class Server:
-    url: str
-    app: object
-
-    def client(self, **headers: str) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}", **headers})
-
-
-@contextmanager
-def running(app, **config) -> Iterator[str]:
-    """Runs the app on uvicorn in a background thread, on a free loopback port; yields its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -81,24 +46,6 @@ def greedy(offline: LLM, prompt, max_tokens: int):
 def chat_prompt(*turns: tuple[str, str]) -> str:
     """The documented plain chat template (the model has no template of its own)."""
     return "".join(f"<|{role}|>\n{content}\n" for role, content in turns) + "<|assistant|>\n"
-
-
-def sse_events(response: httpx.Response) -> list[dict]:
-    """The JSON events of a server-sent-events body; checks it ends with [DONE]."""
-    payloads = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
-    assert payloads[-1] == "[DONE]"
-    return [json.loads(p) for p in payloads[:-1]]
-
-
-def metric_samples(server: Server) -> dict[tuple[str, tuple], float]:
-    with server.client() as http:
-        text = http.get("/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def blocks_used(server: Server) -> float:
-    return metric_samples(server)[("kvgen_kv_cache_blocks_used", ())]
 
 
 # -- generation agrees with the offline engine --------------------------------------------------
