@@ -32,7 +32,8 @@ from kvgen.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# The host's ISA, but never AMX: some VMs advertise AMX tiles and trap on their first use (SIGILL).
+FLAGS = ("-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-fopenmp", "-shared", "-fPIC")
 POOL_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
