@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvgen.cache.sizing import format_bytes, kv_bytes_per_token, parse_bytes
-from kvgen.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_MODES, EngineConfig, ModelConfig
+from kvgen.cache.sizing import KV_ELEMENT_BYTES, KV_SCALE_BYTES, format_bytes, kv_bytes_per_token, parse_bytes
+from kvgen.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, EngineConfig, ModelConfig
 from kvgen.engine.base import Engine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import RequestOutput
@@ -36,6 +36,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="what the KV pools store: auto (the model's dtype), a float type, or int8 / fp8 (e4m3) "
+                        "with one scale per token and KV head")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="paged decode attention: native (compiled CPU kernel, reads blocks in place), "
@@ -55,7 +58,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -181,20 +184,23 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise KVGenError(f"--tokens must be a positive number of tokens, got {args.tokens}")
     config = _config_only(Path(args.model)) if args.model else _default_config()
-    element = {"float32": 4, "bfloat16": 2, "float16": 2}[DTYPES[args.dtype]]
-    per_layer = kv_bytes_per_token(1, config.num_kv_heads, config.head_dim, element)
+    dtype = DTYPES[args.dtype] if args.kv_cache_dtype in (None, "auto") else args.kv_cache_dtype
+    element, scale = KV_ELEMENT_BYTES[dtype], KV_SCALE_BYTES.get(dtype, 0)
+    per_layer = kv_bytes_per_token(1, config.num_kv_heads, config.head_dim, element, scale)
     per_token = per_layer * config.num_layers
     total = per_token * args.tokens
     report = {"layers": config.num_layers, "kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
-              "dtype": DTYPES[args.dtype], "bytes_per_element": element, "bytes_per_token_per_layer": per_layer,
+              "dtype": dtype, "bytes_per_element": element, "scale_bytes": scale,
+              "bytes_per_token_per_layer": per_layer,
               "bytes_per_token": per_token, "tokens": args.tokens, "bytes_per_layer": per_layer * args.tokens,
               "bytes_total": total}
     if args.json:
         print(json.dumps(report))
         return 0
     print(f"layers {config.num_layers}, kv_heads {config.num_kv_heads}, head_dim {config.head_dim}, "
-          f"{DTYPES[args.dtype]} ({element} bytes)")
-    print(f"per token, per layer: 2 x {config.num_kv_heads} x {config.head_dim} x {element} = {per_layer:,} bytes")
+          f"{dtype} ({element} bytes" + (f", plus a {scale}-byte scale per token and head)" if scale else ")"))
+    scaled = f"({config.head_dim} x {element} + {scale})" if scale else f"{config.head_dim} x {element}"
+    print(f"per token, per layer: 2 x {config.num_kv_heads} x {scaled} = {per_layer:,} bytes")
     print(f"per token, all layers: {per_token:,} bytes ({format_bytes(per_token)})")
     print(f"{args.tokens:,} tokens: {per_layer * args.tokens:,} bytes per layer "
           f"({format_bytes(per_layer * args.tokens)}), {total:,} bytes in all ({format_bytes(total)}, "
@@ -245,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("model", nargs="?", help="HF directory, config.json, .gguf or .bin (default model if omitted)")
     size.add_argument("--tokens", type=int, default=1, help="number of tokens to size for")
     size.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
+    size.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="the pools' dtype, int8 / fp8 with "
+                      "their scales (default: --dtype)")
     size.add_argument("--json", action="store_true")
     size.set_defaults(func=cmd_kv_size)
 

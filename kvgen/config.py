@@ -118,6 +118,9 @@ KV_CACHE_MODES = ("paged", "contiguous", "none")
 ATTENTION_BACKENDS = ("auto", "native", "sdpa")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
+# What the paged KV pools store: "auto" is the model's dtype; int8 and fp8 (e4m3) are quantized with
+# one scale per (token, KV head), dequantized as they are read.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -139,12 +142,17 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache != "paged":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} needs the paged KV cache (--kv-cache paged)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -155,6 +163,11 @@ class EngineConfig:
         import torch
 
         return getattr(torch, DTYPES[self.dtype])
+
+    @property
+    def kv_dtype(self) -> str:
+        """The pools' dtype by name, "auto" resolved to the model's."""
+        return DTYPES[self.dtype] if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
 
 DEFAULT_KV_MEMORY = 1 << 30

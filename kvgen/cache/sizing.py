@@ -15,13 +15,26 @@ _PREFIXES = "KMGTP"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([kmgtp]i?)?b?\s*$", re.IGNORECASE)
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Bytes one token's K and V take across all layers: 2 * layers * kv_heads * head_dim * bytes."""
+# Bytes of one element of the KV pools, by `--kv-cache-dtype` name; int8 and fp8 (e4m3) also store one
+# float32 scale per (token, KV head) for K and for V.
+KV_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1}
+KV_SCALE_BYTES = {"int8": 4, "fp8": 4}
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                       scale_bytes: int = 0) -> int:
+    """Bytes one token's K and V take across all layers: 2 * layers * kv_heads * (head_dim * bytes + scale)."""
     for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+    return 2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
+
+
+def kv_bytes_per_token_of(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
+    """`kv_bytes_per_token` for a pool dtype named as `--kv-cache-dtype` names it (resolved, not auto)."""
+    return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, KV_ELEMENT_BYTES[kv_dtype],
+                              KV_SCALE_BYTES.get(kv_dtype, 0))
 
 
 def parse_bytes(size: str | int) -> int:

@@ -11,7 +11,7 @@ import time
 import torch
 
 from kvgen.cache.kv_manager import KVCacheManager
-from kvgen.cache.sizing import format_bytes, kv_bytes_per_token, num_blocks_for_budget
+from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of, num_blocks_for_budget
 from kvgen.config import DEFAULT_KV_MEMORY, EngineConfig
 from kvgen.engine.base import Engine, EngineStats
 from kvgen.engine.sampling_params import SamplingParams
@@ -21,6 +21,7 @@ from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
 from kvgen.model.attention import PagedKVCache
 from kvgen.model.kernels import paged_decode_for
+from kvgen.model.kv_quant import STORAGE_DTYPES
 from kvgen.runner.model_runner import ModelRunner
 from kvgen.sampler import logprobs_of
 
@@ -33,13 +34,13 @@ class LLMEngine(Engine):
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         super().__init__(loaded, config)
         cfg = loaded.config
-        element = torch.tensor([], dtype=config.torch_dtype).element_size()
-        self.bytes_per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, element)
+        self.bytes_per_token = kv_bytes_per_token_of(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_dtype)
         num_blocks = self._num_blocks()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        pool_dtype = STORAGE_DTYPES[config.kv_dtype]
         cache = PagedKVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                             self.model.device, self.model.dtype)
-        decode_kernel = paged_decode_for(config.attention_backend, self.model.device, self.model.dtype)
+                             self.model.device, pool_dtype, compute_dtype=self.model.dtype)
+        decode_kernel = paged_decode_for(config.attention_backend, self.model.device, self.model.dtype, pool_dtype)
         self.runner = ModelRunner(self.model, cache, self.kv, decode_kernel)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         log.info("%s", self.capacity_report())
@@ -51,7 +52,7 @@ class LLMEngine(Engine):
     def capacity_report(self) -> str:
         return (f"KV cache: {self.kv.num_blocks} blocks x {self.kv.block_size} tokens = {self.capacity_tokens} tokens, "
                 f"{format_bytes(self.capacity_tokens * self.bytes_per_token)} "
-                f"({self.bytes_per_token} bytes/token, {self.config.dtype})")
+                f"({self.bytes_per_token} bytes/token, {self.config.kv_dtype})")
 
     def _num_blocks(self) -> int:
         cfg = self.config

@@ -57,7 +57,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     print(ppl.table(results, length))
     if args.json:
         settings = {"model": str(model), "text": text_name, "text_tokens": len(token_ids), "tokens_streamed": length,
-                    "dtype": args.dtype}
+                    "dtype": args.dtype, "kv_cache_dtype": engine.config.kv_dtype}
         ppl.write_json(args.json, results, settings)
     if args.plot:
         ppl.plot(args.plot, results, f"{model.name} on {Path(text_name).name}: {length} tokens, one per step")

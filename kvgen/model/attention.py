@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.model.kernels import PagedDecode
+from kvgen.model.kv_quant import as_bytes, dequantize, is_quantized, quantize
 from kvgen.model.layers import apply_rope
 
 
@@ -161,14 +162,24 @@ class PagedKVCache:
     [L, head_dim], the layout SDPA reads fastest (no transposing copy). One extra block at the end is
     scratch space: sequences shorter than the longest of their group read it as padding (always
     masked out), so the hot path needs no conditionals.
+
+    The pools hold `dtype` (the model's by default). A quantized pool (int8, fp8) also holds a float32
+    scale per (token, KV head), `k_scale`/`v_scale` [kv_heads, num_slots], indexed by slot like the
+    values, so a block carries its scales wherever it is copied or shared. Writes quantize; reads
+    (gather, the decode kernel) dequantize to `compute_dtype`.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> None:
         num_slots = (num_blocks + 1) * block_size
         shape = (num_kv_heads, num_slots, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.quantized = is_quantized(dtype)
+        self.compute_dtype = compute_dtype or dtype
+        scales = (num_kv_heads, num_slots) if self.quantized else (0, 0)
+        self.k_scale = [torch.zeros(scales, device=device) for _ in range(num_layers)]
+        self.v_scale = [torch.zeros(scales, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Reused by every gather: fresh multi-MB buffers each layer cost more in page faults than the copy.
@@ -176,15 +187,20 @@ class PagedKVCache:
         self._gathered_v = torch.empty(0, device=device, dtype=dtype)
 
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool of one layer viewed as [kv_heads, num_blocks + 1, block_size, head_dim]."""
+        """The pool of one layer viewed as [kv_heads, num_blocks + 1, block_size, head_dim] (fp8 pools
+        as their bytes: torch's CPU copies and gathers do not take fp8)."""
         kv_heads, _, head_dim = self.k[layer].shape
         shape = (kv_heads, -1, self.block_size, head_dim)
-        return self.k[layer].view(shape), self.v[layer].view(shape)
+        return as_bytes(self.k[layer]).view(shape), as_bytes(self.v[layer]).view(shape)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k/v [T, kv_heads, D] stored at slots [T]."""
-        self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
-        self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
+        """k/v [T, kv_heads, D] stored at slots [T] (quantized, with their scales, in a quantized pool)."""
+        for pool, scales, x in ((self.k[layer], self.k_scale[layer], k), (self.v[layer], self.v_scale[layer], v)):
+            x = x.transpose(0, 1)  # [kv_heads, T, D]
+            if self.quantized:
+                x, x_scales = quantize(x, pool.dtype)
+                scales.index_copy_(1, slots, x_scales)
+            as_bytes(pool).index_copy_(1, slots, as_bytes(x))
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block_ids [B, N] -> keys, values [B, kv_heads, N * block_size, D], one copy each.
@@ -197,12 +213,22 @@ class PagedKVCache:
         flat = block_ids.flatten()
         shape = (kv_heads, flat.numel(), self.block_size, head_dim)
         size = math.prod(shape)
-        if self._gathered_k.numel() < size:  # grows to the largest group seen, then stays
+        if self._gathered_k.numel() < size:  # grows to the largest group seen, then stays (as k_blocks' dtype)
             self._gathered_k, self._gathered_v = k_blocks.new_empty(size), v_blocks.new_empty(size)
         keys = torch.index_select(k_blocks, 1, flat, out=self._gathered_k[:size].view(shape))
         values = torch.index_select(v_blocks, 1, flat, out=self._gathered_v[:size].view(shape))
+        if self.quantized:
+            pool_dtype = self.k[layer].dtype
+            keys = dequantize(keys.view(pool_dtype), self._gather_scales(self.k_scale[layer], flat),
+                              self.compute_dtype)
+            values = dequantize(values.view(pool_dtype), self._gather_scales(self.v_scale[layer], flat),
+                                self.compute_dtype)
         return (keys.view(kv_heads, batch, length, head_dim).transpose(0, 1),
                 values.view(kv_heads, batch, length, head_dim).transpose(0, 1))
+
+    def _gather_scales(self, scales: torch.Tensor, flat_blocks: torch.Tensor) -> torch.Tensor:
+        """scales [kv_heads, num_slots] -> [kv_heads, len(flat_blocks), block_size]."""
+        return scales.view(scales.shape[0], -1, self.block_size).index_select(1, flat_blocks)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates whole blocks (src -> dst) in every layer."""
@@ -211,11 +237,12 @@ class PagedKVCache:
         src = torch.tensor([s for s, _ in copies], device=self.k[0].device)
         dst = torch.tensor([d for _, d in copies], device=self.k[0].device)
         for layer in range(len(self.k)):
-            for pool in self.blocks(layer):
+            scales = (self.k_scale[layer], self.v_scale[layer]) if self.quantized else ()
+            for pool in (*self.blocks(layer), *(s.view(s.shape[0], -1, self.block_size) for s in scales)):
                 pool[:, dst] = pool[:, src]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale)
 
 
 class PagedAttention(Attention):
@@ -246,8 +273,10 @@ class PagedAttention(Attention):
             scored = group.score_rows
             group.scores += attention_weights(queries[scored], gathered[0][scored], group.mask[scored])
         if in_place:
-            return self.decode_kernel(rows, self.cache.k[layer], self.cache.v[layer], group.kv_blocks,
-                                      self.cache.block_size, group.mask.view(batch, -1))
+            cache = self.cache
+            scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else None
+            return self.decode_kernel(rows, cache.k[layer], cache.v[layer], group.kv_blocks, cache.block_size,
+                                      group.mask.view(batch, -1), scales)
         keys, values = gathered
         out = sdpa_heads_first(queries, keys, values, None if group.causal else group.mask, group.causal)
         return out.transpose(1, 2).reshape(rows.shape)

@@ -59,6 +59,29 @@ def test_paged_decode_equals_gather_and_sdpa(dtype, kv_heads, group, block_size,
     assert (got.float() - want.float()).abs().max().item() <= tolerance
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kv_heads, group", [(1, 1), (3, 4)])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_paged_decode_reads_quantized_pools_as_their_dequantized_values(pool_dtype, kv_heads, group, block_size):
+    """The kernel scales int8 / fp8 rows in registers; gather + SDPA dequantizes a copy. Both attend
+    over the same dequantized values, so they differ by fp32 rounding only."""
+    float_cache, q, block_ids, mask = ragged_batch(torch.float32, kv_heads, group, block_size, window=None)
+    cache = PagedKVCache(1, float_cache.num_blocks, block_size, kv_heads, q.shape[-1], CPU, pool_dtype,
+                         compute_dtype=torch.float32)
+    slots = torch.arange(cache.k[0].shape[1])
+    cache.write(0, slots, float_cache.k[0].transpose(0, 1), float_cache.v[0].transpose(0, 1))
+    scales = (cache.k_scale[0], cache.v_scale[0])
+    got = load_paged_decode()(q, cache.k[0], cache.v[0], block_ids, block_size, mask, scales)
+    want = gather_and_sdpa(cache, q, block_ids, mask)
+    keys = int(mask.sum(-1).max())
+    values = float_cache.v[0].abs().max().item()
+    assert (got - want).abs().max().item() <= fp32_gap(q.shape[-1] + 2 * keys, values)
+    # ...and quantization moved the result by about the quantization step, not more.
+    exact = gather_and_sdpa(float_cache, q, block_ids, mask)
+    step = 2**-7 if pool_dtype == torch.int8 else 2**-3  # relative: 1/127 of the row max; fp8's 3 bits
+    assert (got - exact).abs().max().item() <= 4 * step * values
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_gives_the_same_bits_on_two_threads(dtype):
     """Each (sequence, KV head) is one thread's work with its own scores buffer (the suite otherwise
@@ -102,6 +125,9 @@ def test_backend_choice():
     assert paged_decode_for("auto", CPU, torch.float16) is None  # no fp16 kernel: gather + SDPA
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         paged_decode_for("native", CPU, torch.float16)
+    assert paged_decode_for("auto", CPU, torch.float32, torch.int8) is load_paged_decode()
+    assert paged_decode_for("auto", CPU, torch.bfloat16, torch.float8_e4m3fn) is load_paged_decode()
+    assert paged_decode_for("auto", CPU, torch.float32, torch.float16) is None  # fp16 pools: gather
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="flash")
 

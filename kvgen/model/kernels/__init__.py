@@ -34,7 +34,10 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.c")
 # The host's ISA, but never AMX: some VMs advertise AMX tiles and trap on their first use (SIGILL).
 FLAGS = ("-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-fopenmp", "-shared", "-fPIC")
-POOL_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+POOL_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
+               torch.int8: "paged_decode_int8", torch.float8_e4m3fn: "paged_decode_fp8"}
+# Model (query) dtypes the kernel serves; its pools may also be int8 / fp8 with scales.
+QUERY_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class _Args(ctypes.Structure):
@@ -42,6 +45,7 @@ class _Args(ctypes.Structure):
 
     _fields_ = [
         ("q", ctypes.c_void_p), ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
         ("block_ids", ctypes.c_void_p), ("mask", ctypes.c_void_p), ("out", ctypes.c_void_p),
         ("batch", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("group", ctypes.c_int64),
         ("head_dim", ctypes.c_int64), ("num_slots", ctypes.c_int64), ("blocks_per_seq", ctypes.c_int64),
@@ -50,7 +54,8 @@ class _Args(ctypes.Structure):
 
 
 class PagedDecode:
-    """Decode attention over K/V pools [kv_heads, num_slots, D] of fp32 or bf16, on the CPU."""
+    """Decode attention over K/V pools [kv_heads, num_slots, D] of fp32 or bf16, or of int8 / fp8 with
+    float32 scales [kv_heads, num_slots], on the CPU."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {}
@@ -61,17 +66,25 @@ class PagedDecode:
             self._functions[dtype] = function
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: torch.Tensor,
-                 block_size: int, mask: torch.Tensor) -> torch.Tensor:
+                 block_size: int, mask: torch.Tensor,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q [B, heads, D], pools [kv_heads, num_slots, D], block_ids [B, N] (int64),
-        mask [B, N * block_size] (bool) -> [B, heads, D] in q's dtype."""
+        mask [B, N * block_size] (bool), scales (k, v) [kv_heads, num_slots] float32 for a quantized
+        pool -> [B, heads, D] in q's dtype."""
         batch, heads, head_dim = q.shape
         kv_heads, num_slots, _ = k_pool.shape
         assert k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.dtype == v_pool.dtype
+        k_scale, v_scale = scales if scales is not None else (None, None)
+        assert (scales is not None) == (k_pool.dtype in (torch.int8, torch.float8_e4m3fn))
+        assert scales is None or (k_scale.is_contiguous() and v_scale.is_contiguous()
+                                  and k_scale.shape == (kv_heads, num_slots) and k_scale.dtype == torch.float32)
         assert mask.shape == (batch, block_ids.shape[1] * block_size) and mask.dtype == torch.bool
         queries = q.to(torch.float32).contiguous()
         out = torch.empty_like(queries)
         block_ids, mask = block_ids.to(torch.int64).contiguous(), mask.contiguous()
-        args = _Args(queries.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_ids.data_ptr(),
+        args = _Args(queries.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                     k_scale.data_ptr() if scales else None, v_scale.data_ptr() if scales else None,
+                     block_ids.data_ptr(),
                      mask.data_ptr(), out.data_ptr(), batch, kv_heads, heads // kv_heads, head_dim, num_slots,
                      block_ids.shape[1], block_size, head_dim ** -0.5, torch.get_num_threads())
         if self._functions[k_pool.dtype](ctypes.byref(args)):
@@ -79,16 +92,19 @@ class PagedDecode:
         return out.to(q.dtype)
 
 
-def paged_decode_for(backend: str, device: torch.device, dtype: torch.dtype) -> PagedDecode | None:
+def paged_decode_for(backend: str, device: torch.device, dtype: torch.dtype,
+                     pool_dtype: torch.dtype | None = None) -> PagedDecode | None:
     """The kernel decode attention should use under `backend` (one of kvgen.config.ATTENTION_BACKENDS,
-    which EngineConfig checks), or None for gather + SDPA. "native" insists on the kernel and says
-    why when it cannot have it."""
+    which EngineConfig checks) for a model of `dtype` over pools of `pool_dtype` (default: the
+    same), or None for gather + SDPA. "native" insists on the kernel and says why when it cannot
+    have it."""
     if backend == "sdpa":
         return None
-    if device.type != "cpu" or dtype not in POOL_DTYPES:
+    pool_dtype = pool_dtype or dtype
+    if device.type != "cpu" or dtype not in QUERY_DTYPES or pool_dtype not in POOL_DTYPES:
         if backend == "native":
-            raise ValueError(f"attention_backend 'native' runs on the CPU in float32 or bfloat16, "
-                             f"not {device.type} {dtype}")
+            raise ValueError(f"attention_backend 'native' runs on the CPU, for float32 or bfloat16 models over "
+                             f"float32, bfloat16, int8 or fp8 pools, not {device.type} {dtype} over {pool_dtype}")
         return None
     try:
         return load_paged_decode()

@@ -10,7 +10,9 @@
  *     out      = sum_j weights_j v_j                                    (one pass over V)
  *
  * Masked keys are skipped without being read (padding, sliding windows). Pools are fp32 or bf16
- * (widened to fp32 on load); queries, scores and outputs are fp32.
+ * (widened to fp32 on load), or int8 or fp8 (e4m3) with one fp32 scale per (KV head, slot): a key's
+ * scale multiplies its dot product once, a value's scale its weight once, so quantized rows are
+ * dequantized in registers. Queries, scores and outputs are fp32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,6 +23,8 @@ struct paged_decode_args {
     const float *q;           /* [batch, kv_heads * group, head_dim] */
     const void *k_pool;       /* [kv_heads, num_slots, head_dim], fp32 or bf16 */
     const void *v_pool;       /* same */
+    const float *k_scale;     /* [kv_heads, num_slots] for int8 / fp8 pools, else NULL */
+    const float *v_scale;     /* same */
     const int64_t *block_ids; /* [batch, blocks_per_seq]: pool block of each of a sequence's blocks */
     const uint8_t *mask;      /* [batch, blocks_per_seq * block_size]: 1 where the query attends */
     float *out;               /* [batch, kv_heads * group, head_dim] */
@@ -29,13 +33,37 @@ struct paged_decode_args {
     int32_t num_threads;
 };
 
-static inline __attribute__((always_inline)) float load(const void *pool, int64_t i, const int bf16) {
-    if (!bf16)
+enum element { F32, BF16, INT8, FP8 };
+
+static float fp8_values[256]; /* e4m3fn byte -> its value, filled before the first FP8 call */
+
+static void fill_fp8_values(void) {
+    for (int byte = 0; byte < 256; byte++) {
+        const int sign = byte >> 7, exponent = (byte >> 3) & 15, mantissa = byte & 7;
+        float value = exponent ? ldexpf(1.f + mantissa / 8.f, exponent - 7) : ldexpf(mantissa / 8.f, -6);
+        if (exponent == 15 && mantissa == 7)
+            value = NAN; /* e4m3fn has no infinities; S.1111.111 is NaN */
+        fp8_values[byte] = sign ? -value : value;
+    }
+}
+
+static inline __attribute__((always_inline)) float load(const void *pool, int64_t i, const enum element kind) {
+    if (kind == F32)
         return ((const float *)pool)[i];
+    if (kind == INT8)
+        return (float)((const int8_t *)pool)[i];
+    if (kind == FP8)
+        return fp8_values[((const uint8_t *)pool)[i]];
     uint32_t bits = (uint32_t)((const uint16_t *)pool)[i] << 16; /* bf16 is the high half of an fp32 */
     float value;
     memcpy(&value, &bits, sizeof value);
     return value;
+}
+
+/* The scale of the pool row starting at element `row` (1 for unscaled pools). */
+static inline __attribute__((always_inline)) float row_scale(const float *scales, int64_t row, int64_t dim,
+                                                             const enum element kind) {
+    return kind == INT8 || kind == FP8 ? scales[row / dim] : 1.f;
 }
 
 /* Attends the query heads of one (sequence, KV head). `scratch` holds `length` pool rows then
@@ -43,7 +71,7 @@ static inline __attribute__((always_inline)) float load(const void *pool, int64_
  * through the float pointers could otherwise alias them and force a reload in the inner loops
  * (twice as slow). */
 static inline __attribute__((always_inline)) void attend(const struct paged_decode_args *a, int64_t item,
-                                                         void *scratch, const int bf16) {
+                                                         void *scratch, const enum element kind) {
     const int64_t dim = a->head_dim, group = a->group, block_size = a->block_size;
     const int64_t num_blocks = a->blocks_per_seq, length = num_blocks * block_size;
     const int64_t b = item / a->kv_heads, h = item % a->kv_heads, head_first_slot = h * a->num_slots;
@@ -67,12 +95,13 @@ static inline __attribute__((always_inline)) void attend(const struct paged_deco
         max_score[g] = -INFINITY, total[g] = 0.f;
     for (int64_t i = 0; i < count; i++) {
         const int64_t row = rows[i];
+        const float key_scale = row_scale(a->k_scale, row, dim, kind);
         for (int64_t g = 0; g < group; g++) {
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < dim; d++)
-                dot += q[g * dim + d] * load(k_pool, row + d, bf16);
-            const float score = dot * scale;
+                dot += q[g * dim + d] * load(k_pool, row + d, kind);
+            const float score = dot * key_scale * scale;
             weights[g * count + i] = score;
             max_score[g] = score > max_score[g] ? score : max_score[g];
         }
@@ -86,11 +115,12 @@ static inline __attribute__((always_inline)) void attend(const struct paged_deco
     memset(out, 0, sizeof(float) * group * dim);
     for (int64_t i = 0; i < count; i++) {
         const int64_t row = rows[i];
+        const float value_scale = row_scale(a->v_scale, row, dim, kind);
         for (int64_t g = 0; g < group; g++) {
-            const float w = weights[g * count + i];
+            const float w = weights[g * count + i] * value_scale;
 #pragma omp simd
             for (int64_t d = 0; d < dim; d++)
-                out[g * dim + d] += w * load(v_pool, row + d, bf16);
+                out[g * dim + d] += w * load(v_pool, row + d, kind);
         }
     }
     for (int64_t g = 0; g < group; g++) {
@@ -101,9 +131,11 @@ static inline __attribute__((always_inline)) void attend(const struct paged_deco
 }
 
 /* Returns 0, or 1 if a thread could not allocate its scratch space (then `out` is incomplete). */
-static int paged_decode(const struct paged_decode_args *a, const int bf16) {
+static int paged_decode(const struct paged_decode_args *a, const enum element kind) {
     const int64_t items = a->batch * a->kv_heads, length = a->blocks_per_seq * a->block_size;
     int failed = 0;
+    if (kind == FP8 && fp8_values[1] == 0.f) /* the smallest subnormal is nonzero once filled */
+        fill_fp8_values();
 #pragma omp parallel num_threads(a->num_threads)
     {
         void *scratch = malloc(length * (sizeof(int64_t) + a->group * sizeof(float)));
@@ -111,23 +143,24 @@ static int paged_decode(const struct paged_decode_args *a, const int bf16) {
 #pragma omp atomic write
             failed = 1;
         }
-        /* Two loops, so that each inlined `attend` sees its element type as a constant. Every
-         * thread reaches the loop, as OpenMP requires; one without memory skips its items. */
-        if (bf16) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < items; item++)
-                if (scratch)
-                    attend(a, item, scratch, 1);
-        } else {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < items; item++)
-                if (scratch)
-                    attend(a, item, scratch, 0);
+        /* One loop per element type, so that each inlined `attend` sees its type as a constant.
+         * Every thread reaches the loop, as OpenMP requires; one without memory skips its items. */
+#define ATTEND_ALL(KIND)                                                                                  \
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < items; item++) if (scratch)     \
+        attend(a, item, scratch, KIND);
+        switch (kind) {
+        case F32: ATTEND_ALL(F32) break;
+        case BF16: ATTEND_ALL(BF16) break;
+        case INT8: ATTEND_ALL(INT8) break;
+        case FP8: ATTEND_ALL(FP8) break;
         }
+#undef ATTEND_ALL
         free(scratch);
     }
     return failed;
 }
 
-int paged_decode_f32(const struct paged_decode_args *a) { return paged_decode(a, 0); }
-int paged_decode_bf16(const struct paged_decode_args *a) { return paged_decode(a, 1); }
+int paged_decode_f32(const struct paged_decode_args *a) { return paged_decode(a, F32); }
+int paged_decode_bf16(const struct paged_decode_args *a) { return paged_decode(a, BF16); }
+int paged_decode_int8(const struct paged_decode_args *a) { return paged_decode(a, INT8); }
+int paged_decode_fp8(const struct paged_decode_args *a) { return paged_decode(a, FP8); }
