@@ -86,23 +86,20 @@ def save_placeholder_tokenizer(vocab_size: int, path: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(path)
 
 
-def hf_source(model: BenchModel) -> tuple[Path, dict[str, Any]] | None:
-    """(directory, extra from_pretrained kwargs) for transformers, or None if it cannot read the model."""
+def hf_source(model: BenchModel) -> tuple[Path, dict[str, Any]]:
+    """(directory, extra from_pretrained kwargs) for transformers: a HF directory as it is, anything
+    else through a GGUF of the same weights (the model's own, or one written from kvgen's weights)."""
     if model.is_hf_dir:
         return model.path, {}
-    if model.gguf is not None:
-        return model.gguf.parent, {"gguf_file": model.gguf.name}
-    return None
+    gguf = gguf_for(model, "float32")
+    return gguf.parent, {"gguf_file": gguf.name}
 
 
 def load_hf_model(model: BenchModel, dtype: torch.dtype):
     """The model as a transformers causal LM in eval mode, from the same files kvgen reads."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    source = hf_source(model)
-    if source is None:
-        raise ValueError(f"transformers cannot read {model.path}: pass a HF directory or a .gguf")
-    directory, kwargs = source
+    directory, kwargs = hf_source(model)
     config = AutoConfig.from_pretrained(directory, **kwargs)
     config.pad_token_id = None  # GGUF files give -1 (unset), which transformers rejects
     return AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=dtype, **kwargs).eval()
@@ -112,8 +109,6 @@ def plain_hf_dir(model: BenchModel) -> Path:
     """A HF directory with safetensors and tokenizer files (what CTranslate2's converter needs)."""
     if model.is_hf_dir:
         return model.path
-    if hf_source(model) is None:
-        raise ValueError(f"cannot export {model.path} for peers: pass a HF directory or a .gguf")
 
     def export(tmp: Path) -> None:
         from transformers import AutoModelForCausalLM

@@ -194,15 +194,18 @@ def test_generated_model_is_built_once_and_loads_the_same_everywhere(tmp_path, m
 
 
 def test_peer_conversions_of_stories_are_cached_and_faithful(tmp_path, monkeypatch):
-    """What llama.cpp and CTranslate2 get for stories260K: the shipped GGUF in float32, else a cached GGUF
-    export; a plain HF directory (exported through transformers' GGUF reader) with the same logits."""
+    """What llama.cpp and CTranslate2 get for the packaged stories260K (a llama2.c .bin): a cached GGUF
+    export in each dtype; a plain HF directory (exported through transformers' GGUF reader) with the
+    same logits."""
     from kvgen.loaders import load_model
     from kvgen.model.llama import LlamaModel
     from kvgen.phases import prefill
 
     monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path))
     model = models.resolve("stories260k")
-    assert models.gguf_for(model, "float32") == model.gguf
+    assert model.gguf is None
+    exact = models.gguf_for(model, "float32")
+    assert exact.is_relative_to(tmp_path) and models.gguf_for(model, "float32") == exact
     half = models.gguf_for(model, "float16")
     assert half.is_relative_to(tmp_path) and models.gguf_for(model, "float16") == half
     exported = models.plain_hf_dir(model)
