@@ -81,11 +81,17 @@ Café, naïve, résumé; 日本語のテキスト; Ελληνικά; русск�
 
 
 def gpt2_vocab(pre: str, size: int = 400) -> Vocab:
-    """A byte-level BPE trained on CORPUS (deterministic), with control and user-defined tokens."""
+    """A byte-level BPE trained on CORPUS (deterministic), with control and user-defined tokens.
+
+    For `smollm` it is trained with each digit on its own, as SmolLM's vocabulary was (its merges join
+    no digits), otherwise with GPT-2's pre-tokenizer.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), tok.pre_tokenizer])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=GPT2_SPECIAL + GPT2_ADDED, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
