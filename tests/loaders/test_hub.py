@@ -93,8 +93,9 @@ def test_repo_errors_are_one_line(offline, spec, gguf_file, needles):
         assert needle in str(error.value)
 
 
-def test_missing_repo_through_the_cli(offline, capsys):
-    code, _, err = run(capsys, "generate", "--model", "kvgen-test/absent", "--max-tokens", 1)
+@pytest.mark.parametrize("argv", [["generate", "--model", "kvgen-test/absent"], ["serve", "kvgen-test/absent"]])
+def test_missing_repo_through_the_cli(offline, capsys, argv):
+    code, _, err = run(capsys, *argv)
     assert_user_error(code, err, "kvgen-test/absent", "hf download kvgen-test/absent")
 
 
