@@ -3,7 +3,6 @@ against transformers reading the same file: tokenizer ids, and greedy tokens in 
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kvgen import SamplingParams
@@ -55,19 +54,22 @@ def chat_prompt(reference, question: str) -> str:
 def test_greedy_tokens_equal_transformers(smollm_llm, smollm_transformers):
     model, reference = smollm_transformers
     texts = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-             "Once upon a time, in a village by the sea,", "1, 1, 2, 3, 5, 8, 13,",
+             "1, 1, 2, 3, 5, 8, 13,",
              chat_prompt(reference, "What is the boiling point of water?"),
              chat_prompt(reference, "Write a haiku about autumn.")]
     prompts = [reference(t).input_ids for t in texts]
     assert prompts == [smollm_llm.tokenizer.encode(t) for t in texts]
     n = 32
-    model.generation_config.eos_token_id = None  # all n steps, like ignore_eos below
     want = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])  # an explicit mask: else generate masks <|im_end|>, the pad token, out
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
-            want.append(out[0, len(ids):].tolist())
+    eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None  # n steps, as ignore_eos
+    try:
+        with torch.no_grad():
+            for ids in prompts:
+                x = torch.tensor([ids])  # an explicit mask: else generate masks <|im_end|>, the pad token, out
+                out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
+                want.append(out[0, len(ids):].tolist())
+    finally:  # the model is shared by the session
+        model.generation_config.eos_token_id = eos
     got = smollm_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     for text, expected, result in zip(texts, want, got):
         assert result.token_ids == expected, text

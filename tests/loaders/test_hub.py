@@ -79,7 +79,7 @@ def test_local_paths_win(tmp_path, offline):
 
 
 @pytest.mark.parametrize(("spec", "gguf_file", "needles"), [
-    ("kvgen-test/absent", None, ["kvgen-test/absent", "not in the Hugging Face cache", "hf download kvgen-test/absent"]),
+    ("kvgen-test/absent", None, ["not in the Hugging Face cache", "hf download kvgen-test/absent"]),
     (GGUF_REPO, None, ["is a GGUF repo", ":QUANT or --gguf-file", GGUF_FILES[0]]),
     (f"{GGUF_REPO}:Q2_K", None, ["no GGUF files match 'Q2_K'", GGUF_FILES[1]]),
     (f"{GGUF_REPO}:tiny", None, ["2 GGUF files match 'tiny'"]),
