@@ -64,13 +64,13 @@ def load_gguf(
         raise ModelLoadError(path, f"architecture {meta.get('general.architecture')!r} is not supported (only 'llama')")
     tensors = {t.name: t for t in reader.tensors}
     config = _config(path, meta, tensors)
+    if tokenizer is None:  # before the weights: a bad vocabulary is reported without dequantizing first
+        tokenizer = gguf_tokenizer(path, meta)
     raw = _read_tensors(path, tensors)
     names = check_weights({name: w.shape for name, w in raw.items()}, config, path)
     raw = _rotate_half_qk({name: raw[name] for name in names}, config)
     quantized = {n: w for n, w in raw.items() if keep_quantized and _is_quantized_matrix(w)}
     weights = {n: _dequantize(path, w).to(device=device, dtype=dtype) for n, w in raw.items() if n not in quantized}
-    if tokenizer is None:
-        tokenizer = gguf_tokenizer(path, meta)
     return LoadedModel(config, weights, tokenizer, str(path), quantized)
 
 
