@@ -13,7 +13,8 @@ import torch
 from kvgen.loaders import load_model
 from kvgen.loaders.gguf_tensors import BLOCK_TYPES
 from kvgen.model.llama import LlamaModel
-from tests.loaders.gguf_builder import ALL_TYPES, Dims, as_float, gpt2_vocab, llama_vocab, random_model, write_gguf
+from tests.loaders.gguf_builder import (ALL_TYPES, Dims, QType, as_float, gpt2_vocab, llama_vocab, random_model,
+                                        write_gguf)
 from tests.model.test_parity_hf import greedy, hf_greedy
 
 PROMPT = [1, 17, 43, 99, 250, 7, 7, 300, 12, 5]
@@ -78,3 +79,20 @@ def test_greedy_tokens_equal_transformers(qtype, files):
     tokens, logits = greedy(LlamaModel(loaded.config, loaded.weights), PROMPT, 24, "contiguous")
     assert (logits - want_logits).abs().max().item() <= 1e-4
     assert tokens == want_tokens
+
+
+def test_a_q4_k_m_style_mix_loads(tmp_path, vocabs):
+    """Q4_K_M files mix types per tensor (Q6_K for v and down in some layers and the output, Q5_0 or
+    Q8_0 elsewhere in some converters); each tensor is read by its own type."""
+    vocab = vocabs["gpt2"]
+    types = (QType.Q4_K, QType.Q6_K, QType.Q5_0, QType.Q8_0)
+    by_type = {q: random_model(q, len(vocab.tokens), Dims(), seed=7) for q in types}
+    pick = {"v_proj": QType.Q6_K, "down_proj": QType.Q6_K, "lm_head": QType.Q6_K, "up_proj": QType.Q5_0,
+            "embed_tokens": QType.Q8_0}
+    model = {name: by_type[next((q for key, q in pick.items() if key in name), QType.Q4_K)][name]
+             for name in by_type[QType.Q4_K]}
+    loaded = load_model(write_gguf(tmp_path / "mix.gguf", model, vocab), keep_quantized=True)
+    assert {w.ggml_type for w in loaded.quantized.values()} == {QType.Q4_K, QType.Q6_K, QType.Q5_0, QType.Q8_0}
+    for name, (qtype, stored) in model.items():
+        values = loaded.quantized[name].dequantize() if name in loaded.quantized else loaded.weights[name]
+        assert torch.equal(values, torch.from_numpy(as_float(stored, qtype, tuple(values.shape)))), name
