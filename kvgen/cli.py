@@ -14,7 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvgen.cache.sizing import KV_ELEMENT_BYTES, KV_SCALE_BYTES, format_bytes, kv_bytes_per_token, parse_bytes
-from kvgen.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, EngineConfig, ModelConfig
+from kvgen.config import (
+    ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, QUANTIZATION_MODES, EngineConfig, ModelConfig,
+)
 from kvgen.engine.base import Engine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import RequestOutput
@@ -25,8 +27,13 @@ EXIT_USER_ERROR = 2
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and engine")
-    g.add_argument("--model", help="HF directory, .gguf or llama2.c .bin (default: stories260K, or $KVGEN_MODEL)")
+    g.add_argument("--model", help="HF directory, .gguf, llama2.c .bin, or a Hugging Face repo id: org/name, "
+                                   "org/name:Q4_K_M (default: stories260K, or $KVGEN_MODEL)")
+    g.add_argument("--gguf-file", help="the .gguf file to use in a GGUF repo or directory given by --model")
     g.add_argument("--tokenizer", help="tokenizer file or directory, if not beside the model")
+    g.add_argument("--quantization", choices=QUANTIZATION_MODES, default="auto",
+                   help="none: dequantize a GGUF's quantized weights to --dtype; auto (default): keep them "
+                        "quantized where kernels exist (dequantize until then); int8/int4: not available yet")
     g.add_argument("--kv-cache", choices=KV_CACHE_MODES, default="paged", help="KV cache kind (default: paged)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two, 1..256)")
     g.add_argument("--num-kv-blocks", type=int, help="KV capacity in blocks")
@@ -59,6 +66,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
     )
 
 
@@ -66,7 +74,7 @@ def build_engine_from_args(args: argparse.Namespace) -> Engine:
     from kvgen.llm import build_engine, load
 
     config = engine_config(args)
-    engine = build_engine(load(args.model, config, args.tokenizer), config)
+    engine = build_engine(load(args.model, config, args.tokenizer, args.gguf_file), config)
     if hasattr(engine, "capacity_report"):
         print(engine.capacity_report(), file=sys.stderr)
     return engine

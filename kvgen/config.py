@@ -116,6 +116,10 @@ KV_CACHE_MODES = ("paged", "contiguous", "none")
 # (kvgen.model.kernels), "sdpa" through a gathered copy and torch's SDPA, "auto" native where it
 # builds and applies (CPU, fp32/bf16), else sdpa.
 ATTENTION_BACKENDS = ("auto", "native", "sdpa")
+# How weights are kept: "none" dequantizes a GGUF's quantized tensors to `dtype`; "auto" will keep them
+# quantized once quantized kernels exist (until then it dequantizes too); int8 / int4 will quantize
+# float weights (not available yet).
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
 # What the paged KV pools store: "auto" is the model's dtype; int8 and fp8 (e4m3) are quantized with
@@ -143,6 +147,7 @@ class EngineConfig:
     dtype: str = "float32"
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
@@ -155,6 +160,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} needs the paged KV cache (--kv-cache paged)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 

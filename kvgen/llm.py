@@ -22,7 +22,9 @@ from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import RequestOutput
 from kvgen.engine.sequential import SequentialEngine
+from kvgen.errors import KVGenError
 from kvgen.loaders import LoadedModel, load_model
+from kvgen.loaders.hub import resolve_model
 
 # stories260K ships inside the package (MIT licence; see its README), so the default works anywhere.
 DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "stories260K" / "stories260K.bin"
@@ -38,8 +40,17 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     return LLMEngine(loaded, config) if config.kv_cache == "paged" else SequentialEngine(loaded, config)
 
 
-def load(model: str | Path | None, config: EngineConfig, tokenizer: str | Path | None = None) -> LoadedModel:
-    path = Path(model) if model is not None else default_model_path()
+def load(model: str | Path | None, config: EngineConfig, tokenizer: str | Path | None = None,
+         gguf_file: str | None = None) -> LoadedModel:
+    """The model at a path or Hugging Face repo id (`org/name`, `org/name:Q4_K_M`, or `gguf_file` in it).
+
+    The one place `config.quantization` meets the loader. 'auto' and 'none' both dequantize for now:
+    'auto' is to keep a GGUF's quantized matrices raw (`load_model(keep_quantized=True)`) once the
+    model has linear layers that run on them.
+    """
+    if config.quantization in ("int8", "int4"):
+        raise KVGenError(f"quantization {config.quantization!r} is not available yet; use 'auto' or 'none'")
+    path = resolve_model(str(model), gguf_file) if model is not None else default_model_path()
     return load_model(path, tokenizer_path=tokenizer, device=config.device, dtype=torch.float32)
 
 
@@ -47,9 +58,9 @@ class LLM:
     """Offline generation over the engine. Engine options are keyword arguments (see EngineConfig)."""
 
     def __init__(self, model: str | Path | None = None, *, tokenizer: str | Path | None = None,
-                 **engine_options) -> None:
+                 gguf_file: str | None = None, **engine_options) -> None:
         self.config = EngineConfig(**engine_options)
-        self.engine = build_engine(load(model, self.config, tokenizer), self.config)
+        self.engine = build_engine(load(model, self.config, tokenizer, gguf_file), self.config)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -92,6 +92,37 @@ def stories_bin() -> Path:
     return DEFAULT_MODEL
 
 
+# -- the real SmolLM2-135M-Instruct Q4_1 GGUF (98 MB): loaded once per test run ------------------
+
+SMOLLM_GGUF = STORIES_DIR.parent / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    if not SMOLLM_GGUF.is_file():
+        pytest.skip(f"{SMOLLM_GGUF} is absent")
+    return SMOLLM_GGUF
+
+
+@pytest.fixture(scope="session")
+def smollm_llm(smollm_gguf):
+    """kvgen's engine on the file, dequantized to float32 (the parity setting)."""
+    from kvgen import LLM
+
+    return LLM(smollm_gguf, quantization="none", dtype="float32", num_kv_blocks=256, max_num_seqs=8)
+
+
+@pytest.fixture(scope="session")
+def smollm_transformers(smollm_gguf):
+    """(model, tokenizer) as transformers reads the same file (dequantized to float32)."""
+    pytest.importorskip("accelerate", reason="transformers needs accelerate for from_pretrained(gguf_file=...)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = smollm_gguf.parent, smollm_gguf.name
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
 # -- a real checkpoint with real defects, for the fault-isolation tests ----------------------------
 
 POISON = 300  # the token whose embedding row overflows

@@ -160,7 +160,7 @@ def _setup(args: argparse.Namespace, **overrides) -> tuple[BenchModel, KvgenSyst
     """The model, kvgen's engine on it (engine options + `overrides`), and the settings every JSON records."""
     model = resolve(args.model)
     config = dataclasses.replace(engine_config(args), **overrides)
-    engine = build_engine(load(model.path, config, args.tokenizer), config)
+    engine = build_engine(load(model.path, config, args.tokenizer, args.gguf_file), config)
     if hasattr(engine, "capacity_report"):
         print(engine.capacity_report(), file=sys.stderr)
     settings = {"model": model.name, "model_path": str(model.path), "dtype": DTYPES[config.dtype],

@@ -48,7 +48,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     text = ppl.read_text(args.text)
     model = Path(args.model) if args.model else default_model_path()
     config = ppl.streaming_config(engine_config(args))
-    engine = build_engine(load(model, config, args.tokenizer), config)
+    engine = build_engine(load(model, config, args.tokenizer, args.gguf_file), config)
     token_ids = ppl.text_token_ids(engine.tokenizer, text)
     length = _length(args.max_tokens, len(token_ids), policies, engine.max_model_len)
     if length < 2:

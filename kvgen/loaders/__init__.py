@@ -12,8 +12,10 @@ q/k row permutation from interleaved-pair RoPE (llama2.c, GGUF) to rotate-half (
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,18 +23,27 @@ from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
 from kvgen.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from kvgen.loaders.gguf_tensors import GGUFWeight
+
 # Tensors older HF checkpoints carry that hold nothing the model needs (RoPE tables it recomputes).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @dataclass
 class LoadedModel:
-    """What a loader hands the engine: config, weights (HF names), tokenizer, and where it came from."""
+    """What a loader hands the engine: config, weights (HF names), tokenizer, and where it came from.
+
+    `quantized` holds the block-quantized GGUF matrices, raw, when `load_model(keep_quantized=True)`
+    asked for them; those names are then absent from `weights`. Otherwise it is empty and `weights`
+    has every tensor.
+    """
 
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: str
+    quantized: dict[str, GGUFWeight] = field(default_factory=dict)
 
 
 def load_model(
@@ -41,11 +52,13 @@ def load_model(
     tokenizer_path: str | Path | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    keep_quantized: bool = False,
 ) -> LoadedModel:
     """Loads a HF directory, a `.gguf` file or a llama2.c `.bin` checkpoint (format from the path).
 
     `tokenizer_path` overrides the tokenizer the format implies: a HF directory, a `tokenizer.json`,
-    a SentencePiece `.model` or a llama2.c `tok*.bin`.
+    a SentencePiece `.model` or a llama2.c `tok*.bin`. `keep_quantized` leaves a GGUF's
+    block-quantized matrices raw in `LoadedModel.quantized` instead of dequantizing them.
     """
     # Imported here: the format modules import the helpers below from this package.
     from kvgen.loaders.gguf_file import load_gguf
@@ -58,7 +71,7 @@ def load_model(
     if path.is_dir():
         loader = load_hf
     elif path.suffix == ".gguf":
-        loader = load_gguf
+        loader = partial(load_gguf, keep_quantized=keep_quantized)
     elif path.suffix == ".bin":
         loader = load_llama2c
     else:
@@ -122,13 +135,27 @@ def finalize_weights(
     *,
     origins: Mapping[str, object] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Checks names and shapes against `expected_shapes(config)`, then moves every tensor to device/dtype.
+    """Checks names and shapes (`check_weights`), then moves every tensor to device/dtype.
 
     A tied `lm_head.weight` that a checkpoint stores anyway is dropped (the model reuses the embedding).
+    """
+    names = check_weights({name: tuple(w.shape) for name, w in weights.items()}, config, source, origins=origins)
+    return {name: weights[name].to(device=device, dtype=dtype) for name in names}
+
+
+def check_weights(
+    shapes: Mapping[str, tuple[int, ...]],
+    config: ModelConfig,
+    source: object,
+    *,
+    origins: Mapping[str, object] | None = None,
+) -> list[str]:
+    """Checks tensor names -> shapes against `expected_shapes(config)`; returns the names the model uses.
+
     `origins` names the file each tensor came from (sharded checkpoints), for the error message.
     """
     expected = expected_shapes(config)
-    names = {n for n in weights if not n.endswith(IGNORED_SUFFIXES)}
+    names = {n for n in shapes if not n.endswith(IGNORED_SUFFIXES)}
     if config.tie_word_embeddings:
         names.discard("lm_head.weight")
     missing = sorted(set(expected) - names)
@@ -140,10 +167,10 @@ def finalize_weights(
     if unexpected:
         raise ModelLoadError(source, f"unexpected tensors (does the config match?): {_listing(unexpected)}")
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            problem = f"{name} has shape {tuple(weights[name].shape)}, config implies {shape}"
+        if tuple(shapes[name]) != shape:
+            problem = f"{name} has shape {tuple(shapes[name])}, config implies {shape}"
             raise ModelLoadError((origins or {}).get(name, source), problem)
-    return {name: weights[name].to(device=device, dtype=dtype) for name in expected}
+    return list(expected)
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:

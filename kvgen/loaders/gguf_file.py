@@ -3,7 +3,12 @@
 Two layout details matter:
 - GGUF lists a tensor's dimensions fastest-varying first (ne0 = number of columns), the reverse of
   numpy/torch order: a [vocab, hidden] embedding is stored with shape (hidden, vocab).
-- llama.cpp's converter permutes q/k rows for interleaved-pair RoPE; `interleaved_to_half` undoes it.
+- llama.cpp's converter permutes q/k rows for interleaved-pair RoPE; `interleaved_to_half` undoes it
+  (on raw block rows for matrices, see `gguf_tensors.rotate_half_rows`).
+
+Every tensor is read as a `GGUFWeight` (raw blocks). By default each is dequantized to a float
+tensor in `LoadedModel.weights`; with `keep_quantized`, block-quantized matrices stay raw in
+`LoadedModel.quantized` instead, for quantized linear layers.
 """
 
 from __future__ import annotations
@@ -12,23 +17,17 @@ import re
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor, TokenType
+from gguf import GGUFReader, ReaderTensor
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
-from kvgen.loaders import LoadedModel, finalize_weights, interleaved_to_half
-from kvgen.loaders.tokenizers import BPEVocabTokenizer
+from kvgen.loaders import LoadedModel, check_weights, interleaved_to_half
+from kvgen.loaders.gguf_tensors import GGUFWeight, UnsupportedTensorType, read_tensor, rotate_half_rows
+from kvgen.loaders.gguf_vocab import gguf_tokenizer, token_id
 from kvgen.tokenizer import Tokenizer
 
-SUPPORTED_TYPES = {
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0,
-}
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -55,19 +54,24 @@ def load_gguf(
     tokenizer: Tokenizer | None,
     device: str | torch.device,
     dtype: torch.dtype,
+    keep_quantized: bool = False,
 ) -> LoadedModel:
-    """Loads a llama-architecture GGUF: F32/F16/BF16/Q8_0 tensors are dequantized to `dtype`."""
+    """Loads a llama-architecture GGUF; tensors are dequantized to `dtype`, except that with
+    `keep_quantized` block-quantized matrices stay raw in `LoadedModel.quantized`."""
     reader = _open(path)
     meta = _metadata(path, reader)
     if meta.get("general.architecture") != _ARCH:
         raise ModelLoadError(path, f"architecture {meta.get('general.architecture')!r} is not supported (only 'llama')")
     tensors = {t.name: t for t in reader.tensors}
     config = _config(path, meta, tensors)
-    weights = {_hf_name(path, name): _dequantize(path, t) for name, t in tensors.items()}
-    weights = _rotate_half_qk(finalize_weights(weights, config, path, device, dtype), config)
-    if tokenizer is None:
-        tokenizer = _tokenizer(path, meta)
-    return LoadedModel(config, weights, tokenizer, str(path))
+    if tokenizer is None:  # before the weights: a bad vocabulary is reported without dequantizing first
+        tokenizer = gguf_tokenizer(path, meta)
+    raw = _read_tensors(path, tensors)
+    names = check_weights({name: w.shape for name, w in raw.items()}, config, path)
+    raw = _rotate_half_qk({name: raw[name] for name in names}, config)
+    quantized = {n: w for n, w in raw.items() if keep_quantized and _is_quantized_matrix(w)}
+    weights = {n: _dequantize(path, w).to(device=device, dtype=dtype) for n, w in raw.items() if n not in quantized}
+    return LoadedModel(config, weights, tokenizer, str(path), quantized)
 
 
 def _open(path: Path) -> GGUFReader:
@@ -108,8 +112,8 @@ def _config(path: Path, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) 
             qkv_bias="blk.0.attn_q.bias" in tensors,
             o_bias="blk.0.attn_output.bias" in tensors,
             tie_word_embeddings="output.weight" not in tensors,
-            bos_token_id=_token_id(meta, "bos"),
-            eos_token_ids=tuple(i for i in [_token_id(meta, "eos")] if i is not None),
+            bos_token_id=token_id(meta, "bos"),
+            eos_token_ids=_stop_ids(meta),
         )
     except KeyError as e:
         raise ModelLoadError(path, f"GGUF metadata key {e.args[0]} is missing") from None
@@ -147,57 +151,46 @@ def _hf_name(path: Path, name: str) -> str:
     return f"model.layers.{layer}.{BLOCK_NAMES[kind]}.{suffix}"
 
 
-def _rotate_half_qk(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Undoes llama.cpp's q/k row permutation (weights and biases); shapes are already validated."""
+def _read_tensors(path: Path, tensors: dict[str, ReaderTensor]) -> dict[str, GGUFWeight]:
+    """Every tensor, raw, under its HF name."""
+    try:
+        return {(hf := _hf_name(path, name)): read_tensor(t, hf) for name, t in tensors.items()}
+    except UnsupportedTensorType as e:
+        raise ModelLoadError(path, str(e)) from None
+    except ValueError as e:  # a byte count that does not fit the shape and type: a damaged header
+        raise ModelLoadError(path, f"corrupt tensor data: {e}") from None
+
+
+def _rotate_half_qk(weights: dict[str, GGUFWeight], config: ModelConfig) -> dict[str, GGUFWeight | torch.Tensor]:
+    """Undoes llama.cpp's q/k row permutation: on raw rows for the matrices, on values for biases."""
+    out: dict[str, GGUFWeight | torch.Tensor] = dict(weights)
     for layer in range(config.num_layers):
         for module, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
-            for name in (f"model.layers.{layer}.self_attn.{module}.{kind}" for kind in ("weight", "bias")):
-                if name in weights:
-                    weights[name] = interleaved_to_half(weights[name], heads)
-    return weights
+            prefix = f"model.layers.{layer}.self_attn.{module}"
+            out[prefix + ".weight"] = rotate_half_rows(weights[prefix + ".weight"], heads)
+            if prefix + ".bias" in weights:
+                out[prefix + ".bias"] = interleaved_to_half(weights[prefix + ".bias"].dequantize(), heads)
+    return out
 
 
-def _dequantize(path: Path, tensor: ReaderTensor) -> torch.Tensor:
-    """The tensor as float32 in torch dimension order."""
-    if tensor.tensor_type not in SUPPORTED_TYPES:
-        supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
-        raise ModelLoadError(path, f"tensor {tensor.name} is {tensor.tensor_type.name}; kvgen reads {supported}")
-    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF dims are fastest-first
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-    # F32 comes back as a read-only view of the memory-mapped file.
-    return torch.from_numpy(values if values.flags.writeable else values.copy())
+def _is_quantized_matrix(weight: GGUFWeight | torch.Tensor) -> bool:
+    return isinstance(weight, GGUFWeight) and weight.is_quantized and len(weight.shape) == 2
 
 
-def _tokenizer(path: Path, meta: dict[str, Any]) -> BPEVocabTokenizer:
-    """The SentencePiece-style vocabulary GGUF llama files carry (`tokenizer.ggml.model == "llama"`)."""
-    model = meta.get("tokenizer.ggml.model")
-    if model != "llama":
-        raise ModelLoadError(
-            path, f"GGUF tokenizer {model!r} is not supported (only 'llama'); pass tokenizer_path=<tokenizer.json>"
-        )
-    pieces = meta.get("tokenizer.ggml.tokens")
-    if not pieces:
-        raise ModelLoadError(path, "GGUF has no tokenizer.ggml.tokens vocabulary; pass tokenizer_path")
-    types = meta.get("tokenizer.ggml.token_type", [TokenType.NORMAL] * len(pieces))
-    special = [i for i, t in enumerate(types) if t in (TokenType.UNKNOWN, TokenType.CONTROL)]
-    return BPEVocabTokenizer(
-        pieces,
-        meta.get("tokenizer.ggml.scores", [0.0] * len(pieces)),
-        bos_token_id=_token_id(meta, "bos"),
-        eos_token_id=_token_id(meta, "eos"),
-        unk_token_id=_token_id(meta, "unknown"),
-        special_ids=special,
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
-        add_dummy_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
-        chat_template=meta.get("tokenizer.chat_template"),
-    )
+def _dequantize(path: Path, weight: GGUFWeight | torch.Tensor) -> torch.Tensor:
+    """float32 values; a tensor (a bias already permuted) passes through."""
+    if isinstance(weight, torch.Tensor):
+        return weight
+    try:
+        return weight.dequantize()
+    except ValueError as e:  # block bytes that do not fit the shape: a damaged file
+        raise ModelLoadError(path, f"tensor {weight.name}: corrupt data: {e}") from None
 
 
-def _token_id(meta: dict[str, Any], kind: str) -> int | None:
-    """`tokenizer.ggml.{kind}_token_id`, or None when absent or outside the vocabulary (-1 stored as uint32)."""
-    token_id = meta.get(f"tokenizer.ggml.{kind}_token_id")
-    n_tokens = len(meta.get("tokenizer.ggml.tokens") or ())
-    return int(token_id) if token_id is not None and (not n_tokens or token_id < n_tokens) else None
+def _stop_ids(meta: dict[str, Any]) -> tuple[int, ...]:
+    """EOS, end-of-turn and end-of-message ids (Llama 3 instruct ends a turn with <|eot_id|>)."""
+    ids = (token_id(meta, kind) for kind in ("eos", "eot", "eom"))
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def _f32(value: float) -> float:

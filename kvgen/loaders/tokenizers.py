@@ -1,6 +1,7 @@
 """The three tokenizer implementations behind `kvgen.tokenizer.Tokenizer`.
 
-- `HFTokenizer`: a Hugging Face `tokenizer.json` (library `tokenizers`).
+- `HFTokenizer`: a Hugging Face `tokenizer.json` (library `tokenizers`), or a byte-level BPE built
+  with that library from a vocabulary and merges (`byte_level_bpe`: GGUF `gpt2` tokenizers).
 - `SentencePieceTokenizer`: a SentencePiece `tokenizer.model` (library `sentencepiece`).
 - `BPEVocabTokenizer`: the SentencePiece-BPE vocabulary llama2.c `tok*.bin` files and GGUF files carry
   (pieces + scores, no merges list), encoded the way llama2.c and llama.cpp do it.
@@ -14,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import sentencepiece
 import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from kvgen.tokenizer import Tokenizer
 
@@ -61,6 +63,41 @@ class HFTokenizer(Tokenizer):
 
     def _raw_encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+
+def byte_level_bpe(
+    tokens: Sequence[str],
+    merges: Iterable[str],
+    split_regexes: Sequence[str],
+    *,
+    special_ids: Iterable[int] = (),
+    added_ids: Iterable[int] = (),
+) -> tokenizers.Tokenizer:
+    """GPT-2-style byte-level BPE: `tokens[i]` has id i, `merges` are "left right" pairs, best first.
+
+    Text is cut by each regex of `split_regexes` in turn (each piece kept, as llama.cpp chains them),
+    then mapped to GPT-2's printable byte alphabet and merged. Tokens in `special_ids` are special
+    (matched whole, never split, skipped by decode); those in `added_ids` are matched whole but kept.
+    A token not spelled in the byte alphabet is respelled into it, and is not made special.
+    """
+    spell = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+
+    def in_alphabet(token: str) -> bool:
+        return set(token) <= alphabet
+
+    vocab = {t if in_alphabet(t) else spell.pre_tokenize_str(t)[0][0]: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = tokenizers.Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in split_regexes] + [spell]
+    )
+    tok.decoder = decoders.ByteLevel()
+    special = [tokens[i] for i in special_ids if tokens[i] and in_alphabet(tokens[i])]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    added = [tokens[i] for i in added_ids if tokens[i] in vocab]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    return tok
 
 
 class SentencePieceTokenizer(Tokenizer):

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvgen.cache.sizing import parse_bytes
+from kvgen.errors import KVGenError
 from kvgen.server.limits import RequestLimits
 
 # Each request limit is an option of the same name (--max-n ...); a request over one gets a 400.
@@ -28,6 +29,7 @@ LIMIT_HELP = {
 
 def register(subparsers: argparse._SubParsersAction, add_engine_options: Callable) -> None:
     serve = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    serve.add_argument("model_arg", nargs="?", metavar="MODEL", help="the same as --model, as vLLM takes it")
     g = serve.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     g.add_argument("--port", type=int, default=8000)
@@ -54,6 +56,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvgen.cli import build_engine_from_args
     from kvgen.server.app import create_app
 
+    if args.model_arg:
+        if args.model and args.model != args.model_arg:
+            raise KVGenError(f"two models given: {args.model_arg} and --model {args.model}")
+        args.model = args.model_arg
     engine = build_engine_from_args(args)  # prints the KV capacity
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     limits = RequestLimits(**{name: getattr(args, name) for name in LIMIT_HELP})

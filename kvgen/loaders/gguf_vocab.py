@@ -1,0 +1,123 @@
+"""The tokenizer a GGUF file describes in its `tokenizer.*` metadata.
+
+- `tokenizer.ggml.model == "llama"`: a SentencePiece-style scored vocabulary (`BPEVocabTokenizer`).
+- `tokenizer.ggml.model == "gpt2"`: byte-level BPE from `tokenizer.ggml.tokens` + `merges`, built with
+  the `tokenizers` library. `tokenizer.ggml.pre` names how text is cut before merging; each name maps to
+  the regexes llama.cpp chains for it (llama-vocab.cpp). For `default` (and names kvgen does not know,
+  after a warning) this is GPT-2's regex, as transformers' GGUF reader uses, where llama.cpp has a
+  legacy chain of its own.
+
+Control tokens (`<|im_start|>`, `<|eot_id|>`) are special: matched whole in text, skipped by decode.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from gguf import TokenType
+
+from kvgen.errors import ModelLoadError
+from kvgen.loaders.tokenizers import BPEVocabTokenizer, HFTokenizer, byte_level_bpe
+from kvgen.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DIGITS = r"\p{N}"  # each digit on its own, before the GPT-2 regex (StarCoder-family vocabularies)
+
+# tokenizer.ggml.pre -> the split regexes, applied in turn.
+PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    "default": (_GPT2,),
+    "gpt2": (_GPT2,),
+    "gpt-2": (_GPT2,),
+    "llama-bpe": (_LLAMA3,),
+    "llama3": (_LLAMA3,),
+    "llama-v3": (_LLAMA3,),
+    "dbrx": (_LLAMA3,),
+    "smaug-bpe": (_LLAMA3,),
+    "qwen2": (_QWEN2,),
+    "stablelm2": (_QWEN2,),
+    "deepseek-r1-qwen": (_QWEN2,),
+    "smollm": (_DIGITS, _GPT2),
+    "starcoder": (_DIGITS, _GPT2),
+    "refact": (_DIGITS, _GPT2),
+    "command-r": (_DIGITS, _GPT2),
+}
+
+
+def gguf_tokenizer(path: Path, meta: dict[str, Any]) -> Tokenizer:
+    """The file's own tokenizer; a one-line ModelLoadError when it has none kvgen can build."""
+    model = meta.get("tokenizer.ggml.model")
+    if model not in ("llama", "gpt2"):
+        raise ModelLoadError(
+            path, f"GGUF tokenizer {model!r} is not supported (only 'llama' and 'gpt2'); pass tokenizer_path"
+        )
+    if not meta.get("tokenizer.ggml.tokens"):
+        raise ModelLoadError(path, "GGUF has no tokenizer.ggml.tokens vocabulary; pass tokenizer_path")
+    return _sentencepiece_style(meta) if model == "llama" else _byte_level(path, meta)
+
+
+def token_id(meta: dict[str, Any], kind: str) -> int | None:
+    """`tokenizer.ggml.{kind}_token_id`, or None when absent or outside the vocabulary (-1 stored as uint32)."""
+    value = meta.get(f"tokenizer.ggml.{kind}_token_id")
+    n_tokens = len(meta.get("tokenizer.ggml.tokens") or ())
+    return int(value) if value is not None and (not n_tokens or value < n_tokens) else None
+
+
+def _sentencepiece_style(meta: dict[str, Any]) -> BPEVocabTokenizer:
+    pieces = meta["tokenizer.ggml.tokens"]
+    types = _token_types(meta)
+    return BPEVocabTokenizer(
+        pieces,
+        meta.get("tokenizer.ggml.scores", [0.0] * len(pieces)),
+        bos_token_id=token_id(meta, "bos"),
+        eos_token_id=token_id(meta, "eos"),
+        unk_token_id=token_id(meta, "unknown"),
+        special_ids=[i for i, t in enumerate(types) if t in (TokenType.UNKNOWN, TokenType.CONTROL)],
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+        add_dummy_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+        extra_stop_ids=_end_of_turn_ids(meta),
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+
+
+def _byte_level(path: Path, meta: dict[str, Any]) -> HFTokenizer:
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = meta.get("tokenizer.ggml.merges")
+    if not merges:
+        raise ModelLoadError(path, "GGUF gpt2 tokenizer has no tokenizer.ggml.merges")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        log.warning("%s: unknown tokenizer.ggml.pre %r; splitting text as 'default' (GPT-2's regex)", path, pre)
+        pre = "default"
+    types = _token_types(meta)
+    tok = byte_level_bpe(
+        tokens,
+        merges,
+        PRE_TOKENIZERS[pre],
+        special_ids=[i for i, t in enumerate(types) if t == TokenType.CONTROL],
+        added_ids=[i for i, t in enumerate(types) if t == TokenType.USER_DEFINED],
+    )
+    bos, eos = token_id(meta, "bos"), token_id(meta, "eos")
+    return HFTokenizer(
+        tok,
+        bos_token=tokens[bos] if bos is not None else None,
+        eos_token=tokens[eos] if eos is not None else None,
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        extra_stop_ids=_end_of_turn_ids(meta),
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+
+
+def _token_types(meta: dict[str, Any]) -> list[int]:
+    return meta.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(meta["tokenizer.ggml.tokens"])
+
+
+def _end_of_turn_ids(meta: dict[str, Any]) -> list[int]:
+    return [i for i in (token_id(meta, "eot"), token_id(meta, "eom")) if i is not None]
