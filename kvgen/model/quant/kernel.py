@@ -1,0 +1,86 @@
+"""The compiled AVX-512 VNNI kernel (qmatmul.c): when it can run, loading it, and calling it.
+
+It is built with explicit flags, not -march=native (which would also enable AMX on CPUs that
+advertise it, and AMX traps in some VMs), and only loaded when /proc/cpuinfo lists every feature
+those flags use; elsewhere `vnni_kernel()` is None and the layers dequantize and call torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from kvgen.model.kernels import build_library
+from kvgen.model.quant.formats import PackedWeight
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qmatmul.c")
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", "-fopenmp",
+         "-shared", "-fPIC")
+CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
+_P = ctypes.c_void_p
+_ARGTYPES = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int32, ctypes.c_int64, _P, ctypes.c_int32]
+
+
+def kernel_name(w: PackedWeight) -> str:
+    """The C function for the format: qmatmul_u{bits}_g{group}_{scale dtype}."""
+    return f"qmatmul_u{w.bits}_g{w.group}_{'f16' if w.scale.dtype == torch.float16 else 'f32'}"
+
+
+class VnniKernel:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._library = library
+        quantize = library.quantize_activations
+        quantize.argtypes, quantize.restype = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P], None
+        self._quantize = quantize
+
+    @functools.cache
+    def function(self, name: str) -> ctypes._CFuncPtr:
+        """The kernel `name`; AttributeError if qmatmul.c has no such variant."""
+        function = getattr(self._library, name)
+        function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
+        return function
+
+    def matmul(self, function: ctypes._CFuncPtr, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+        """x fp32 [T, in] (contiguous, CPU) -> fp32 [T, out]."""
+        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+        minimum = 0 if w.min is None else w.min.data_ptr()
+        if function(x.data_ptr(), x.shape[0], x.shape[1], w.codes.data_ptr(), w.scale.data_ptr(), minimum,
+                    w.offset, w.shape[0], out.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("quantized matmul: out of memory for the quantized activations")
+        return out
+
+    def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x fp32 [T, in] -> (q int8 [T, in], scale fp32 [T, in/32]), exactly as the kernels quantize it."""
+        x = x.to(torch.float32).contiguous()
+        q = torch.empty(x.shape, dtype=torch.int8)
+        scale = torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.float32)
+        self._quantize(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), scale.data_ptr())
+        return q, scale
+
+
+def cpu_supports_vnni() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    present = set(flags.split(":", 1)[1].split())
+    return all(feature in present for feature in CPU_FEATURES)
+
+
+@functools.cache
+def vnni_kernel() -> VnniKernel | None:
+    """The kernel, built once per machine, or None where this CPU lacks its features or it cannot be
+    built (then the layers use torch)."""
+    if not cpu_supports_vnni():
+        return None
+    try:
+        return VnniKernel(ctypes.CDLL(str(build_library(SOURCE, FLAGS))))
+    except OSError as e:
+        log.warning("quantized matmul kernel unavailable (%s); quantized layers dequantize and use torch", e)
+        return None

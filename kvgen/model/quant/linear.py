@@ -1,0 +1,93 @@
+"""Linear layers over weights that stay quantized in memory (kvgen.model.quant.formats).
+
+    VnniQuantLinear   CPU with AVX-512 VNNI: the compiled kernel (qmatmul.c) for every row count;
+                      x is quantized to int8 per group of 32 inside the call.
+    TorchQuantLinear  elsewhere (CUDA, CPUs without VNNI): dequantizes to fp32 on each call and runs
+                      F.linear, so the weights stay packed in memory; also the kernels' reference.
+
+Each layer says which kernel it runs (`kernel`) and how many bytes its weights take (`weight_bytes`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from kvgen.model.linear import Linear, RowKernels, make_linear
+from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
+from kvgen.model.quant.formats import PackedWeight, dequantize
+from kvgen.model.quant.gguf_blocks import convert
+from kvgen.model.quant.kernel import kernel_name, vnni_kernel
+
+FLOAT_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
+
+
+class QuantLinear(Linear):
+    """y = x @ W^T + bias for a PackedWeight W (on the device the layer runs on)."""
+
+    kernel: str
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None) -> None:
+        # Linear.__init__ reads the shape from a dense weight, which this layer never builds.
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.packed = weight
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.nbytes
+
+
+class VnniQuantLinear(QuantLinear):
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        self._kernel = vnni_kernel()
+        assert self._kernel is not None, "VnniQuantLinear needs the VNNI kernel (see vnni_kernel())"
+        self.kernel = kernel_name(weight)
+        self._function = self._kernel.function(self.kernel)
+
+    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
+        whatever rows run with it."""
+        out = self._kernel.matmul(self._function, x.to(torch.float32).contiguous(), self.packed).to(x.dtype)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class TorchQuantLinear(QuantLinear):
+    kernel = "torch-dequantize"
+
+    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        weight = dequantize(self.packed).to(x.dtype)
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+
+def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None,
+                  device: torch.device = torch.device("cpu")) -> QuantLinear:
+    """The kernel layer for a packed weight on `device`: VNNI where it can run, else torch."""
+    if device.type == "cpu" and vnni_kernel() is not None:
+        return VnniQuantLinear(weight, bias)
+    return TorchQuantLinear(weight.to(device), None if bias is None else bias.to(device))
+
+
+def make_quantized_linear(ggml_type: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int],
+                          bias: torch.Tensor | None = None, device: torch.device = torch.device("cpu"),
+                          dtype: torch.dtype = torch.float32) -> Linear:
+    """A GGUF matrix (raw blocks uint8 [out, bytes per row], `shape` (out, in)) as a layer that keeps
+    its values quantized; a type no kernel format holds (see kvgen.model.quant) is dequantized with
+    gguf to `dtype` and gets the float layer of kvgen.model.linear."""
+    packed = convert(ggml_type, raw, shape)
+    if packed is not None:
+        return packed_linear(packed, bias, device)
+    weight = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, ggml_type).reshape(shape)))
+    return make_linear(weight.to(device, dtype), bias)
+
+
+def quantize_linear(weight: torch.Tensor, method: str, bias: torch.Tensor | None = None) -> QuantLinear:
+    """A float weight [out, in] quantized by `method` ("int8" or "int4", see float_weights), on its
+    device."""
+    if method not in FLOAT_QUANTIZERS:
+        raise ValueError(f"quantization {method!r}: expected one of {', '.join(FLOAT_QUANTIZERS)}")
+    return packed_linear(FLOAT_QUANTIZERS[method](weight), bias, weight.device)
