@@ -6,9 +6,15 @@ consecutive weights of a row, a scale s and an optional min m:
     w = s * (u - o) + m            (computed in fp32: (u - o) is exact, s * (u - o) is exact for every
                                     GGUF type mapped here, so the only rounding is the "+ m", as in gguf)
 
-    bits 4: 16 bytes per 32 weights, byte j = element j (low nibble) | element j + 16 (high nibble),
-            the in-block layout of GGUF Q4_0/Q4_1; group 32.
-    bits 8: one byte per weight; group 32, or 16 (Q6_K, Q3_K, Q2_K have 16-weight sub-blocks).
+Rows go in tiles of 4 (the last tile padded with zero rows), each tile stored span by span (a span
+is 32 weights of a row), so that the kernel reads one tile as one sequential stream and unpacks the
+same 32 columns of 4 rows with one 64-byte load:
+
+    bits 4: per (tile, span) 4 rows x 16 bytes, byte j = element j (low nibble) | element j+16 (high
+            nibble), the in-block layout of GGUF Q4_0/Q4_1; group 32.
+    bits 8: per (tile, span) 2 halves x 4 rows x 16 bytes (elements 0-15 of the 4 rows, then 16-31);
+            group 32, or 16 (Q6_K, Q3_K, Q2_K have 16-weight sub-blocks).
+    scales, mins: per (tile, group) the 4 rows' values.
 
 Scales and mins are fp16 where every value is one (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 store fp16), else fp32.
 """
@@ -20,13 +26,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-GROUP = 32
+GROUP = 32  # weights per span (and per group, except groups of 16)
+TILE = 4    # rows per tile
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    codes: torch.Tensor         # uint8 [out, in * bits / 8]
-    scale: torch.Tensor         # float16 or float32 [out, in / group]
+    codes: torch.Tensor         # uint8 [tiles, in * 4 * bits / 8], tiles = ceil(out / 4)
+    scale: torch.Tensor         # float16 or float32 [tiles, in / group * 4]
     min: torch.Tensor | None    # like scale, or None for 0
     offset: int
     bits: int
@@ -47,37 +54,60 @@ class PackedWeight:
 
 def pack(q: np.ndarray, offset: int, bits: int, scale: np.ndarray, min: np.ndarray | None,
          group: int) -> PackedWeight:
-    """q: codes uint8 [out, in] (0..2^bits-1), scale/min fp32 [out, in / group] -> PackedWeight, with
-    fp16 scales and mins where that keeps every value."""
+    """q: codes uint8 [out, in] (0..2^bits-1), scale/min fp32 [out, in / group] -> PackedWeight in
+    tiles, with fp16 scales and mins where that keeps every value."""
     out, cols = q.shape
     assert cols % GROUP == 0 and scale.shape == (out, cols // group) and q.dtype == np.uint8
+    tiles, spans = -(-out // TILE), cols // GROUP
+    q = _pad_rows(q, tiles * TILE)
     if bits == 4:
-        halves = q.reshape(out, cols // GROUP, 2, GROUP // 2)
-        codes = (halves[:, :, 0] | (halves[:, :, 1] << np.uint8(4))).reshape(out, cols // 2)
+        halves = q.reshape(tiles * TILE, spans, 2, GROUP // 2)
+        nibbles = halves[:, :, 0] | (halves[:, :, 1] << np.uint8(4))  # [rows, spans, 16]
+        codes = nibbles.reshape(tiles, TILE, spans, GROUP // 2).transpose(0, 2, 1, 3)
     else:
-        codes = q
+        codes = q.reshape(tiles, TILE, spans, 2, GROUP // 2).transpose(0, 2, 3, 1, 4)
     arrays = [scale] + ([min] if min is not None else [])
     narrow = group == GROUP and all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in arrays)
     dtype = np.float16 if narrow else np.float32
-    as_tensor = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a.astype(dtype)))  # noqa: E731
-    return PackedWeight(torch.from_numpy(np.ascontiguousarray(codes)), as_tensor(scale), as_tensor(min), offset,
-                        bits, group, (out, cols))
+
+    def tiled(a: np.ndarray | None) -> torch.Tensor | None:
+        if a is None:
+            return None
+        a = _pad_rows(a.astype(dtype), tiles * TILE).reshape(tiles, TILE, -1).transpose(0, 2, 1)
+        return torch.from_numpy(np.ascontiguousarray(a).reshape(tiles, -1))
+
+    codes = torch.from_numpy(np.ascontiguousarray(codes).reshape(tiles, -1))
+    return PackedWeight(codes, tiled(scale), tiled(min), offset, bits, group, (out, cols))
+
+
+def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
+    return a if a.shape[0] == rows else np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
 def unpack_codes(w: PackedWeight) -> torch.Tensor:
-    """The codes as uint8 [out, in]."""
-    if w.bits == 8:
-        return w.codes
+    """The codes as uint8 [out, in], in row order."""
     out, cols = w.shape
-    packed = w.codes.reshape(out, cols // GROUP, 1, GROUP // 2)
-    return torch.cat([packed & 0x0F, packed >> 4], dim=2).reshape(out, cols)
+    tiles, spans = w.codes.shape[0], cols // GROUP
+    if w.bits == 4:
+        packed = w.codes.reshape(tiles, spans, TILE, 1, GROUP // 2)
+        halves = torch.cat([packed & 0x0F, packed >> 4], dim=3)  # [tiles, spans, 4, 2, 16]
+        rows = halves.permute(0, 2, 1, 3, 4)
+    else:
+        rows = w.codes.reshape(tiles, spans, 2, TILE, GROUP // 2).permute(0, 3, 1, 2, 4)
+    return rows.reshape(tiles * TILE, cols)[:out]
+
+
+def untile(values: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """Scales or mins [tiles, groups * 4] -> [out, groups] in row order."""
+    tiles = values.shape[0]
+    return values.reshape(tiles, -1, TILE).permute(0, 2, 1).reshape(tiles * TILE, -1)[: w.shape[0]]
 
 
 def dequantize(w: PackedWeight) -> torch.Tensor:
     """The fp32 weight [out, in] the format stands for, on the codes' device."""
     out, cols = w.shape
     q = (unpack_codes(w).to(torch.int32) - w.offset).to(torch.float32).reshape(out, cols // w.group, w.group)
-    values = q * w.scale.to(torch.float32)[..., None]
+    values = q * untile(w.scale, w).to(torch.float32)[..., None]
     if w.min is not None:
-        values = values + w.min.to(torch.float32)[..., None]
+        values = values + untile(w.min, w).to(torch.float32)[..., None]
     return values.reshape(out, cols)

@@ -39,21 +39,12 @@ class VnniKernel:
         quantize.argtypes, quantize.restype = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P], None
         self._quantize = quantize
 
-    @functools.cache
-    def function(self, name: str) -> ctypes._CFuncPtr:
-        """The kernel `name`; AttributeError if qmatmul.c has no such variant."""
-        function = getattr(self._library, name)
+    def bind(self, w: PackedWeight) -> "BoundKernel":
+        """The kernel for `w`'s format with `w`'s pointers filled in; AttributeError if qmatmul.c has
+        no such variant."""
+        function = getattr(self._library, kernel_name(w))
         function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
-        return function
-
-    def matmul(self, function: ctypes._CFuncPtr, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-        """x fp32 [T, in] (contiguous, CPU) -> fp32 [T, out]."""
-        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-        minimum = 0 if w.min is None else w.min.data_ptr()
-        if function(x.data_ptr(), x.shape[0], x.shape[1], w.codes.data_ptr(), w.scale.data_ptr(), minimum,
-                    w.offset, w.shape[0], out.data_ptr(), torch.get_num_threads()):
-            raise MemoryError("quantized matmul: out of memory for the quantized activations")
-        return out
+        return BoundKernel(function, w)
 
     def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x fp32 [T, in] -> (q int8 [T, in], scale fp32 [T, in/32]), exactly as the kernels quantize it."""
@@ -62,6 +53,27 @@ class VnniKernel:
         scale = torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.float32)
         self._quantize(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), scale.data_ptr())
         return q, scale
+
+
+class BoundKernel:
+    """One packed weight's kernel call: only x, its row count and the output change per call."""
+
+    def __init__(self, function: ctypes._CFuncPtr, w: PackedWeight) -> None:
+        self._function, self._weight = function, w  # the weight's tensors stay alive while bound
+        self._out_features, self._in_features = w.shape
+        minimum = 0 if w.min is None else w.min.data_ptr()
+        self._weight_args = (w.codes.data_ptr(), w.scale.data_ptr(), minimum, w.offset, w.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [T, in], contiguous, on the CPU -> fp32 [T, out]."""
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 or x.shape[1] != self._in_features:
+            raise ValueError(f"quantized matmul: x must be contiguous fp32 [T, {self._in_features}], "
+                             f"not {x.dtype} {list(x.shape)}")
+        out = torch.empty(x.shape[0], self._out_features, dtype=torch.float32)
+        if x.shape[0] and self._function(x.data_ptr(), x.shape[0], self._in_features, *self._weight_args, out.data_ptr(),
+                          torch.get_num_threads()):
+            raise MemoryError("quantized matmul: out of memory for the quantized activations")
+        return out
 
 
 def cpu_supports_vnni() -> bool:

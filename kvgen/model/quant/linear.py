@@ -44,15 +44,16 @@ class QuantLinear(Linear):
 class VnniQuantLinear(QuantLinear):
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
-        self._kernel = vnni_kernel()
-        assert self._kernel is not None, "VnniQuantLinear needs the VNNI kernel (see vnni_kernel())"
+        kernel = vnni_kernel()
+        assert kernel is not None, "VnniQuantLinear needs the VNNI kernel (see vnni_kernel())"
         self.kernel = kernel_name(weight)
-        self._function = self._kernel.function(self.kernel)
+        self._matmul = kernel.bind(weight)
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
         whatever rows run with it."""
-        out = self._kernel.matmul(self._function, x.to(torch.float32).contiguous(), self.packed).to(x.dtype)
+        out = self._matmul(x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous())
+        out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if self.bias is None else out.add_(self.bias)
 
 
