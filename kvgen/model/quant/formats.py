@@ -21,7 +21,7 @@ Scales and mins are fp16 where every value is one (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -46,10 +46,9 @@ class PackedWeight:
         tensors = [self.codes, self.scale] + ([self.min] if self.min is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def to(self, device: torch.device) -> "PackedWeight":
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return PackedWeight(move(self.codes), move(self.scale), move(self.min), self.offset, self.bits,
-                            self.group, self.shape)
+    def to(self, device: torch.device) -> PackedWeight:
+        return replace(self, codes=self.codes.to(device), scale=self.scale.to(device),
+                       min=None if self.min is None else self.min.to(device))
 
 
 def pack(q: np.ndarray, offset: int, bits: int, scale: np.ndarray, min: np.ndarray | None,

@@ -39,7 +39,7 @@ class VnniKernel:
         quantize.argtypes, quantize.restype = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P], None
         self._quantize = quantize
 
-    def bind(self, w: PackedWeight) -> "BoundKernel":
+    def bind(self, w: PackedWeight) -> BoundKernel:
         """The kernel for `w`'s format with `w`'s pointers filled in; AttributeError if qmatmul.c has
         no such variant."""
         function = getattr(self._library, kernel_name(w))

@@ -22,6 +22,7 @@ from kvgen.model.quant.formats import PackedWeight, dequantize
 from kvgen.model.quant.gguf_blocks import convert
 from kvgen.model.quant.kernel import kernel_name, vnni_kernel
 
+CPU = torch.device("cpu")
 FLOAT_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 
 
@@ -66,7 +67,7 @@ class TorchQuantLinear(QuantLinear):
 
 
 def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None,
-                  device: torch.device = torch.device("cpu")) -> QuantLinear:
+                  device: torch.device = CPU) -> QuantLinear:
     """The kernel layer for a packed weight on `device`: VNNI where it can run, else torch."""
     if device.type == "cpu" and vnni_kernel() is not None:
         return VnniQuantLinear(weight, bias)
@@ -74,7 +75,7 @@ def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None,
 
 
 def make_quantized_linear(ggml_type: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int],
-                          bias: torch.Tensor | None = None, device: torch.device = torch.device("cpu"),
+                          bias: torch.Tensor | None = None, device: torch.device = CPU,
                           dtype: torch.dtype = torch.float32) -> Linear:
     """A GGUF matrix (raw blocks uint8 [out, bytes per row], `shape` (out, in)) as a layer that keeps
     its values quantized; a type no kernel format holds (see kvgen.model.quant) is dequantized with

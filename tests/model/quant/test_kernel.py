@@ -1,0 +1,82 @@
+"""The VNNI kernel against the dequantized matmul, for every mapped GGUF type and the float
+quantizers, at 1 row (decode) and many (prefill), on one thread and two; bounds.py derives the
+tolerances."""
+
+import pytest
+import torch
+
+from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
+from kvgen.model.quant.formats import PackedWeight
+from kvgen.model.quant.gguf_blocks import convert
+from kvgen.model.quant.kernel import vnni_kernel
+from tests.model.quant.bounds import check_kernel_output
+from tests.model.quant.raw_blocks import MAPPED, raw_matrix
+
+pytestmark = pytest.mark.skipif(vnni_kernel() is None, reason="CPU without AVX-512 VNNI: layers use torch")
+
+
+def check(w: PackedWeight, x: torch.Tensor) -> None:
+    check_kernel_output(vnni_kernel().bind(w)(x), w, x)
+
+
+def gguf_weight(ggml_type, out=12, cols=512) -> PackedWeight:
+    return convert(ggml_type, raw_matrix(ggml_type, out, cols), (out, cols))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
+def test_kernel_equals_dequantized_matmul(ggml_type, rows):
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    check(gguf_weight(ggml_type), x)
+
+
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_kernel_on_float_quantized_weights(quantize, rows):
+    gen = torch.Generator().manual_seed(0)
+    w = quantize(torch.randn(10, 96, generator=gen) * 0.05)
+    check(w, torch.randn(rows, 96, generator=gen) * 3)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    """Rows go four at a time, the rest one by one, through the same operations."""
+    w = gguf_weight(MAPPED[1])
+    x = torch.randn(67, 512, generator=torch.Generator().manual_seed(1))
+    kernel = vnni_kernel().bind(w)
+    all_rows = kernel(x)
+    for rows in (1, 3, 5, 64):
+        assert torch.equal(kernel(x[:rows].contiguous()), all_rows[:rows])
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_two_threads_give_the_same_bits(rows):
+    """Each output is one thread's work (the suite otherwise runs on one thread). The weights are
+    large enough for the kernel to use both threads at 1 row (2 MiB of work) and at 64."""
+    gen = torch.Generator().manual_seed(2)
+    w = quantize_int8(torch.randn(2048 if rows == 1 else 256, 1024, generator=gen))
+    x = torch.randn(rows, 1024, generator=gen)
+    kernel = vnni_kernel().bind(w)
+    one = kernel(x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = kernel(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    check(w, x)
+
+
+def test_zero_rows_and_all_zero_groups():
+    w = quantize_int4(torch.zeros(4, 64))
+    kernel = vnni_kernel().bind(w)
+    assert kernel(torch.empty(0, 64)).shape == (0, 4)
+    assert torch.equal(kernel(torch.zeros(2, 64)), torch.zeros(2, 4))
+
+
+def test_x_of_the_wrong_shape_or_dtype_is_refused():
+    kernel = vnni_kernel().bind(quantize_int8(torch.randn(4, 64)))
+    with pytest.raises(ValueError, match=r"contiguous fp32 \[T, 64\]"):
+        kernel(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="float64"):
+        kernel(torch.randn(2, 64, dtype=torch.float64))

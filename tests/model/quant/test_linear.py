@@ -1,0 +1,93 @@
+"""The quantized layers: which kernel each weight gets, what it reports, and the torch twin."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf.quants import dequantize as gguf_dequantize
+
+from kvgen.model.linear import BlasLinear
+from kvgen.model.quant import linear as quant_linear
+from kvgen.model.quant import make_quantized_linear, quantize_linear
+from kvgen.model.quant.formats import dequantize
+from kvgen.model.quant.kernel import vnni_kernel
+from tests.model.quant.bounds import bounds
+from tests.model.quant.raw_blocks import Q, raw_matrix
+
+needs_vnni = pytest.mark.skipif(vnni_kernel() is None, reason="CPU without AVX-512 VNNI")
+U = 2.0 ** -24
+
+
+@needs_vnni
+@pytest.mark.parametrize("ggml_type, kernel", [(Q.Q4_1, "qmatmul_u4_g32_f16"), (Q.Q8_0, "qmatmul_u8_g32_f16"),
+                                               (Q.Q4_K, "qmatmul_u4_g32_f32"), (Q.Q6_K, "qmatmul_u8_g16_f32")],
+                         ids=lambda v: getattr(v, "name", v))
+def test_gguf_matrix_gets_the_vnni_kernel_and_reports_it(ggml_type, kernel):
+    raw = raw_matrix(ggml_type, 8, 256)
+    bias = torch.randn(8)
+    layer = make_quantized_linear(ggml_type, raw, (8, 256), bias=bias)
+    assert isinstance(layer, quant_linear.VnniQuantLinear) and layer.kernel == kernel
+    packed = layer.packed
+    parts = [packed.codes, packed.scale] + ([packed.min] if packed.min is not None else [])
+    assert layer.weight_bytes == sum(t.numel() * t.element_size() for t in parts)
+    assert (layer.out_features, layer.in_features) == (8, 256)
+    x = torch.randn(3, 256)
+    assert torch.equal(layer(x), vnni_kernel().bind(packed)(x) + bias)
+
+
+def test_a_type_without_a_kernel_format_is_dequantized_to_a_float_layer():
+    raw = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float16).view(np.uint8)  # F16
+    layer = make_quantized_linear(Q.F16, raw, (4, 32))
+    assert isinstance(layer, BlasLinear)
+    assert torch.equal(layer.weight, torch.from_numpy(gguf_dequantize(raw, Q.F16)))
+
+
+def test_torch_twin_where_the_kernel_cannot_run(monkeypatch):
+    """Without VNNI the same packed weights go through dequantize + F.linear."""
+    monkeypatch.setattr(quant_linear, "vnni_kernel", lambda: None)
+    bias = torch.randn(6)
+    layer = make_quantized_linear(Q.Q5_1, raw_matrix(Q.Q5_1, 6, 64), (6, 64), bias=bias)
+    assert isinstance(layer, quant_linear.TorchQuantLinear) and layer.kernel == "torch-dequantize"
+    x = torch.randn(2, 64)
+    assert torch.equal(layer(x), F.linear(x, dequantize(layer.packed), bias))
+
+
+@needs_vnni
+def test_kernel_and_torch_twin_agree_within_the_kernels_bound(monkeypatch):
+    """The twin is fp32 F.linear on W^ (within K ulps of sum |x| |w^| of x W^T); the kernel within
+    its bound (tests/model/quant/bounds.py) of x W^T."""
+    weight = torch.randn(16, 128) * 0.05
+    x = torch.randn(4, 128)
+    fast = quantize_linear(weight, "int4")
+    monkeypatch.setattr(quant_linear, "vnni_kernel", lambda: None)
+    twin = quantize_linear(weight, "int4")
+    _, _, kernel_bound = bounds(fast.packed, x)
+    twin_bound = 128 * U * (x.double().abs() @ dequantize(twin.packed).double().abs().T)
+    assert ((fast(x).double() - twin(x).double()).abs() <= kernel_bound + twin_bound).all()
+
+
+@needs_vnni
+def test_bfloat16_activations_come_back_in_bfloat16():
+    layer = quantize_linear(torch.randn(8, 64), "int8")
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, layer(x.float()).to(torch.bfloat16))
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(ValueError, match="quantization 'int3'"):
+        quantize_linear(torch.randn(4, 32), "int3")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_layer_equals_its_cpu_twin(monkeypatch):
+    weight = torch.randn(8, 64)
+    monkeypatch.setattr(quant_linear, "vnni_kernel", lambda: None)
+    cpu = quantize_linear(weight, "int8")
+    cuda = quantize_linear(weight.cuda(), "int8")
+    assert isinstance(cuda, quant_linear.TorchQuantLinear) and cuda.packed.codes.is_cuda
+    x = torch.randn(3, 64)
+    w_hat = dequantize(cpu.packed).double()
+    bound = 2 * 64 * U * (x.double().abs() @ w_hat.abs().T)  # two fp32 matmuls of 64 terms
+    assert ((cuda(x.cuda()).cpu().double() - cpu(x).double()).abs() <= bound).all()
