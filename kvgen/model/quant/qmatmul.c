@@ -196,6 +196,15 @@ static inline __attribute__((always_inline)) void tiles(const struct xq *x, int6
             tile(x, t, 1, w, K, codes, scale, min, N, out, bits, group, f16);
 }
 
+/* Work item `item`: TILES_PER_ITEM weight tiles (fewer at the end) against every row of x. */
+static inline __attribute__((always_inline)) void work_item(const struct xq *x, int64_t T, int64_t K,
+                                                            const uint8_t *codes, const void *scale, const void *min,
+                                                            int64_t item, int64_t num_tiles, int64_t N, float *out,
+                                                            const int bits, const int group, const int f16) {
+    int64_t w0 = item * TILES_PER_ITEM, w1 = w0 + TILES_PER_ITEM < num_tiles ? w0 + TILES_PER_ITEM : num_tiles;
+    tiles(x, T, K, codes, scale, min, w0, w1, N, out, bits, group, f16);
+}
+
 /* x quantized, in scratch space from aligned_alloc (the caller frees xq->init); 1 if out of memory. */
 static int quantize_x(const float *x, int64_t T, int64_t K, int32_t offset, int group, int threads,
                       struct xq *xq) {
@@ -210,7 +219,7 @@ static int quantize_x(const float *x, int64_t T, int64_t K, int32_t offset, int 
     xq->scale = (float *)(xq->q + T * K);
     xq->sum = xq->scale + T * spans;
     const int per_span = 32 / group;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (T >= 16)
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T >= 16)
     for (int64_t t = 0; t < T; t++)
         for (int64_t g = 0; g < spans; g++) {
             int64_t span = t * spans + g;
@@ -233,10 +242,13 @@ static int quantize_x(const float *x, int64_t T, int64_t K, int32_t offset, int 
         struct xq xq;                                                                                         \
         if (quantize_x(x, T, K, offset, group, threads, &xq))                                                 \
             return 1;                                                                                         \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                     \
-        for (int64_t item = 0; item < items; item++) {                                                        \
-            int64_t w0 = item * TILES_PER_ITEM, w1 = w0 + TILES_PER_ITEM < num_tiles ? w0 + TILES_PER_ITEM : num_tiles; \
-            tiles(&xq, T, K, codes, scale, min, w0, w1, N, out, bits, group, f16);                            \
+        if (threads == 1) { /* no parallel region at all: entering even a serial one costs time */           \
+            for (int64_t item = 0; item < items; item++)                                                      \
+                work_item(&xq, T, K, codes, scale, min, item, num_tiles, N, out, bits, group, f16);           \
+        } else {                                                                                              \
+            _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
+            for (int64_t item = 0; item < items; item++)                                                      \
+                work_item(&xq, T, K, codes, scale, min, item, num_tiles, N, out, bits, group, f16);           \
         }                                                                                                     \
         free(xq.init);                                                                                        \
         return 0;                                                                                             \
