@@ -1,11 +1,16 @@
 """Linear layers over weights that stay quantized in memory (kvgen.model.quant.formats).
 
     VnniQuantLinear   CPU with AVX-512 VNNI: the compiled kernel (qmatmul.c) for every row count;
-                      x is quantized to int8 per group of 32 inside the call.
-    TorchQuantLinear  elsewhere (CUDA, CPUs without VNNI): dequantizes to fp32 on each call and runs
-                      F.linear, so the weights stay packed in memory; also the kernels' reference.
+                      x is quantized to int8 per group of 32 inside the call. Against fp32 BLAS on
+                      the dequantized weights it is faster at 1, 16 and 64 rows and no slower at 512
+                      (BENCHMARKS.md), so no row count goes back to BLAS.
+    TorchQuantLinear  CUDA and other devices: dequantizes on each call and runs F.linear, so the
+                      weights stay packed in memory; also the kernel's CPU twin in the tests.
 
-Each layer says which kernel it runs (`kernel`) and how many bytes its weights take (`weight_bytes`).
+A CPU without VNNI gets the float layer of kvgen.model.linear on the dequantized weights (exact
+values, fp32 bytes): dequantizing every matrix on every call would cost more than the step.
+
+`describe(layer)` says which kernel a layer runs and how many bytes its weights take, for the log.
 """
 
 from __future__ import annotations
@@ -66,12 +71,26 @@ class TorchQuantLinear(QuantLinear):
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
 
-def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None,
-                  device: torch.device = CPU) -> QuantLinear:
-    """The kernel layer for a packed weight on `device`: VNNI where it can run, else torch."""
-    if device.type == "cpu" and vnni_kernel() is not None:
+def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None, device: torch.device = CPU,
+                  dtype: torch.dtype = torch.float32) -> Linear:
+    """The layer for a packed weight on `device` (see the module docstring); `dtype` is the float
+    layer's, where a CPU lacks the kernel's features."""
+    if device.type != "cpu":
+        return TorchQuantLinear(weight.to(device), None if bias is None else bias.to(device))
+    if vnni_kernel() is not None:
         return VnniQuantLinear(weight, bias)
-    return TorchQuantLinear(weight.to(device), None if bias is None else bias.to(device))
+    return make_linear(dequantize(weight).to(dtype), bias)
+
+
+def describe(layer: Linear) -> tuple[str, int]:
+    """(kernel name, weight bytes) of any kvgen layer: a quantized layer's own, or the float layer's
+    class and its weight's bytes."""
+    if isinstance(layer, QuantLinear):
+        return layer.kernel, layer.weight_bytes
+    weight = getattr(layer, "weight", None)
+    if weight is None:  # OneDnnLinear keeps only its reordered bf16 copy
+        return type(layer).__name__, layer.out_features * layer.in_features * 2
+    return type(layer).__name__, weight.numel() * weight.element_size()
 
 
 def make_quantized_linear(ggml_type: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int],
@@ -82,14 +101,14 @@ def make_quantized_linear(ggml_type: GGMLQuantizationType, raw: np.ndarray, shap
     gguf to `dtype` and gets the float layer of kvgen.model.linear."""
     packed = convert(ggml_type, raw, shape)
     if packed is not None:
-        return packed_linear(packed, bias, device)
+        return packed_linear(packed, bias, device, dtype)
     weight = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, ggml_type).reshape(shape)))
     return make_linear(weight.to(device, dtype), bias)
 
 
-def quantize_linear(weight: torch.Tensor, method: str, bias: torch.Tensor | None = None) -> QuantLinear:
+def quantize_linear(weight: torch.Tensor, method: str, bias: torch.Tensor | None = None) -> Linear:
     """A float weight [out, in] quantized by `method` ("int8" or "int4", see float_weights), on its
     device."""
     if method not in FLOAT_QUANTIZERS:
         raise ValueError(f"quantization {method!r}: expected one of {', '.join(FLOAT_QUANTIZERS)}")
-    return packed_linear(FLOAT_QUANTIZERS[method](weight), bias, weight.device)
+    return packed_linear(FLOAT_QUANTIZERS[method](weight), bias, weight.device, weight.dtype)

@@ -35,6 +35,9 @@
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048
 #endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0
+#endif
 #ifndef PARALLEL_BYTES
 #define PARALLEL_BYTES (2 << 20)
 #endif
@@ -128,9 +131,9 @@ static inline __attribute__((always_inline)) void tile(const struct xq *x, int64
         const int count = groups - c0 >= 4 ? 4 : (int)(groups - c0); /* groups in this chunk */
         const int64_t span0 = c0 / per_span;
         if (PREFETCH_BYTES && RX == 1) { /* scales and mins: 1/16 (4-bit fp16) .. 1/4 of the codes' bytes */
-            _mm_prefetch((const char *)scale + (wv + c0 * TILE) * (f16 ? 2 : 4) + PREFETCH_BYTES / 4, _MM_HINT_T0);
+            _mm_prefetch((const char *)scale + (wv + c0 * TILE) * (f16 ? 2 : 4) + PREFETCH_BYTES / 4, PREFETCH_HINT);
             if (min)
-                _mm_prefetch((const char *)min + (wv + c0 * TILE) * (f16 ? 2 : 4) + PREFETCH_BYTES / 4, _MM_HINT_T0);
+                _mm_prefetch((const char *)min + (wv + c0 * TILE) * (f16 ? 2 : 4) + PREFETCH_BYTES / 4, PREFETCH_HINT);
         }
         __m512 sw = load_values(scale, wv + c0 * TILE, count * TILE, f16);
         __m512 mw = min ? load_values(min, wv + c0 * TILE, count * TILE, f16) : _mm512_setzero_ps();
@@ -144,9 +147,9 @@ static inline __attribute__((always_inline)) void tile(const struct xq *x, int64
         for (int j = 0; j < count / per_span; j++) {
             const uint8_t *p = wc + (span0 + j) * span_bytes;
             if (PREFETCH_BYTES && RX == 1) {
-                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + PREFETCH_BYTES, PREFETCH_HINT);
                 if (bits == 8)
-                    _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);
+                    _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, PREFETCH_HINT);
             }
             __m512i a, b;
             if (bits == 4) {

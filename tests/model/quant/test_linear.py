@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvgen.model.linear import BlasLinear
+from kvgen.model.quant import describe, make_quantized_linear, quantize_linear
 from kvgen.model.quant import linear as quant_linear
-from kvgen.model.quant import make_quantized_linear, quantize_linear
 from kvgen.model.quant.formats import dequantize
+from kvgen.model.quant.gguf_blocks import convert
 from kvgen.model.quant.kernel import vnni_kernel
 from tests.model.quant.bounds import bounds
 from tests.model.quant.raw_blocks import Q, raw_matrix
@@ -33,6 +34,7 @@ def test_gguf_matrix_gets_the_vnni_kernel_and_reports_it(ggml_type, kernel):
     assert (layer.out_features, layer.in_features) == (8, 256)
     x = torch.randn(3, 256)
     assert torch.equal(layer(x), vnni_kernel().bind(packed)(x) + bias)
+    assert describe(layer) == (kernel, layer.weight_bytes)
 
 
 def test_a_type_without_a_kernel_format_is_dequantized_to_a_float_layer():
@@ -40,27 +42,35 @@ def test_a_type_without_a_kernel_format_is_dequantized_to_a_float_layer():
     layer = make_quantized_linear(Q.F16, raw, (4, 32))
     assert isinstance(layer, BlasLinear)
     assert torch.equal(layer.weight, torch.from_numpy(gguf_dequantize(raw, Q.F16)))
+    bf16 = make_quantized_linear(Q.F16, raw, (4, 32), dtype=torch.bfloat16)
+    assert describe(bf16)[1] == 4 * 32 * 2
 
 
-def test_torch_twin_where_the_kernel_cannot_run(monkeypatch):
-    """Without VNNI the same packed weights go through dequantize + F.linear."""
+def test_a_cpu_without_vnni_gets_the_dequantized_weights_in_a_float_layer(monkeypatch):
     monkeypatch.setattr(quant_linear, "vnni_kernel", lambda: None)
+    layer = make_quantized_linear(Q.Q5_1, raw_matrix(Q.Q5_1, 6, 64), (6, 64))
+    assert isinstance(layer, BlasLinear)
+    assert torch.equal(layer.weight, dequantize(convert(Q.Q5_1, raw_matrix(Q.Q5_1, 6, 64), (6, 64))))
+    assert describe(layer) == ("BlasLinear", 6 * 64 * 4)
+
+
+def test_torch_twin_is_dequantize_then_f_linear():
     bias = torch.randn(6)
-    layer = make_quantized_linear(Q.Q5_1, raw_matrix(Q.Q5_1, 6, 64), (6, 64), bias=bias)
-    assert isinstance(layer, quant_linear.TorchQuantLinear) and layer.kernel == "torch-dequantize"
+    packed = convert(Q.Q5_1, raw_matrix(Q.Q5_1, 6, 64), (6, 64))
+    layer = quant_linear.TorchQuantLinear(packed, bias)
+    assert describe(layer) == ("torch-dequantize", packed.nbytes)
     x = torch.randn(2, 64)
-    assert torch.equal(layer(x), F.linear(x, dequantize(layer.packed), bias))
+    assert torch.equal(layer(x), F.linear(x, dequantize(packed), bias))
 
 
 @needs_vnni
-def test_kernel_and_torch_twin_agree_within_the_kernels_bound(monkeypatch):
+def test_kernel_and_torch_twin_agree_within_the_kernels_bound():
     """The twin is fp32 F.linear on W^ (within K ulps of sum |x| |w^| of x W^T); the kernel within
     its bound (tests/model/quant/bounds.py) of x W^T."""
     weight = torch.randn(16, 128) * 0.05
     x = torch.randn(4, 128)
     fast = quantize_linear(weight, "int4")
-    monkeypatch.setattr(quant_linear, "vnni_kernel", lambda: None)
-    twin = quantize_linear(weight, "int4")
+    twin = quant_linear.TorchQuantLinear(fast.packed, None)
     _, _, kernel_bound = bounds(fast.packed, x)
     twin_bound = 128 * U * (x.double().abs() @ dequantize(twin.packed).double().abs().T)
     assert ((fast(x).double() - twin(x).double()).abs() <= kernel_bound + twin_bound).all()
@@ -81,11 +91,10 @@ def test_unknown_quantization_is_refused():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_layer_equals_its_cpu_twin(monkeypatch):
+def test_cuda_layer_equals_its_cpu_twin():
     weight = torch.randn(8, 64)
-    monkeypatch.setattr(quant_linear, "vnni_kernel", lambda: None)
-    cpu = quantize_linear(weight, "int8")
     cuda = quantize_linear(weight.cuda(), "int8")
+    cpu = quant_linear.TorchQuantLinear(cuda.packed.to(torch.device("cpu")), None)
     assert isinstance(cuda, quant_linear.TorchQuantLinear) and cuda.packed.codes.is_cuda
     x = torch.randn(3, 64)
     w_hat = dequantize(cpu.packed).double()
