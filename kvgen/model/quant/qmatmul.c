@@ -39,7 +39,7 @@
 #define PREFETCH_HINT _MM_HINT_T0
 #endif
 #ifndef PARALLEL_BYTES
-#define PARALLEL_BYTES (2 << 20)
+#define PARALLEL_BYTES (512 << 10)
 #endif
 
 /* x after quantization. Per span: q (32 bytes), init (2 x 4 int32: vpdpbusd's start values,
