@@ -79,6 +79,20 @@ def pack(q: np.ndarray, offset: int, bits: int, scale: np.ndarray, min: np.ndarr
     return PackedWeight(codes, tiled(scale), tiled(min), offset, bits, group, (out, cols))
 
 
+def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """The weights one above the other ([sum of out, in]), for fused projections (q/k/v, gate/up):
+    one kernel call instead of several. The parts must share codes, offset, group and having mins;
+    the scales stay fp16 only if every part's are."""
+    first = parts[0]
+    kinds = {(p.bits, p.offset, p.group, p.min is None, p.shape[1]) for p in parts}
+    if len(kinds) > 1:
+        raise ValueError(f"cannot stack packed weights of different formats: {sorted(kinds)}")
+    codes = np.concatenate([unpack_codes(p).numpy() for p in parts])
+    scale = np.concatenate([untile(p.scale, p).float().numpy() for p in parts])
+    mins = None if first.min is None else np.concatenate([untile(p.min, p).float().numpy() for p in parts])
+    return pack(codes, first.offset, first.bits, scale, mins, first.group)
+
+
 def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
     return a if a.shape[0] == rows else np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from kvgen.model.quant.formats import dequantize
+from kvgen.model.quant.formats import concat_rows, dequantize
 from kvgen.model.quant.gguf_blocks import convert
 from tests.model.quant.raw_blocks import MAPPED, Q, raw_matrix
 
@@ -45,3 +45,15 @@ def test_blocks_of_the_wrong_shape_are_refused():
     raw = raw_matrix(Q.Q8_0, 4, 64)
     with pytest.raises(ValueError, match="Q8_0 blocks of shape"):
         convert(Q.Q8_0, raw, (4, 96))
+
+
+def test_fused_projections_stack_the_parts_exactly():
+    """q/k/v of different heights (6 rows: a padded tile in the middle) become one matrix."""
+    parts = [convert(Q.Q4_1, raw_matrix(Q.Q4_1, out, 64, seed=out), (out, 64)) for out in (8, 6, 6)]
+    fused = concat_rows(parts)
+    assert fused.shape == (20, 64) and fused.scale.dtype == torch.float16
+    assert torch.equal(dequantize(fused), torch.cat([dequantize(p) for p in parts]))
+    k_quant = [convert(Q.Q4_K, raw_matrix(Q.Q4_K, 4, 256, seed=s), (4, 256)) for s in (1, 2)]
+    assert concat_rows(k_quant).scale.dtype == torch.float32
+    with pytest.raises(ValueError, match="different formats"):
+        concat_rows([parts[0], convert(Q.Q8_0, raw_matrix(Q.Q8_0, 4, 64), (4, 64))])
