@@ -2,8 +2,10 @@
 
 Entry points (each returns a kvgen.model.linear.Linear):
 
-    make_quantized_linear(ggml_type, raw, shape, bias, device, dtype)   a GGUF matrix's raw blocks
-    quantize_linear(weight, "int8" | "int4", bias)                      a float checkpoint's weight
+    make_quantized_linear(ggml_type, raw, shape, bias, device, dtype, activations)  a GGUF matrix's blocks
+    quantize_linear(weight, "int8" | "int4", bias, activations)                    a float weight
+
+`activations` ("int8" or "int8x2") is how the kernel quantizes x: see kvgen.model.quant.linear.
 
 Which GGUF type gets which kernel (formats.py for the format, gguf_blocks.py for the conversions,
 all exact: the kernel's weights equal gguf's dequantization bit for bit):

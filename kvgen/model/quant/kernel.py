@@ -24,7 +24,11 @@ FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"
          "-shared", "-fPIC")
 CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
 _P = ctypes.c_void_p
-_ARGTYPES = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int32, ctypes.c_int64, _P, ctypes.c_int32]
+_ARGTYPES = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int32, ctypes.c_int64, _P, ctypes.c_int32,
+             ctypes.c_int32]
+# How x is quantized: one int8 part per span (as ggml), or two (the second quantizes the first's
+# rounding error: ~15 bits, for one more row of x per token in the kernel).
+ACTIVATION_PARTS = {"int8": 1, "int8x2": 2}
 
 
 def kernel_name(w: PackedWeight) -> str:
@@ -36,30 +40,34 @@ class VnniKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._library = library
         quantize = library.quantize_activations
-        quantize.argtypes, quantize.restype = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P], None
+        quantize.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, _P, _P]
+        quantize.restype = ctypes.c_int
         self._quantize = quantize
 
-    def bind(self, w: PackedWeight) -> BoundKernel:
-        """The kernel for `w`'s format with `w`'s pointers filled in; AttributeError if qmatmul.c has
-        no such variant."""
+    def bind(self, w: PackedWeight, activations: str = "int8") -> BoundKernel:
+        """The kernel for `w`'s format with `w`'s pointers filled in, quantizing x as `activations`
+        says (a key of ACTIVATION_PARTS); AttributeError if qmatmul.c has no such variant."""
         function = getattr(self._library, kernel_name(w))
         function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
-        return BoundKernel(function, w)
+        return BoundKernel(function, w, ACTIVATION_PARTS[activations])
 
-    def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x fp32 [T, in] -> (q int8 [T, in], scale fp32 [T, in/32]), exactly as the kernels quantize it."""
+    def quantize_activations(self, x: torch.Tensor, activations: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
+        """x fp32 [T, in] -> (q int8 [parts, T, in], scale fp32 [parts, T, in/32]), exactly as the
+        kernels quantize it: x^ = sum over parts of scale * q."""
         x = x.to(torch.float32).contiguous()
-        q = torch.empty(x.shape, dtype=torch.int8)
-        scale = torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.float32)
-        self._quantize(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), scale.data_ptr())
-        return q, scale
+        parts, (rows, cols) = ACTIVATION_PARTS[activations], x.shape
+        q = torch.empty(rows, parts, cols, dtype=torch.int8)
+        scale = torch.empty(rows, parts, cols // 32, dtype=torch.float32)
+        if self._quantize(x.data_ptr(), rows, cols, parts, q.data_ptr(), scale.data_ptr()):
+            raise MemoryError("quantized matmul: out of memory for the quantized activations")
+        return q.transpose(0, 1), scale.transpose(0, 1)
 
 
 class BoundKernel:
     """One packed weight's kernel call: only x, its row count and the output change per call."""
 
-    def __init__(self, function: ctypes._CFuncPtr, w: PackedWeight) -> None:
-        self._function, self._weight = function, w  # the weight's tensors stay alive while bound
+    def __init__(self, function: ctypes._CFuncPtr, w: PackedWeight, parts: int) -> None:
+        self._function, self._weight, self._parts = function, w, parts  # w's tensors stay alive while bound
         self._out_features, self._in_features = w.shape
         minimum = 0 if w.min is None else w.min.data_ptr()
         self._weight_args = (w.codes.data_ptr(), w.scale.data_ptr(), minimum, w.offset, w.shape[0])
@@ -71,7 +79,7 @@ class BoundKernel:
                              f"not {x.dtype} {list(x.shape)}")
         out = torch.empty(x.shape[0], self._out_features, dtype=torch.float32)
         if x.shape[0] and self._function(x.data_ptr(), x.shape[0], self._in_features, *self._weight_args, out.data_ptr(),
-                          torch.get_num_threads()):
+                                         self._parts, torch.get_num_threads()):
             raise MemoryError("quantized matmul: out of memory for the quantized activations")
         return out
 

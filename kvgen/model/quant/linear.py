@@ -1,7 +1,10 @@
 """Linear layers over weights that stay quantized in memory (kvgen.model.quant.formats).
 
     VnniQuantLinear   CPU with AVX-512 VNNI: the compiled kernel (qmatmul.c) for every row count;
-                      x is quantized to int8 per group of 32 inside the call. Against fp32 BLAS on
+                      x is quantized inside the call, per group of 32: to int8 (`activations="int8"`,
+                      as ggml), or to two int8 parts, the second quantizing the first's rounding
+                      error (`"int8x2"`, ~15 bits; on the real Q4_1 file top-1 agreement with the
+                      fp32 model is 97.8% with int8 and 100% with int8x2, see BENCHMARKS.md). Against fp32 BLAS on
                       the dequantized weights it is faster at 1, 16 and 64 rows and no slower at 512
                       (BENCHMARKS.md), so no row count goes back to BLAS.
     TorchQuantLinear  CUDA and other devices: dequantizes on each call and runs F.linear, so the
@@ -25,7 +28,7 @@ from kvgen.model.linear import Linear, RowKernels, make_linear
 from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
 from kvgen.model.quant.formats import PackedWeight, dequantize
 from kvgen.model.quant.gguf_blocks import convert
-from kvgen.model.quant.kernel import kernel_name, vnni_kernel
+from kvgen.model.quant.kernel import ACTIVATION_PARTS, kernel_name, vnni_kernel
 
 CPU = torch.device("cpu")
 FLOAT_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
@@ -48,12 +51,12 @@ class QuantLinear(Linear):
 
 
 class VnniQuantLinear(QuantLinear):
-    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None, activations: str = "int8") -> None:
         super().__init__(weight, bias)
         kernel = vnni_kernel()
         assert kernel is not None, "VnniQuantLinear needs the VNNI kernel (see vnni_kernel())"
-        self.kernel = kernel_name(weight)
-        self._matmul = kernel.bind(weight)
+        self.kernel = f"{kernel_name(weight)} (x {activations})"
+        self._matmul = kernel.bind(weight, activations)
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
@@ -72,13 +75,15 @@ class TorchQuantLinear(QuantLinear):
 
 
 def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None, device: torch.device = CPU,
-                  dtype: torch.dtype = torch.float32) -> Linear:
-    """The layer for a packed weight on `device` (see the module docstring); `dtype` is the float
-    layer's, where a CPU lacks the kernel's features."""
+                  dtype: torch.dtype = torch.float32, activations: str = "int8") -> Linear:
+    """The layer for a packed weight on `device` (see the module docstring). `dtype` is the float
+    layer's where a CPU lacks the kernel's features; `activations` how the kernel quantizes x."""
+    if activations not in ACTIVATION_PARTS:
+        raise ValueError(f"activations {activations!r}: expected one of {', '.join(ACTIVATION_PARTS)}")
     if device.type != "cpu":
         return TorchQuantLinear(weight.to(device), None if bias is None else bias.to(device))
     if vnni_kernel() is not None:
-        return VnniQuantLinear(weight, bias)
+        return VnniQuantLinear(weight, bias, activations)
     return make_linear(dequantize(weight).to(dtype), bias)
 
 
@@ -95,20 +100,21 @@ def describe(layer: Linear) -> tuple[str, int]:
 
 def make_quantized_linear(ggml_type: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int],
                           bias: torch.Tensor | None = None, device: torch.device = CPU,
-                          dtype: torch.dtype = torch.float32) -> Linear:
+                          dtype: torch.dtype = torch.float32, activations: str = "int8") -> Linear:
     """A GGUF matrix (raw blocks uint8 [out, bytes per row], `shape` (out, in)) as a layer that keeps
     its values quantized; a type no kernel format holds (see kvgen.model.quant) is dequantized with
     gguf to `dtype` and gets the float layer of kvgen.model.linear."""
     packed = convert(ggml_type, raw, shape)
     if packed is not None:
-        return packed_linear(packed, bias, device, dtype)
+        return packed_linear(packed, bias, device, dtype, activations)
     weight = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, ggml_type).reshape(shape)))
     return make_linear(weight.to(device, dtype), bias)
 
 
-def quantize_linear(weight: torch.Tensor, method: str, bias: torch.Tensor | None = None) -> Linear:
+def quantize_linear(weight: torch.Tensor, method: str, bias: torch.Tensor | None = None,
+                    activations: str = "int8") -> Linear:
     """A float weight [out, in] quantized by `method` ("int8" or "int4", see float_weights), on its
     device."""
     if method not in FLOAT_QUANTIZERS:
         raise ValueError(f"quantization {method!r}: expected one of {', '.join(FLOAT_QUANTIZERS)}")
-    return packed_linear(FLOAT_QUANTIZERS[method](weight), bias, weight.device, weight.dtype)
+    return packed_linear(FLOAT_QUANTIZERS[method](weight), bias, weight.device, weight.dtype, activations)

@@ -15,7 +15,9 @@
  *     dot = sum (u - o) * qx = vpdpbusd(A, qx[0:16]) + vpdpbusd(B, qx[16:32]) - o * sum qx
  * (4 int32 lanes per row), then y = sum_g s_g * sx_g * dot_g + m_g * sx_g * sum_g qx in fp32. The
  * result is the exact dot product of the dequantized W with x^, up to fp32 rounding of the scale
- * products and the sums.
+ * products and the sums. With parts = 2, x's rounding error r = x - x^ is quantized the same way as
+ * a second row of x (its step is ~1/254 of the first's) and the two rows' results are added: one
+ * more tile row per token of work, the weights still read once.
  *
  * Work: OpenMP over blocks of weight tiles, one contiguous range of the weights per thread; inside
  * a block, x's rows go four at a time over each tile. Every output goes through the same operations
@@ -130,7 +132,7 @@ static inline __attribute__((always_inline)) void tile(const struct xq *x, int64
     for (int64_t c0 = 0; c0 < groups; c0 += 4) {
         const int count = groups - c0 >= 4 ? 4 : (int)(groups - c0); /* groups in this chunk */
         const int64_t span0 = c0 / per_span;
-        if (PREFETCH_BYTES && RX == 1) { /* scales and mins: 1/16 (4-bit fp16) .. 1/4 of the codes' bytes */
+        if (PREFETCH_BYTES && RX <= 2) { /* scales and mins: 1/16 (4-bit fp16) .. 1/4 of the codes' bytes */
             _mm_prefetch((const char *)scale + (wv + c0 * TILE) * (f16 ? 2 : 4) + PREFETCH_BYTES / 4, PREFETCH_HINT);
             if (min)
                 _mm_prefetch((const char *)min + (wv + c0 * TILE) * (f16 ? 2 : 4) + PREFETCH_BYTES / 4, PREFETCH_HINT);
@@ -146,7 +148,7 @@ static inline __attribute__((always_inline)) void tile(const struct xq *x, int64
         }
         for (int j = 0; j < count / per_span; j++) {
             const uint8_t *p = wc + (span0 + j) * span_bytes;
-            if (PREFETCH_BYTES && RX == 1) {
+            if (PREFETCH_BYTES && RX <= 2) {
                 _mm_prefetch((const char *)p + PREFETCH_BYTES, PREFETCH_HINT);
                 if (bits == 8)
                     _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, PREFETCH_HINT);
@@ -185,7 +187,7 @@ static inline __attribute__((always_inline)) void tile(const struct xq *x, int64
     }
 }
 
-/* Weight tiles w0 .. w1-1 against every row of x, XTILE rows of x at a time. */
+/* Weight tiles w0 .. w1-1 against every row of x, XTILE rows of x at a time, then 2, then 1. */
 static inline __attribute__((always_inline)) void tiles(const struct xq *x, int64_t T, int64_t K,
                                                         const uint8_t *codes, const void *scale, const void *min,
                                                         int64_t w0, int64_t w1, int64_t N, float *out,
@@ -194,6 +196,9 @@ static inline __attribute__((always_inline)) void tiles(const struct xq *x, int6
     for (; t + XTILE <= T; t += XTILE)
         for (int64_t w = w0; w < w1; w++)
             tile(x, t, XTILE, w, K, codes, scale, min, N, out, bits, group, f16);
+    for (; t + 2 <= T; t += 2) /* a token's two parts, at one row of x */
+        for (int64_t w = w0; w < w1; w++)
+            tile(x, t, 2, w, K, codes, scale, min, N, out, bits, group, f16);
     for (; t < T; t++)
         for (int64_t w = w0; w < w1; w++)
             tile(x, t, 1, w, K, codes, scale, min, N, out, bits, group, f16);
@@ -208,28 +213,53 @@ static inline __attribute__((always_inline)) void work_item(const struct xq *x, 
     tiles(x, T, K, codes, scale, min, w0, w1, N, out, bits, group, f16);
 }
 
-/* x quantized, in scratch space from aligned_alloc (the caller frees xq->init); 1 if out of memory. */
-static int quantize_x(const float *x, int64_t T, int64_t K, int32_t offset, int group, int threads,
+/* r = x - s * q over one span: the rounding error of the first part, for the second. */
+static void residual(const float *x, const int8_t *q, float s, float *r) {
+    for (int h = 0; h < 32; h += 16) {
+        __m512 q_h = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + h))));
+        _mm512_storeu_ps(r + h, _mm512_sub_ps(_mm512_loadu_ps(x + h), _mm512_mul_ps(_mm512_set1_ps(s), q_h)));
+    }
+}
+
+/* Row t of x as `parts` rows of quantized x (rows parts*t ..): the first quantizes x, the second
+ * (parts = 2) x's rounding error after the first, so that x is within half the second's much finer
+ * step. In scratch space from aligned_alloc (the caller frees xq->init); 1 if out of memory. */
+static int quantize_x(const float *x, int64_t T, int64_t K, int32_t offset, int group, int parts, int threads,
                       struct xq *xq) {
-    const int64_t spans = K / 32;
+    const int64_t spans = K / 32, rows = parts * T;
     /* per span: init (32 bytes), q (32), scale (4), sum (4, or 8 for groups of 16) */
-    size_t bytes = (size_t)(T * spans * (32 + 32 + 4 + 8));
+    size_t bytes = (size_t)(rows * spans * (32 + 32 + 4 + 8));
     char *scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!scratch)
         return 1;
     xq->init = (__m128i *)scratch;
-    xq->q = (int8_t *)(xq->init + 2 * T * spans);
-    xq->scale = (float *)(xq->q + T * K);
-    xq->sum = xq->scale + T * spans;
+    xq->q = (int8_t *)(xq->init + 2 * rows * spans);
+    xq->scale = (float *)(xq->q + rows * K);
+    xq->sum = xq->scale + rows * spans;
     const int per_span = 32 / group;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T >= 16)
     for (int64_t t = 0; t < T; t++)
         for (int64_t g = 0; g < spans; g++) {
-            int64_t span = t * spans + g;
-            quantize_span(x + t * K + 32 * g, offset, group, xq->q + 32 * span, xq->init + 2 * span,
-                          xq->scale + span, xq->sum + span * per_span);
+            float r[32];
+            const float *values = x + t * K + 32 * g;
+            for (int part = 0; part < parts; part++) {
+                int64_t span = (parts * t + part) * spans + g;
+                if (part) {
+                    residual(values, xq->q + 32 * (span - spans), xq->scale[span - spans], r);
+                    values = r;
+                }
+                quantize_span(values, offset, group, xq->q + 32 * span, xq->init + 2 * span, xq->scale + span,
+                              xq->sum + span * per_span);
+            }
         }
     return 0;
+}
+
+/* out[t] = parts[2t] + parts[2t+1] for rows of N. */
+static void add_parts(const float *parts, int64_t T, int64_t N, float *out) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < N; n++)
+            out[t * N + n] = parts[2 * t * N + n] + parts[(2 * t + 1) * N + n];
 }
 
 /* One exported kernel per format. The parallel loop is written out in each, so that OpenMP's
@@ -238,20 +268,29 @@ static int quantize_x(const float *x, int64_t T, int64_t K, int32_t offset, int 
  * Returns 0, or 1 when the scratch space for x cannot be allocated. */
 #define KERNEL(name, bits, group, f16)                                                                        \
     int name(const float *x, int64_t T, int64_t K, const uint8_t *codes, const void *scale, const void *min,  \
-             int32_t offset, int64_t N, float *out, int32_t num_threads) {                                    \
+             int32_t offset, int64_t N, float *out, int32_t parts, int32_t num_threads) {                     \
         const int64_t num_tiles = (N + TILE - 1) / TILE, items = (num_tiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM; \
-        const int64_t work = num_tiles * TILE * K * bits / 8 * (1 + T / 4);                                   \
+        const int64_t rows = parts * T, work = num_tiles * TILE * K * bits / 8 * (1 + rows / 4);              \
         const int threads = num_threads > 1 && work >= PARALLEL_BYTES ? num_threads : 1;                      \
         struct xq xq;                                                                                         \
-        if (quantize_x(x, T, K, offset, group, threads, &xq))                                                 \
+        if (quantize_x(x, T, K, offset, group, parts, threads, &xq))                                          \
             return 1;                                                                                         \
+        float *y = parts == 1 ? out : malloc(sizeof(float) * rows * N);                                       \
+        if (!y) {                                                                                             \
+            free(xq.init);                                                                                    \
+            return 1;                                                                                         \
+        }                                                                                                     \
         if (threads == 1) { /* no parallel region at all: entering even a serial one costs time */           \
             for (int64_t item = 0; item < items; item++)                                                      \
-                work_item(&xq, T, K, codes, scale, min, item, num_tiles, N, out, bits, group, f16);           \
+                work_item(&xq, rows, K, codes, scale, min, item, num_tiles, N, y, bits, group, f16);          \
         } else {                                                                                              \
             _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
             for (int64_t item = 0; item < items; item++)                                                      \
-                work_item(&xq, T, K, codes, scale, min, item, num_tiles, N, out, bits, group, f16);           \
+                work_item(&xq, rows, K, codes, scale, min, item, num_tiles, N, y, bits, group, f16);          \
+        }                                                                                                     \
+        if (parts == 2) {                                                                                     \
+            add_parts(y, T, N, out);                                                                          \
+            free(y);                                                                                          \
         }                                                                                                     \
         free(xq.init);                                                                                        \
         return 0;                                                                                             \
@@ -263,11 +302,15 @@ KERNEL(qmatmul_u8_g32_f16, 8, 32, 1)
 KERNEL(qmatmul_u8_g32_f32, 8, 32, 0)
 KERNEL(qmatmul_u8_g16_f32, 8, 16, 0)
 
-/* x^ = scale * q for rows of x, exactly as the kernels quantize them (for tests). */
-void quantize_activations(const float *x, int64_t T, int64_t K, int8_t *q, float *scale) {
-    __m128i init[2];
-    float sum[2];
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t g = 0; g < K / 32; g++)
-            quantize_span(x + t * K + 32 * g, 0, 32, q + t * K + 32 * g, init, scale + t * (K / 32) + g, sum);
+/* x as the kernels quantize it, `parts` rows per row of x: x^ = sum over parts of scale * q (tests). */
+int quantize_activations(const float *x, int64_t T, int64_t K, int32_t parts, int8_t *q, float *scale) {
+    struct xq xq;
+    if (quantize_x(x, T, K, 0, 32, parts, 1, &xq))
+        return 1;
+    for (int64_t i = 0; i < parts * T * K; i++)
+        q[i] = xq.q[i];
+    for (int64_t i = 0; i < parts * T * (K / 32); i++)
+        scale[i] = xq.scale[i];
+    free(xq.init);
+    return 0;
 }

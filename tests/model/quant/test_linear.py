@@ -23,18 +23,20 @@ U = 2.0 ** -24
 @pytest.mark.parametrize("ggml_type, kernel", [(Q.Q4_1, "qmatmul_u4_g32_f16"), (Q.Q8_0, "qmatmul_u8_g32_f16"),
                                                (Q.Q4_K, "qmatmul_u4_g32_f32"), (Q.Q6_K, "qmatmul_u8_g16_f32")],
                          ids=lambda v: getattr(v, "name", v))
-def test_gguf_matrix_gets_the_vnni_kernel_and_reports_it(ggml_type, kernel):
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+def test_gguf_matrix_gets_the_vnni_kernel_and_reports_it(ggml_type, kernel, activations):
     raw = raw_matrix(ggml_type, 8, 256)
     bias = torch.randn(8)
-    layer = make_quantized_linear(ggml_type, raw, (8, 256), bias=bias)
-    assert isinstance(layer, quant_linear.VnniQuantLinear) and layer.kernel == kernel
+    layer = make_quantized_linear(ggml_type, raw, (8, 256), bias=bias, activations=activations)
+    assert isinstance(layer, quant_linear.VnniQuantLinear)
+    assert layer.kernel == f"{kernel} (x {activations})"
     packed = layer.packed
     parts = [packed.codes, packed.scale] + ([packed.min] if packed.min is not None else [])
     assert layer.weight_bytes == sum(t.numel() * t.element_size() for t in parts)
     assert (layer.out_features, layer.in_features) == (8, 256)
     x = torch.randn(3, 256)
-    assert torch.equal(layer(x), vnni_kernel().bind(packed)(x) + bias)
-    assert describe(layer) == (kernel, layer.weight_bytes)
+    assert torch.equal(layer(x), vnni_kernel().bind(packed, activations)(x) + bias)
+    assert describe(layer) == (layer.kernel, layer.weight_bytes)
 
 
 def test_a_type_without_a_kernel_format_is_dequantized_to_a_float_layer():
@@ -85,9 +87,11 @@ def test_bfloat16_activations_come_back_in_bfloat16():
     assert torch.equal(y, layer(x.float()).to(torch.bfloat16))
 
 
-def test_unknown_quantization_is_refused():
+def test_unknown_quantization_or_activations_are_refused():
     with pytest.raises(ValueError, match="quantization 'int3'"):
         quantize_linear(torch.randn(4, 32), "int3")
+    with pytest.raises(ValueError, match="activations 'fp8'"):
+        quantize_linear(torch.randn(4, 32), "int8", activations="fp8")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
