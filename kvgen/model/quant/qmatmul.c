@@ -20,7 +20,7 @@
  * more tile row per token of work, the weights still read once.
  *
  * Work: OpenMP over blocks of weight tiles, one contiguous range of the weights per thread; inside
- * a block, x's rows go four at a time over each tile. Every output goes through the same operations
+ * a block, x's rows go four at a time over each tile (then two, then one). Every output goes through the same operations
  * whatever the number of rows, so a row's result does not depend on the rows beside it.
  */
 #include <immintrin.h>
@@ -30,21 +30,23 @@
 #define TILE 4            /* weight rows per tile */
 #define XTILE 4           /* rows of x per pass over a tile */
 #define TILES_PER_ITEM 16 /* weight tiles per OpenMP work item */
-/* Below this many bytes of weights (plus a share for each row of x), one thread: waking the second
- * costs more than it saves (OpenMP's workers sleep between calls, see kvgen/threads.py). */
-/* Software prefetch distance along a thread's stream of codes, at one row of x: the hardware
- * prefetchers stop at each 4 KiB page, and a layer's weights are a few hundred KiB read once. */
+/* The tunables below were chosen by A/B microbenchmarks (BENCHMARKS.md); -D overrides them. */
+/* Software prefetch distance along a thread's stream of codes, at one or two rows of x: the
+ * hardware prefetchers stop at each 4 KiB page, and a layer's weights are a few hundred KiB read
+ * once per step. */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048
 #endif
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT _MM_HINT_T0
 #endif
+/* Below this many bytes of weights (plus a share for each row of x), one thread: waking the second
+ * costs more than it saves (OpenMP's workers sleep between calls, see kvgen/threads.py). */
 #ifndef PARALLEL_BYTES
 #define PARALLEL_BYTES (512 << 10)
 #endif
 
-/* x after quantization. Per span: q (32 bytes), init (2 x 4 int32: vpdpbusd's start values,
+/* x after quantization (rows = parts * T). Per span: q (32 bytes), init (2 x 4 int32: vpdpbusd's start values,
  * -o * sums of 4 consecutive q: for G=32 both halves in init[0]; for G=16 half A in init[0] and B
  * in init[1]), scale; per weight group: sum = scale * sum of q. */
 struct xq {
