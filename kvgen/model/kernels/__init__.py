@@ -118,12 +118,14 @@ def paged_decode_for(backend: str, device: torch.device, dtype: torch.dtype,
 @functools.cache
 def load_paged_decode() -> PagedDecode:
     """Builds (once per machine) and loads the kernel; OSError if it cannot."""
-    return PagedDecode(ctypes.CDLL(str(_build(SOURCE))))
+    return PagedDecode(ctypes.CDLL(str(build_library(SOURCE))))
 
 
-def _build(source: Path) -> Path:
+def build_library(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compiles `source` into a shared library in the cache (once per source, flags and CPU); OSError
+    if it cannot."""
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, *FLAGS, _cpu_identity()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, *flags, _cpu_identity()]).encode()).hexdigest()
     target = cache_root() / "kernels" / f"{source.stem}-{key[:16]}.so"
     if target.exists():
         return target
@@ -131,7 +133,7 @@ def _build(source: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         try:
-            subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], check=True,
+            subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"], check=True,
                            capture_output=True, text=True, timeout=120)
         except FileNotFoundError as e:
             raise OSError(f"no C compiler ({compiler})") from e

@@ -1,0 +1,34 @@
+"""Weights that stay quantized in memory, and the kernels that read them that way.
+
+Entry points (each returns a kvgen.model.linear.Linear):
+
+    make_quantized_linear(ggml_type, raw, shape, bias, device, dtype, activations)  a GGUF matrix's blocks
+    quantize_linear(weight, "int8" | "int4", bias, activations)                    a float weight
+
+`activations` ("int8" or "int8x2") is how the kernel quantizes x: see kvgen.model.quant.linear.
+
+Which GGUF type gets which kernel (formats.py for the format, gguf_blocks.py for the conversions,
+all exact: the kernel's weights equal gguf's dequantization bit for bit):
+
+    Q4_0, Q4_1          qmatmul_u4_g32_f16   4-bit codes, fp16 scale (and min) per 32
+    Q4_K                qmatmul_u4_g32_f32   4-bit codes, fp32 scale d*sc and min -dmin*m per 32
+    Q8_0, Q5_0, Q5_1    qmatmul_u8_g32_f16   8-bit codes, fp16 scale (and min) per 32
+    Q5_K                qmatmul_u8_g32_f32   8-bit codes, fp32 scale and min per 32
+    Q6_K, Q3_K, Q2_K    qmatmul_u8_g16_f32   8-bit codes, fp32 scale (and min) per 16
+    anything else       dequantized with gguf to `dtype`, then kvgen.model.linear.make_linear
+    int8 / int4         qmatmul_u8_g32_* / qmatmul_u4_g32_* (fp16 scales where they fit)
+
+The qmatmul_* kernels (qmatmul.c) need AVX-512 F/BW/VL/VNNI, FMA and F16C. On CUDA the same packed
+weights go through TorchQuantLinear (dequantize, then F.linear); a CPU without those features gets
+the dequantized fp32 weights through kvgen.model.linear. `describe(layer)` gives (kernel, weight
+bytes) for the start-up log and `generate --json`.
+"""
+
+from kvgen.model.quant.linear import (
+    QuantLinear,
+    describe,
+    make_quantized_linear,
+    quantize_linear,
+)
+
+__all__ = ["QuantLinear", "describe", "make_quantized_linear", "quantize_linear"]

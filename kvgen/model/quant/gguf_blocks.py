@@ -1,0 +1,161 @@
+"""GGUF quantized blocks -> PackedWeight, keeping every dequantized value exactly.
+
+Each converter reads a matrix's raw blocks (uint8 [out, bytes per row]) and returns the codes, scales
+and mins of kvgen.model.quant.formats. gguf's own dequantizer computes the same fp32 products and
+sums, so `formats.dequantize` of the result equals `gguf.quants.dequantize` of the blocks bit for bit
+(the tests check every type):
+
+    Q4_0  d*(q-8)               -> 4-bit, offset 8, scale d
+    Q4_1  d*q + m               -> 4-bit, scale d, min m
+    Q4_K  d*sc*q - dmin*m       -> 4-bit, per 32: scale d*sc, min -(dmin*m)      (exact products)
+    Q8_0  d*q                   -> 8-bit, scale d
+    Q5_0  d*(q-16)              -> 8-bit, scale d
+    Q5_1  d*q + m               -> 8-bit, scale d, min m
+    Q5_K  d*sc*q - dmin*m       -> 8-bit, per 32: scale d*sc, min -(dmin*m)
+    Q6_K  d*sc*(q-32)           -> 8-bit, per 16: scale d*sc
+    Q3_K  d*(sc-32)*q           -> 8-bit, per 16: scale d*(sc-32)
+    Q2_K  d*sc*q - dmin*m       -> 8-bit, per 16: scale d*sc, min -(dmin*m)
+
+(8-bit codes are q + 128 - zero point, offset 128: what VNNI's unsigned-by-signed dot product wants.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvgen.model.quant.formats import PackedWeight, pack
+
+Q = GGMLQuantizationType
+QK_K = 256
+# (codes uint8 [out, in], offset, bits, scale [out, in/group], min or None, group)
+Parts = tuple[np.ndarray, int, int, np.ndarray, np.ndarray | None, int]
+
+
+def convert(ggml_type: Q, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight | None:
+    """raw uint8 [out, bytes per row] of a matrix of `shape` (out, in) -> PackedWeight, or None for a
+    type no kernel format keeps exactly (float types, IQ*, TQ*...)."""
+    converter = CONVERTERS.get(ggml_type)
+    if converter is None:
+        return None
+    out, cols = shape
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    if cols % block_size or raw.shape != (out, cols // block_size * type_size) or raw.dtype != np.uint8:
+        raise ValueError(f"{ggml_type.name} blocks of shape {raw.shape} ({raw.dtype}) do not hold a "
+                         f"{out}x{cols} matrix")
+    blocks = raw.reshape(out, cols // block_size, type_size)
+    q, offset, bits, scale, min, group = converter(blocks)
+    return pack(q.reshape(out, cols), offset, bits, scale.reshape(out, -1), None if min is None else min.reshape(out, -1), group)
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte `at` of each block, as fp32 [out, blocks, 1]."""
+    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes of a 32-weight block -> [..., 32]: low nibbles first, then high."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _bits(field: np.ndarray, count: int, width: int) -> np.ndarray:
+    """[..., n] bytes -> [..., count, n]: field k holds bits [k*width, (k+1)*width) of each byte."""
+    shifts = (np.arange(count, dtype=np.uint8) * width).reshape(count, 1)
+    return (field[..., None, :] >> shifts) & np.uint8((1 << width) - 1)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of a Q4_K/Q5_K super-block from its 12 bytes: bytes 0-3 hold
+    scales 0-3 (low 6 bits), 4-7 mins 0-3; scales/mins 4-7 take their low 4 bits from bytes 8-11 and
+    their high 2 from the top bits of bytes 0-3 / 4-7."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
+    mins = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def _q4_0(b: np.ndarray) -> Parts:
+    return _nibbles(b[..., 2:18]), 8, 4, _f16(b, 0), None, 32
+
+
+def _q4_1(b: np.ndarray) -> Parts:
+    return _nibbles(b[..., 4:20]), 0, 4, _f16(b, 0), _f16(b, 2), 32
+
+
+def _q8_0(b: np.ndarray) -> Parts:
+    return b[..., 2:34] ^ np.uint8(0x80), 128, 8, _f16(b, 0), None, 32  # int8 q -> q + 128
+
+
+def _q5(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """5-bit values [..., 32]: low 4 bits as in Q4, bit 4 of element i is bit i of the 32-bit qh."""
+    high = _bits(qh, 8, 1).swapaxes(-1, -2).reshape(*qh.shape[:-1], 32)  # byte i//8, bit i%8
+    return _nibbles(qs) | (high << 4)
+
+
+def _q5_0(b: np.ndarray) -> Parts:
+    return _q5(b[..., 2:6], b[..., 6:22]) + np.uint8(112), 128, 8, _f16(b, 0), None, 32  # q - 16 + 128
+
+
+def _q5_1(b: np.ndarray) -> Parts:
+    return _q5(b[..., 4:8], b[..., 8:24]) + np.uint8(128), 128, 8, _f16(b, 0), _f16(b, 2), 32
+
+
+def _k_groups(b: np.ndarray, qs_at: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: the low 4 bits [..., 256] (each 32 bytes hold sub-blocks 2i (low) and 2i+1 (high)),
+    per-32 scales d*sc and mins -(dmin*m) [..., 8]."""
+    sc, m = _k_scales(b[..., 4:16])
+    qs = b[..., qs_at:qs_at + 128].reshape(*b.shape[:-1], 4, 32)
+    low = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*b.shape[:-1], QK_K)
+    return low, _f16(b, 0) * sc, -(_f16(b, 2) * m)
+
+
+def _q4_k(b: np.ndarray) -> Parts:
+    low, scale, min = _k_groups(b, 16)
+    return low, 0, 4, scale, min, 32
+
+
+def _q5_k(b: np.ndarray) -> Parts:
+    low, scale, min = _k_groups(b, 48)
+    high = _bits(b[..., 16:48], 8, 1).reshape(*b.shape[:-1], QK_K)  # sub-block k: bit k of qh[0..31]
+    return (low | (high << 4)) + np.uint8(128), 128, 8, scale, min, 32
+
+
+def _q6_k(b: np.ndarray) -> Parts:
+    """Per 128-weight half: ql's 64 bytes give weights 0-63 (low nibbles) and 64-127 (high nibbles);
+    qh's 32 bytes give 2 high bits to weights l, 32+l, 64+l, 96+l."""
+    lead = b.shape[:-1]
+    ql = b[..., 0:128].reshape(*lead, 2, 64)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)  # [..., 2, 128]
+    high = _bits(b[..., 128:192].reshape(*lead, 2, 32), 4, 2).reshape(*lead, 2, 128)
+    q = (low | (high << 4)).reshape(*lead, QK_K) + np.uint8(96)  # q - 32 + 128
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+    return q, 128, 8, _f16(b, 208) * sc, None, 16
+
+
+def _q3_k(b: np.ndarray) -> Parts:
+    """2 low bits from qs (per 128-weight half, 4 shifts of 32 bytes), the third from hmask (bit k
+    for weights 32k..32k+31, set meaning no -4); 6-bit scales minus 32."""
+    lead = b.shape[:-1]
+    low = _bits(b[..., 32:96].reshape(*lead, 2, 32), 4, 2).reshape(*lead, QK_K)
+    high = _bits(b[..., 0:32], 8, 1).reshape(*lead, QK_K)
+    q = low + (high << 2) + np.uint8(124)  # low - 4 * (1 - high) + 128
+    packed = b[..., 96:108]
+    low_sc = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-1)
+    high_sc = _bits(packed[..., 8:12], 4, 2).reshape(*lead, 16)
+    sc = (low_sc | (high_sc << 4)).astype(np.float32) - 32
+    return q, 128, 8, _f16(b, 108) * sc, None, 16
+
+
+def _q2_k(b: np.ndarray) -> Parts:
+    lead = b.shape[:-1]
+    q = _bits(b[..., 16:80].reshape(*lead, 2, 32), 4, 2).reshape(*lead, QK_K) + np.uint8(128)
+    sc = b[..., 0:16]
+    return q, 128, 8, _f16(b, 80) * (sc & 0x0F), -(_f16(b, 82) * (sc >> 4)), 16
+
+
+CONVERTERS: dict[Q, Callable[[np.ndarray], Parts]] = {
+    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k,
+    Q.Q8_0: _q8_0, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k,
+}

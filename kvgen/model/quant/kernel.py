@@ -1,0 +1,106 @@
+"""The compiled AVX-512 VNNI kernel (qmatmul.c): when it can run, loading it, and calling it.
+
+It is built with explicit flags, not -march=native (which would also enable AMX on CPUs that
+advertise it, and AMX traps in some VMs), and only loaded when /proc/cpuinfo lists every feature
+those flags use; elsewhere `vnni_kernel()` is None and the layers dequantize and call torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from kvgen.model.kernels import build_library
+from kvgen.model.quant.formats import PackedWeight
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qmatmul.c")
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", "-fopenmp",
+         "-shared", "-fPIC")
+CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
+_P = ctypes.c_void_p
+_ARGTYPES = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int32, ctypes.c_int64, _P, ctypes.c_int32,
+             ctypes.c_int32]
+# How x is quantized: one int8 part per span (as ggml), or two (the second quantizes the first's
+# rounding error: ~15 bits, for one more row of x per token in the kernel).
+ACTIVATION_PARTS = {"int8": 1, "int8x2": 2}
+
+
+def kernel_name(w: PackedWeight) -> str:
+    """The C function for the format: qmatmul_u{bits}_g{group}_{scale dtype}."""
+    return f"qmatmul_u{w.bits}_g{w.group}_{'f16' if w.scale.dtype == torch.float16 else 'f32'}"
+
+
+class VnniKernel:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._library = library
+        quantize = library.quantize_activations
+        quantize.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, _P, _P]
+        quantize.restype = ctypes.c_int
+        self._quantize = quantize
+
+    def bind(self, w: PackedWeight, activations: str = "int8") -> BoundKernel:
+        """The kernel for `w`'s format with `w`'s pointers filled in, quantizing x as `activations`
+        says (a key of ACTIVATION_PARTS); AttributeError if qmatmul.c has no such variant."""
+        function = getattr(self._library, kernel_name(w))
+        function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
+        return BoundKernel(function, w, ACTIVATION_PARTS[activations])
+
+    def quantize_activations(self, x: torch.Tensor, activations: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
+        """x fp32 [T, in] -> (q int8 [parts, T, in], scale fp32 [parts, T, in/32]), exactly as the
+        kernels quantize it: x^ = sum over parts of scale * q."""
+        x = x.to(torch.float32).contiguous()
+        parts, (rows, cols) = ACTIVATION_PARTS[activations], x.shape
+        q = torch.empty(rows, parts, cols, dtype=torch.int8)
+        scale = torch.empty(rows, parts, cols // 32, dtype=torch.float32)
+        if self._quantize(x.data_ptr(), rows, cols, parts, q.data_ptr(), scale.data_ptr()):
+            raise MemoryError("quantized matmul: out of memory for the quantized activations")
+        return q.transpose(0, 1), scale.transpose(0, 1)
+
+
+class BoundKernel:
+    """One packed weight's kernel call: only x, its row count and the output change per call."""
+
+    def __init__(self, function: ctypes._CFuncPtr, w: PackedWeight, parts: int) -> None:
+        self._function, self._weight, self._parts = function, w, parts  # w's tensors stay alive while bound
+        self._out_features, self._in_features = w.shape
+        minimum = 0 if w.min is None else w.min.data_ptr()
+        self._weight_args = (w.codes.data_ptr(), w.scale.data_ptr(), minimum, w.offset, w.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [T, in], contiguous, on the CPU -> fp32 [T, out]."""
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 or x.shape[1] != self._in_features:
+            raise ValueError(f"quantized matmul: x must be contiguous fp32 [T, {self._in_features}], "
+                             f"not {x.dtype} {list(x.shape)}")
+        out = torch.empty(x.shape[0], self._out_features, dtype=torch.float32)
+        if x.shape[0] and self._function(x.data_ptr(), x.shape[0], self._in_features, *self._weight_args, out.data_ptr(),
+                                         self._parts, torch.get_num_threads()):
+            raise MemoryError("quantized matmul: out of memory for the quantized activations")
+        return out
+
+
+def cpu_supports_vnni() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    present = set(flags.split(":", 1)[1].split())
+    return all(feature in present for feature in CPU_FEATURES)
+
+
+@functools.cache
+def vnni_kernel() -> VnniKernel | None:
+    """The kernel, built once per machine, or None where this CPU lacks its features or it cannot be
+    built (then the layers use torch)."""
+    if not cpu_supports_vnni():
+        return None
+    try:
+        return VnniKernel(ctypes.CDLL(str(build_library(SOURCE, FLAGS))))
+    except OSError as e:
+        log.warning("quantized matmul kernel unavailable (%s); quantized layers dequantize and use torch", e)
+        return None

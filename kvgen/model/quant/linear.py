@@ -1,0 +1,120 @@
+"""Linear layers over weights that stay quantized in memory (kvgen.model.quant.formats).
+
+    VnniQuantLinear   CPU with AVX-512 VNNI: the compiled kernel (qmatmul.c) for every row count;
+                      x is quantized inside the call, per group of 32: to int8 (`activations="int8"`,
+                      as ggml), or to two int8 parts, the second quantizing the first's rounding
+                      error (`"int8x2"`, ~15 bits; on the real Q4_1 file top-1 agreement with the
+                      fp32 model is 97.8% with int8 and 100% with int8x2, see BENCHMARKS.md). Against fp32 BLAS on
+                      the dequantized weights it is faster at 1, 16 and 64 rows and no slower at 512
+                      (BENCHMARKS.md), so no row count goes back to BLAS.
+    TorchQuantLinear  CUDA and other devices: dequantizes on each call and runs F.linear, so the
+                      weights stay packed in memory; also the kernel's CPU twin in the tests.
+
+A CPU without VNNI gets the float layer of kvgen.model.linear on the dequantized weights (exact
+values, fp32 bytes): dequantizing every matrix on every call would cost more than the step.
+
+`describe(layer)` says which kernel a layer runs and how many bytes its weights take, for the log.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from kvgen.model.linear import Linear, RowKernels, make_linear
+from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
+from kvgen.model.quant.formats import PackedWeight, dequantize
+from kvgen.model.quant.gguf_blocks import convert
+from kvgen.model.quant.kernel import ACTIVATION_PARTS, kernel_name, vnni_kernel
+
+CPU = torch.device("cpu")
+FLOAT_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
+
+
+class QuantLinear(Linear):
+    """y = x @ W^T + bias for a PackedWeight W (on the device the layer runs on)."""
+
+    kernel: str
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None) -> None:
+        # Linear.__init__ reads the shape from a dense weight, which this layer never builds.
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.packed = weight
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.nbytes
+
+
+class VnniQuantLinear(QuantLinear):
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None, activations: str = "int8") -> None:
+        super().__init__(weight, bias)
+        kernel = vnni_kernel()
+        assert kernel is not None, "VnniQuantLinear needs the VNNI kernel (see vnni_kernel())"
+        self.kernel = f"{kernel_name(weight)} (x {activations})"
+        self._matmul = kernel.bind(weight, activations)
+
+    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
+        whatever rows run with it."""
+        out = self._matmul(x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous())
+        out = out if x.dtype == torch.float32 else out.to(x.dtype)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class TorchQuantLinear(QuantLinear):
+    kernel = "torch-dequantize"
+
+    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        weight = dequantize(self.packed).to(x.dtype)
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+
+def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None, device: torch.device = CPU,
+                  dtype: torch.dtype = torch.float32, activations: str = "int8") -> Linear:
+    """The layer for a packed weight on `device` (see the module docstring). `dtype` is the float
+    layer's where a CPU lacks the kernel's features; `activations` how the kernel quantizes x."""
+    if activations not in ACTIVATION_PARTS:
+        raise ValueError(f"activations {activations!r}: expected one of {', '.join(ACTIVATION_PARTS)}")
+    if device.type != "cpu":
+        return TorchQuantLinear(weight.to(device), None if bias is None else bias.to(device))
+    if vnni_kernel() is not None:
+        return VnniQuantLinear(weight, bias, activations)
+    return make_linear(dequantize(weight).to(dtype), bias)
+
+
+def describe(layer: Linear) -> tuple[str, int]:
+    """(kernel name, weight bytes) of any kvgen layer: a quantized layer's own, or the float layer's
+    class and its weight's bytes."""
+    if isinstance(layer, QuantLinear):
+        return layer.kernel, layer.weight_bytes
+    weight = getattr(layer, "weight", None)
+    if weight is None:  # OneDnnLinear keeps only its reordered bf16 copy
+        return type(layer).__name__, layer.out_features * layer.in_features * 2
+    return type(layer).__name__, weight.numel() * weight.element_size()
+
+
+def make_quantized_linear(ggml_type: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int],
+                          bias: torch.Tensor | None = None, device: torch.device = CPU,
+                          dtype: torch.dtype = torch.float32, activations: str = "int8") -> Linear:
+    """A GGUF matrix (raw blocks uint8 [out, bytes per row], `shape` (out, in)) as a layer that keeps
+    its values quantized; a type no kernel format holds (see kvgen.model.quant) is dequantized with
+    gguf to `dtype` and gets the float layer of kvgen.model.linear."""
+    packed = convert(ggml_type, raw, shape)
+    if packed is not None:
+        return packed_linear(packed, bias, device, dtype, activations)
+    weight = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, ggml_type).reshape(shape)))
+    return make_linear(weight.to(device, dtype), bias)
+
+
+def quantize_linear(weight: torch.Tensor, method: str, bias: torch.Tensor | None = None,
+                    activations: str = "int8") -> Linear:
+    """A float weight [out, in] quantized by `method` ("int8" or "int4", see float_weights), on its
+    device."""
+    if method not in FLOAT_QUANTIZERS:
+        raise ValueError(f"quantization {method!r}: expected one of {', '.join(FLOAT_QUANTIZERS)}")
+    return packed_linear(FLOAT_QUANTIZERS[method](weight), bias, weight.device, weight.dtype, activations)

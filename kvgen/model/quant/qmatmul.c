@@ -1,0 +1,318 @@
+/* y = x @ W^T for weights kept quantized: AVX-512 VNNI integer dot products, as ggml does.
+ *
+ * Built by kvgen/model/quant/kernel.py with explicit flags (AVX-512 F/BW/VL/VNNI, FMA, F16C; never
+ * -march=native, never AMX) and called through ctypes, only on CPUs that report those features.
+ *
+ * Weights [N, K] (layout in kvgen/model/quant/formats.py): unsigned codes u, an integer offset o,
+ * and per group of G (32, or 16 for 8-bit) a scale s and an optional min m: w = s * (u - o) + m.
+ * Rows come in tiles of 4, stored span (32 columns) by span, so one 64-byte vector holds elements
+ * 0-15 of a span for the 4 rows (A) and another elements 16-31 (B): the low and high nibbles of one
+ * load for 4-bit codes, two loads for 8-bit.
+ *
+ * Each row of x is quantized once per call to int8 per span (as ggml's q8_0 activations):
+ * sx = max|x| / 127, qx = round(x / sx), so x^ = sx * qx. With the span's 16-byte halves of qx
+ * broadcast to the 4 rows, exactly in int32,
+ *     dot = sum (u - o) * qx = vpdpbusd(A, qx[0:16]) + vpdpbusd(B, qx[16:32]) - o * sum qx
+ * (4 int32 lanes per row), then y = sum_g s_g * sx_g * dot_g + m_g * sx_g * sum_g qx in fp32. The
+ * result is the exact dot product of the dequantized W with x^, up to fp32 rounding of the scale
+ * products and the sums. With parts = 2, x's rounding error r = x - x^ is quantized the same way as
+ * a second row of x (its step is ~1/254 of the first's) and the two rows' results are added: one
+ * more tile row per token of work, the weights still read once.
+ *
+ * Work: OpenMP over blocks of weight tiles, one contiguous range of the weights per thread; inside
+ * a block, x's rows go four at a time over each tile (then two, then one). Every output goes through the same operations
+ * whatever the number of rows, so a row's result does not depend on the rows beside it.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define TILE 4            /* weight rows per tile */
+#define XTILE 4           /* rows of x per pass over a tile */
+#define TILES_PER_ITEM 16 /* weight tiles per OpenMP work item */
+/* The tunables below were chosen by A/B microbenchmarks (BENCHMARKS.md); -D overrides them. */
+/* Software prefetch distance along a thread's stream of codes, at one or two rows of x: the
+ * hardware prefetchers stop at each 4 KiB page, and a layer's weights are a few hundred KiB read
+ * once per step. */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0
+#endif
+/* Below this many bytes of weights (plus a share for each row of x), one thread: waking the second
+ * costs more than it saves (OpenMP's workers sleep between calls, see kvgen/threads.py). */
+#ifndef PARALLEL_BYTES
+#define PARALLEL_BYTES (512 << 10)
+#endif
+
+/* x after quantization (rows = parts * T). Per span: q (32 bytes), init (2 x 4 int32: vpdpbusd's start values,
+ * -o * sums of 4 consecutive q: for G=32 both halves in init[0]; for G=16 half A in init[0] and B
+ * in init[1]), scale; per weight group: sum = scale * sum of q. */
+struct xq {
+    int8_t *q;       /* [T, spans, 32] */
+    __m128i *init;   /* [T, spans, 2] */
+    float *scale;    /* [T, spans] */
+    float *sum;      /* [T, K / G] */
+};
+
+static void quantize_span(const float *x, int32_t offset, int group, int8_t *q, __m128i *init, float *scale,
+                          float *sum) {
+    __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv))));
+    __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv))));
+    _mm_storeu_si128((__m128i *)q, qa);
+    _mm_storeu_si128((__m128i *)(q + 16), qb);
+    *scale = s;
+    const __m128i ones = _mm_set1_epi8(1), minus_offset = _mm_set1_epi32(-offset);
+    __m128i sums_a = _mm_dpbusd_epi32(_mm_setzero_si128(), ones, qa);
+    __m128i sums_b = _mm_dpbusd_epi32(_mm_setzero_si128(), ones, qb);
+    int total_a = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(qa));
+    int total_b = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(qb));
+    if (group == 32) {
+        init[0] = _mm_mullo_epi32(_mm_add_epi32(sums_a, sums_b), minus_offset);
+        init[1] = _mm_setzero_si128();
+        sum[0] = s * (float)(total_a + total_b);
+    } else {
+        init[0] = _mm_mullo_epi32(sums_a, minus_offset);
+        init[1] = _mm_mullo_epi32(sums_b, minus_offset);
+        sum[0] = s * (float)total_a;
+        sum[1] = s * (float)total_b;
+    }
+}
+
+/* `count` (<= 16) consecutive fp16 or fp32 values as fp32, zeros after them. */
+static inline __attribute__((always_inline)) __m512 load_values(const void *p, int64_t at, int count, const int f16) {
+    __mmask16 m = (__mmask16)((1u << count) - 1);
+    if (f16)
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + at));
+    return _mm512_maskz_loadu_ps(m, (const float *)p + at);
+}
+
+/* Lane l of the result is lane idx[l] of v, for idx = {base + l / width}. */
+static inline __attribute__((always_inline)) __m512 spread(__m512 v, int base, int width) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(base), _mm512_srli_epi32(lanes, width == 4 ? 2 : 3));
+    return _mm512_permutexvar_ps(idx, v);
+}
+
+/* acc lanes 4i..4i+3 belong to row i -> the 4 rows' sums. */
+static inline __m128 row_sums(__m512 acc) {
+    __m128 h01 = _mm_hadd_ps(_mm512_castps512_ps128(acc), _mm512_extractf32x4_ps(acc, 1));
+    __m128 h23 = _mm_hadd_ps(_mm512_extractf32x4_ps(acc, 2), _mm512_extractf32x4_ps(acc, 3));
+    return _mm_hadd_ps(h01, h23);
+}
+
+/* acc lanes 4q+i belong to row i -> the 4 rows' sums. */
+static inline __m128 quarter_sums(__m512 acc) {
+    __m128 a = _mm_add_ps(_mm512_castps512_ps128(acc), _mm512_extractf32x4_ps(acc, 1));
+    return _mm_add_ps(a, _mm_add_ps(_mm512_extractf32x4_ps(acc, 2), _mm512_extractf32x4_ps(acc, 3)));
+}
+
+static inline __attribute__((always_inline)) __m512i bcast16(const void *p) {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* out[t0 .. t0+RX-1, 4w .. 4w+3]: RX rows of x by weight tile w. Groups go four at a time: their
+ * 16 products s_w * s_x (lane 4q+i: group q, row i) are one vector multiply per row of x, and each
+ * span picks its own out of them with a permute. */
+static inline __attribute__((always_inline)) void tile(const struct xq *x, int64_t t0, const int RX, int64_t w,
+                                                       int64_t K, const uint8_t *codes, const void *scale,
+                                                       const void *min, int64_t N, float *out, const int bits,
+                                                       const int group, const int f16) {
+    const int64_t spans = K / 32, groups = K / group;
+    const int per_span = 32 / group, span_bytes = 16 * bits; /* 64 (4-bit) or 128 (8-bit) per tile */
+    const uint8_t *wc = codes + w * spans * span_bytes;
+    const int64_t wv = w * groups * TILE; /* first scale/min of the tile */
+    /* Sized by XTILE, not RX: arrays sized by a parameter are variable-length to GCC even when
+     * inlining makes it a constant, and then live on the stack, not in registers. */
+    __m512 acc[XTILE], macc[XTILE], prod[XTILE];
+    for (int r = 0; r < RX; r++)
+        acc[r] = macc[r] = _mm512_setzero_ps();
+    for (int64_t c0 = 0; c0 < groups; c0 += 4) {
+        const int count = groups - c0 >= 4 ? 4 : (int)(groups - c0); /* groups in this chunk */
+        const int64_t span0 = c0 / per_span;
+        if (PREFETCH_BYTES && RX <= 2) { /* scales and mins: 1/16 (4-bit fp16) .. 1/4 of the codes' bytes */
+            _mm_prefetch((const char *)scale + (wv + c0 * TILE) * (f16 ? 2 : 4) + PREFETCH_BYTES / 4, PREFETCH_HINT);
+            if (min)
+                _mm_prefetch((const char *)min + (wv + c0 * TILE) * (f16 ? 2 : 4) + PREFETCH_BYTES / 4, PREFETCH_HINT);
+        }
+        __m512 sw = load_values(scale, wv + c0 * TILE, count * TILE, f16);
+        __m512 mw = min ? load_values(min, wv + c0 * TILE, count * TILE, f16) : _mm512_setzero_ps();
+        for (int r = 0; r < RX; r++) {
+            __m512 sx = load_values(x->scale, (t0 + r) * spans + span0, count / per_span, 0);
+            prod[r] = _mm512_mul_ps(sw, spread(sx, 0, 4 * per_span));
+            if (min)
+                macc[r] = _mm512_fmadd_ps(mw, spread(load_values(x->sum, (t0 + r) * groups + c0, count, 0), 0, 4),
+                                          macc[r]);
+        }
+        for (int j = 0; j < count / per_span; j++) {
+            const uint8_t *p = wc + (span0 + j) * span_bytes;
+            if (PREFETCH_BYTES && RX <= 2) {
+                _mm_prefetch((const char *)p + PREFETCH_BYTES, PREFETCH_HINT);
+                if (bits == 8)
+                    _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, PREFETCH_HINT);
+            }
+            __m512i a, b;
+            if (bits == 4) {
+                __m512i v = _mm512_loadu_si512(p);
+                a = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+                b = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+            } else {
+                a = _mm512_loadu_si512(p);
+                b = _mm512_loadu_si512(p + 64);
+            }
+            for (int r = 0; r < RX; r++) {
+                const int64_t span = (t0 + r) * spans + span0 + j;
+                __m512i xa = bcast16(x->q + 32 * span), xb = bcast16(x->q + 32 * span + 16);
+                if (group == 32) {
+                    __m512i dot = _mm512_dpbusd_epi32(_mm512_broadcast_i32x4(x->init[2 * span]), a, xa);
+                    dot = _mm512_dpbusd_epi32(dot, b, xb);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), spread(prod[r], 4 * j, 4), acc[r]);
+                } else {
+                    __m512i da = _mm512_dpbusd_epi32(_mm512_broadcast_i32x4(x->init[2 * span]), a, xa);
+                    __m512i db = _mm512_dpbusd_epi32(_mm512_broadcast_i32x4(x->init[2 * span + 1]), b, xb);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), spread(prod[r], 8 * j, 4), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), spread(prod[r], 8 * j + 4, 4), acc[r]);
+                }
+            }
+        }
+    }
+    const int rows = N - TILE * w >= TILE ? TILE : (int)(N - TILE * w); /* the last tile may be padding */
+    for (int r = 0; r < RX; r++) {
+        __m128 y = row_sums(acc[r]);
+        if (min)
+            y = _mm_add_ps(y, quarter_sums(macc[r]));
+        _mm_mask_storeu_ps(out + (t0 + r) * N + TILE * w, (__mmask8)((1u << rows) - 1), y);
+    }
+}
+
+/* Weight tiles w0 .. w1-1 against every row of x, XTILE rows of x at a time, then 2, then 1. */
+static inline __attribute__((always_inline)) void tiles(const struct xq *x, int64_t T, int64_t K,
+                                                        const uint8_t *codes, const void *scale, const void *min,
+                                                        int64_t w0, int64_t w1, int64_t N, float *out,
+                                                        const int bits, const int group, const int f16) {
+    int64_t t = 0;
+    for (; t + XTILE <= T; t += XTILE)
+        for (int64_t w = w0; w < w1; w++)
+            tile(x, t, XTILE, w, K, codes, scale, min, N, out, bits, group, f16);
+    for (; t + 2 <= T; t += 2) /* a token's two parts, at one row of x */
+        for (int64_t w = w0; w < w1; w++)
+            tile(x, t, 2, w, K, codes, scale, min, N, out, bits, group, f16);
+    for (; t < T; t++)
+        for (int64_t w = w0; w < w1; w++)
+            tile(x, t, 1, w, K, codes, scale, min, N, out, bits, group, f16);
+}
+
+/* Work item `item`: TILES_PER_ITEM weight tiles (fewer at the end) against every row of x. */
+static inline __attribute__((always_inline)) void work_item(const struct xq *x, int64_t T, int64_t K,
+                                                            const uint8_t *codes, const void *scale, const void *min,
+                                                            int64_t item, int64_t num_tiles, int64_t N, float *out,
+                                                            const int bits, const int group, const int f16) {
+    int64_t w0 = item * TILES_PER_ITEM, w1 = w0 + TILES_PER_ITEM < num_tiles ? w0 + TILES_PER_ITEM : num_tiles;
+    tiles(x, T, K, codes, scale, min, w0, w1, N, out, bits, group, f16);
+}
+
+/* r = x - s * q over one span: the rounding error of the first part, for the second. */
+static void residual(const float *x, const int8_t *q, float s, float *r) {
+    for (int h = 0; h < 32; h += 16) {
+        __m512 q_h = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + h))));
+        _mm512_storeu_ps(r + h, _mm512_sub_ps(_mm512_loadu_ps(x + h), _mm512_mul_ps(_mm512_set1_ps(s), q_h)));
+    }
+}
+
+/* Row t of x as `parts` rows of quantized x (rows parts*t ..): the first quantizes x, the second
+ * (parts = 2) x's rounding error after the first, so that x is within half the second's much finer
+ * step. In scratch space from aligned_alloc (the caller frees xq->init); 1 if out of memory. */
+static int quantize_x(const float *x, int64_t T, int64_t K, int32_t offset, int group, int parts, int threads,
+                      struct xq *xq) {
+    const int64_t spans = K / 32, rows = parts * T;
+    /* per span: init (32 bytes), q (32), scale (4), sum (4, or 8 for groups of 16) */
+    size_t bytes = (size_t)(rows * spans * (32 + 32 + 4 + 8));
+    char *scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!scratch)
+        return 1;
+    xq->init = (__m128i *)scratch;
+    xq->q = (int8_t *)(xq->init + 2 * rows * spans);
+    xq->scale = (float *)(xq->q + rows * K);
+    xq->sum = xq->scale + rows * spans;
+    const int per_span = 32 / group;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T >= 16)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < spans; g++) {
+            float r[32];
+            const float *values = x + t * K + 32 * g;
+            for (int part = 0; part < parts; part++) {
+                int64_t span = (parts * t + part) * spans + g;
+                if (part) {
+                    residual(values, xq->q + 32 * (span - spans), xq->scale[span - spans], r);
+                    values = r;
+                }
+                quantize_span(values, offset, group, xq->q + 32 * span, xq->init + 2 * span, xq->scale + span,
+                              xq->sum + span * per_span);
+            }
+        }
+    return 0;
+}
+
+/* out[t] = parts[2t] + parts[2t+1] for rows of N. */
+static void add_parts(const float *parts, int64_t T, int64_t N, float *out) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < N; n++)
+            out[t * N + n] = parts[2 * t * N + n] + parts[(2 * t + 1) * N + n];
+}
+
+/* One exported kernel per format. The parallel loop is written out in each, so that OpenMP's
+ * outlined body is specialised for the format's constants (inside a shared inline function it is
+ * outlined once, with bits/group/f16 as run-time values, and runs about three times slower).
+ * Returns 0, or 1 when the scratch space for x cannot be allocated. */
+#define KERNEL(name, bits, group, f16)                                                                        \
+    int name(const float *x, int64_t T, int64_t K, const uint8_t *codes, const void *scale, const void *min,  \
+             int32_t offset, int64_t N, float *out, int32_t parts, int32_t num_threads) {                     \
+        const int64_t num_tiles = (N + TILE - 1) / TILE, items = (num_tiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM; \
+        const int64_t rows = parts * T, work = num_tiles * TILE * K * bits / 8 * (1 + rows / 4);              \
+        const int threads = num_threads > 1 && work >= PARALLEL_BYTES ? num_threads : 1;                      \
+        struct xq xq;                                                                                         \
+        if (quantize_x(x, T, K, offset, group, parts, threads, &xq))                                          \
+            return 1;                                                                                         \
+        float *y = parts == 1 ? out : malloc(sizeof(float) * rows * N);                                       \
+        if (!y) {                                                                                             \
+            free(xq.init);                                                                                    \
+            return 1;                                                                                         \
+        }                                                                                                     \
+        if (threads == 1) { /* no parallel region at all: entering even a serial one costs time */           \
+            for (int64_t item = 0; item < items; item++)                                                      \
+                work_item(&xq, rows, K, codes, scale, min, item, num_tiles, N, y, bits, group, f16);          \
+        } else {                                                                                              \
+            _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
+            for (int64_t item = 0; item < items; item++)                                                      \
+                work_item(&xq, rows, K, codes, scale, min, item, num_tiles, N, y, bits, group, f16);          \
+        }                                                                                                     \
+        if (parts == 2) {                                                                                     \
+            add_parts(y, T, N, out);                                                                          \
+            free(y);                                                                                          \
+        }                                                                                                     \
+        free(xq.init);                                                                                        \
+        return 0;                                                                                             \
+    }
+
+KERNEL(qmatmul_u4_g32_f16, 4, 32, 1)
+KERNEL(qmatmul_u4_g32_f32, 4, 32, 0)
+KERNEL(qmatmul_u8_g32_f16, 8, 32, 1)
+KERNEL(qmatmul_u8_g32_f32, 8, 32, 0)
+KERNEL(qmatmul_u8_g16_f32, 8, 16, 0)
+
+/* x as the kernels quantize it, `parts` rows per row of x: x^ = sum over parts of scale * q (tests). */
+int quantize_activations(const float *x, int64_t T, int64_t K, int32_t parts, int8_t *q, float *scale) {
+    struct xq xq;
+    if (quantize_x(x, T, K, 0, 32, parts, 1, &xq))
+        return 1;
+    for (int64_t i = 0; i < parts * T * K; i++)
+        q[i] = xq.q[i];
+    for (int64_t i = 0; i < parts * T * (K / 32); i++)
+        scale[i] = xq.scale[i];
+    free(xq.init);
+    return 0;
+}

@@ -1,0 +1,93 @@
+"""The VNNI kernel against the dequantized matmul, for every mapped GGUF type and the float
+quantizers, at 1 row (decode) and many (prefill), on one thread and two; bounds.py derives the
+tolerances."""
+
+import pytest
+import torch
+
+from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
+from kvgen.model.quant.formats import PackedWeight
+from kvgen.model.quant.gguf_blocks import convert
+from kvgen.model.quant.kernel import vnni_kernel
+from tests.model.quant.bounds import check_kernel_output
+from tests.model.quant.raw_blocks import MAPPED, raw_matrix
+
+pytestmark = pytest.mark.skipif(vnni_kernel() is None, reason="CPU without AVX-512 VNNI: layers use torch")
+
+
+def check(w: PackedWeight, x: torch.Tensor, activations: str = "int8") -> None:
+    check_kernel_output(vnni_kernel().bind(w, activations)(x), w, x, activations)
+
+
+def gguf_weight(ggml_type, out=12, cols=512) -> PackedWeight:
+    return convert(ggml_type, raw_matrix(ggml_type, out, cols), (out, cols))
+
+
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
+def test_kernel_equals_dequantized_matmul(ggml_type, rows, activations):
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    check(gguf_weight(ggml_type), x, activations)
+
+
+def test_two_parts_are_some_hundred_times_closer_to_x():
+    """The second part's step is the first's rounding error / 127, so at most ~1/254 of the first."""
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    q, scale = vnni_kernel().quantize_activations(x, "int8x2")
+    assert q.shape == (2, 3, 256) and scale.shape == (2, 3, 8)
+    assert (scale[1] <= scale[0] * (0.5 + 1e-4) / 127).all()
+
+
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_kernel_on_float_quantized_weights(quantize, rows):
+    gen = torch.Generator().manual_seed(0)
+    w = quantize(torch.randn(10, 96, generator=gen) * 0.05)
+    check(w, torch.randn(rows, 96, generator=gen) * 3)
+
+
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(activations):
+    """Rows go four at a time, then two, then one, through the same operations."""
+    w = gguf_weight(MAPPED[1])
+    x = torch.randn(67, 512, generator=torch.Generator().manual_seed(1))
+    kernel = vnni_kernel().bind(w, activations)
+    all_rows = kernel(x)
+    for rows in (1, 3, 5, 64):
+        assert torch.equal(kernel(x[:rows].contiguous()), all_rows[:rows])
+
+
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_two_threads_give_the_same_bits(rows, activations):
+    """Each output is one thread's work (the suite otherwise runs on one thread). The weights are
+    large enough for the kernel to use both threads (512 KiB of work) at 1 row and at 64."""
+    gen = torch.Generator().manual_seed(2)
+    w = quantize_int8(torch.randn(1024 if rows == 1 else 256, 1024, generator=gen))
+    x = torch.randn(rows, 1024, generator=gen)
+    kernel = vnni_kernel().bind(w, activations)
+    one = kernel(x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = kernel(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    check(w, x, activations)
+
+
+def test_zero_rows_and_all_zero_groups():
+    w = quantize_int4(torch.zeros(4, 64))
+    kernel = vnni_kernel().bind(w)
+    assert kernel(torch.empty(0, 64)).shape == (0, 4)
+    assert torch.equal(kernel(torch.zeros(2, 64)), torch.zeros(2, 4))
+
+
+def test_x_of_the_wrong_shape_or_dtype_is_refused():
+    kernel = vnni_kernel().bind(quantize_int8(torch.randn(4, 64)))
+    with pytest.raises(ValueError, match=r"contiguous fp32 \[T, 64\]"):
+        kernel(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="float64"):
+        kernel(torch.randn(2, 64, dtype=torch.float64))
