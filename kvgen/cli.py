@@ -32,8 +32,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gguf-file", help="the .gguf file to use in a GGUF repo or directory given by --model")
     g.add_argument("--tokenizer", help="tokenizer file or directory, if not beside the model")
     g.add_argument("--quantization", choices=QUANTIZATION_MODES, default="auto",
-                   help="none: dequantize a GGUF's quantized weights to --dtype; auto (default): keep them "
-                        "quantized where kernels exist (dequantize until then); int8/int4: not available yet")
+                   help="auto (default): keep a GGUF's quantized weights packed, on kernels that read them so; "
+                        "none: dequantize them to --dtype; int8 / int4: pack float weights (groups of 32)")
     g.add_argument("--kv-cache", choices=KV_CACHE_MODES, default="paged", help="KV cache kind (default: paged)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two, 1..256)")
     g.add_argument("--num-kv-blocks", type=int, help="KV capacity in blocks")
@@ -127,7 +127,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(out.outputs[0].new_text, end="", flush=True)
             final = out
     if args.json:
-        print(json.dumps(result_json(final)))
+        weights = {role: {"kernel": kernel, "bytes": size} for role, (kernel, size) in engine.model.kernels().items()}
+        print(json.dumps(result_json(final) | {"weights": weights}))
     else:
         print()
     return 0

@@ -116,9 +116,8 @@ KV_CACHE_MODES = ("paged", "contiguous", "none")
 # (kvgen.model.kernels), "sdpa" through a gathered copy and torch's SDPA, "auto" native where it
 # builds and applies (CPU, fp32/bf16), else sdpa.
 ATTENTION_BACKENDS = ("auto", "native", "sdpa")
-# How weights are kept: "none" dequantizes a GGUF's quantized tensors to `dtype`; "auto" will keep them
-# quantized once quantized kernels exist (until then it dequantizes too); int8 / int4 will quantize
-# float weights (not available yet).
+# How weights are kept: "auto" keeps a GGUF's quantized matrices packed (kvgen.model.quant); "none"
+# dequantizes them to `dtype`; "int8" / "int4" pack float matrices in groups of 32.
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}

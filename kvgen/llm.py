@@ -22,7 +22,6 @@ from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import RequestOutput
 from kvgen.engine.sequential import SequentialEngine
-from kvgen.errors import KVGenError
 from kvgen.loaders import LoadedModel, load_model
 from kvgen.loaders.hub import resolve_model
 
@@ -44,14 +43,13 @@ def load(model: str | Path | None, config: EngineConfig, tokenizer: str | Path |
          gguf_file: str | None = None) -> LoadedModel:
     """The model at a path or Hugging Face repo id (`org/name`, `org/name:Q4_K_M`, or `gguf_file` in it).
 
-    The one place `config.quantization` meets the loader. 'auto' and 'none' both dequantize for now:
-    'auto' is to keep a GGUF's quantized matrices raw (`load_model(keep_quantized=True)`) once the
-    model has linear layers that run on them.
+    The one place `config.quantization` meets the loader: 'auto' keeps a GGUF's block-quantized
+    matrices raw (`LoadedModel.quantized`) for the model's quantized layers; 'none' dequantizes
+    them; 'int8' / 'int4' load floats, which the model then packs.
     """
-    if config.quantization in ("int8", "int4"):
-        raise KVGenError(f"quantization {config.quantization!r} is not available yet; use 'auto' or 'none'")
     path = resolve_model(str(model), gguf_file) if model is not None else default_model_path()
-    return load_model(path, tokenizer_path=tokenizer, device=config.device, dtype=torch.float32)
+    return load_model(path, tokenizer_path=tokenizer, device=config.device, dtype=torch.float32,
+                      keep_quantized=config.quantization == "auto")
 
 
 class LLM:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgen.cache.policies import CachePolicy
+from kvgen.cache.sizing import format_bytes
 from kvgen.config import EngineConfig
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import Request, RequestOutput, Sequence, snapshot
@@ -42,7 +43,10 @@ class Engine(ABC):
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
-        self.model = LlamaModel(loaded.config, loaded.weights, config.device, config.torch_dtype)
+        self.model = LlamaModel(loaded.config, {**loaded.weights, **loaded.quantized}, config.device,
+                                config.torch_dtype, config.quantization)
+        log.info("weights: %s", "; ".join(f"{role} {kernel} ({format_bytes(size)})"
+                                          for role, (kernel, size) in self.model.kernels().items()))
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.sampler = Sampler()

@@ -6,6 +6,7 @@ logits. Where K/V come from and go to is the job of the `Attention` backend pass
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,8 @@ import torch
 from kvgen.config import ModelConfig
 from kvgen.model.attention import Attention
 from kvgen.model.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
-from kvgen.model.linear import Linear, RowKernels, make_linear
+from kvgen.model.linear import Linear, RowKernels
+from kvgen.model.projections import Embedding, LayerBuilder, Weight, describe
 
 
 @dataclass
@@ -29,19 +31,35 @@ class LayerWeights:
 
 
 class LlamaModel:
-    """Weights plus the forward pass. Built from Hugging Face-named tensors (see `kvgen.loaders`)."""
+    """Weights plus the forward pass. Built from Hugging Face-named weights (see `kvgen.loaders`):
+    float tensors, or GGUF matrices kept packed (`LoadedModel.quantized`), which get quantized
+    linear layers (kvgen.model.projections). `quantization` "int8" / "int4" packs float matrices."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Weight],
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 quantization: str = "none") -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]
-        self.layers = [_layer_weights(w, i, config) for i in range(config.num_layers)]
-        self.final_norm = w["model.norm.weight"]
-        self.lm_head = make_linear(self.embed if config.tie_word_embeddings else w["lm_head.weight"])
+        build = LayerBuilder(self.device, dtype, quantization)
+        self.embed = Embedding(weights["model.embed_tokens.weight"], build)
+        self.layers = [_layer_weights(weights, i, config, build) for i in range(config.num_layers)]
+        self.final_norm = build.float(weights["model.norm.weight"])
+        head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+        self.lm_head = build.linear([head])
         self.rope = RotaryEmbedding(config, config.max_position_embeddings, self.device, dtype)
+
+    def kernels(self) -> dict[str, tuple[str, int]]:
+        """Per projection role: (the kernel its layers run, their weight bytes over all layers)."""
+        roles = {"qkv": [l.qkv for l in self.layers], "o": [l.o for l in self.layers],
+                 "gate_up": [l.gate_up for l in self.layers], "down": [l.down for l in self.layers],
+                 "lm_head": [self.lm_head]}
+        report = {}
+        for role, layers in roles.items():
+            described = [describe(layer) for layer in layers]
+            kernels = sorted({kernel for kernel, _ in described})
+            report[role] = (" + ".join(kernels), sum(size for _, size in described))
+        return report
 
     @property
     def max_positions(self) -> int:
@@ -52,7 +70,7 @@ class LlamaModel:
         """token_ids, positions [T] -> hidden states [T, hidden] after the final norm.
         `rows`, if given, fixes each row's matmul kernel by its role (see kvgen.model.linear)."""
         cfg = self.config
-        x = self.embed[token_ids]
+        x = self.embed(token_ids)
         cos, sin = self.rope.tables(positions)  # [T, 1, D]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for index, layer in enumerate(self.layers):
@@ -71,17 +89,18 @@ class LlamaModel:
         return self.lm_head(hidden, rows).float()
 
 
-def _layer_weights(w: dict[str, torch.Tensor], i: int, config: ModelConfig) -> LayerWeights:
+def _layer_weights(w: Mapping[str, Weight], i: int, config: ModelConfig, build: LayerBuilder) -> LayerWeights:
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
     qkv_bias = None
     if config.qkv_bias:
-        qkv_bias = torch.cat([w[attn + n + "_proj.bias"] for n in ("q", "k", "v")])
+        qkv_bias = build.float(torch.cat([w[attn + n + "_proj.bias"] for n in ("q", "k", "v")]))
+    o_bias = build.float(w[attn + "o_proj.bias"]) if config.o_bias else None
     return LayerWeights(
-        input_norm=w[p + "input_layernorm.weight"],
-        qkv=make_linear(torch.cat([w[attn + n + "_proj.weight"] for n in ("q", "k", "v")]), qkv_bias),
-        o=make_linear(w[attn + "o_proj.weight"], w.get(attn + "o_proj.bias") if config.o_bias else None),
-        post_norm=w[p + "post_attention_layernorm.weight"],
-        gate_up=make_linear(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])),
-        down=make_linear(w[mlp + "down_proj.weight"]),
+        input_norm=build.float(w[p + "input_layernorm.weight"]),
+        qkv=build.linear([w[attn + n + "_proj.weight"] for n in ("q", "k", "v")], qkv_bias),
+        o=build.linear([w[attn + "o_proj.weight"]], o_bias),
+        post_norm=build.float(w[p + "post_attention_layernorm.weight"]),
+        gate_up=build.linear([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]),
+        down=build.linear([w[mlp + "down_proj.weight"]]),
     )

@@ -1,0 +1,107 @@
+"""Which layer each of the model's projections gets, from what the loader handed over.
+
+    a float tensor            kvgen.model.linear.make_linear (BLAS, oneDNN, F.linear), or, with
+                              quantization "int8" / "int4", a packed copy (kvgen.model.quant) where
+                              its rows split into groups of 32 (others stay float, as llama.cpp
+                              keeps such tensors)
+    a GGUF matrix (raw blocks) kept packed: kvgen.model.quant's kernel for its type; a type no
+                              kernel format holds is dequantized to the model's dtype
+
+Fused projections (q/k/v, gate/up) become one packed matrix when their formats stack, else one
+layer per part side by side (a Q4_K_M file keeps some v or down projections in Q6_K). The token
+embedding may stay packed too: a step dequantizes only the rows it looks up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+from kvgen.loaders.gguf_tensors import GGUFWeight
+from kvgen.model.linear import Linear, RowKernels, make_linear
+from kvgen.model.quant.float_weights import GROUP
+from kvgen.model.quant.formats import concat_rows
+from kvgen.model.quant.gguf_blocks import convert
+from kvgen.model.quant.linear import describe as describe_layer
+from kvgen.model.quant.linear import packed_linear, quantize_linear
+
+Weight = torch.Tensor | GGUFWeight
+# How the packed kernels quantize activations: two int8 parts per 32 (~15 bits), which keeps top-1
+# agreement with the fp32 model at 100% on the real Q4_1 file where one part gives 97.8% (BENCHMARKS.md).
+ACTIVATIONS = "int8x2"
+
+
+@dataclass(frozen=True)
+class LayerBuilder:
+    """Builds the model's linear layers on `device` in `dtype`; `quantization` as EngineConfig has it."""
+
+    device: torch.device
+    dtype: torch.dtype
+    quantization: str = "none"
+
+    def linear(self, parts: list[Weight], bias: torch.Tensor | None = None) -> Linear:
+        """The projection whose weight is `parts` stacked by rows ([sum of out, in])."""
+        if all(isinstance(p, GGUFWeight) for p in parts):
+            packed = [convert(p.ggml_type, p.raw, p.shape) for p in parts]
+            if all(p is not None for p in packed):
+                return self._packed(packed, bias)
+        weight = torch.cat([self.float(p) for p in parts]) if len(parts) > 1 else self.float(parts[0])
+        if self.quantization in ("int8", "int4") and weight.shape[1] % GROUP == 0:
+            return quantize_linear(weight, self.quantization, bias, ACTIVATIONS)
+        return make_linear(weight, bias)
+
+    def float(self, weight: Weight) -> torch.Tensor:
+        if isinstance(weight, GGUFWeight):
+            weight = weight.dequantize()
+        return weight.to(device=self.device, dtype=self.dtype)
+
+    def _packed(self, packed: list, bias: torch.Tensor | None) -> Linear:
+        try:
+            stacked = concat_rows(packed) if len(packed) > 1 else packed[0]
+        except ValueError:  # formats that do not stack: one layer each, outputs side by side
+            biases = [None] * len(packed) if bias is None else bias.split([p.shape[0] for p in packed])
+            return ConcatLinear([packed_linear(p, b, self.device, self.dtype, ACTIVATIONS)
+                                 for p, b in zip(packed, biases)])
+        return packed_linear(stacked, bias, self.device, self.dtype, ACTIVATIONS)
+
+
+class ConcatLinear(Linear):
+    """Several layers over the same input whose outputs are concatenated: y = [l1(x), l2(x), ...]."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.bias = None
+
+    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        return torch.cat([p(x, rows) for p in self.parts], dim=-1)
+
+
+def describe(layer: Linear) -> tuple[str, int]:
+    """(kernel name, weight bytes) of a layer, side-by-side parts included."""
+    if isinstance(layer, ConcatLinear):
+        parts = [describe(p) for p in layer.parts]
+        return " + ".join(sorted({k for k, _ in parts})), sum(size for _, size in parts)
+    return describe_layer(layer)
+
+
+class Embedding:
+    """Token embedding rows [vocab, hidden]: a float table, or GGUF blocks dequantized row by row as
+    they are looked up (the table stays packed; a step looks up a few hundred rows at most)."""
+
+    def __init__(self, weight: Weight, builder: LayerBuilder) -> None:
+        self.weight = weight
+        self.table = None if isinstance(weight, GGUFWeight) else builder.float(weight)
+        self.device, self.dtype = builder.device, builder.dtype
+
+    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden], a fresh tensor (the model adds to it in place)."""
+        if self.table is not None:
+            return self.table[token_ids]
+        raw = self.weight.raw[token_ids.cpu().numpy()]
+        rows = gguf_dequantize(raw, self.weight.ggml_type).reshape(len(raw), self.weight.shape[1])
+        return torch.from_numpy(np.ascontiguousarray(rows)).to(device=self.device, dtype=self.dtype)

@@ -1,0 +1,133 @@
+"""The model on packed weights (`--quantization auto` for GGUFs, `int8` / `int4` for float weights):
+which layer each projection gets, and how far its outputs may move from the dequantized model.
+
+The conversions are exact (tests/model/quant), so a packed model differs from the dequantized one
+only by how its kernel rounds activations: two int8 parts per group of 32 (~15 bits, relative
+error <= 2**-14 per element of x), summed in int32 and scaled in fp32. Over a model of L layers
+that relative error compounds to first order, so logits may move by about 2 L 2**-14 of their
+scale; the bound below allows 4x that.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from kvgen import LLM, SamplingParams
+from kvgen.eval.ppl import read_text, text_token_ids
+from kvgen.llm import DEFAULT_MODEL
+from kvgen.loaders import load_model
+from kvgen.model.attention import NoCacheAttention
+from kvgen.model.llama import LlamaModel
+from kvgen.model.projections import ConcatLinear
+from kvgen.model.quant import QuantLinear
+from tests.loaders.gguf_builder import Dims, llama_vocab, random_model, write_gguf
+from tests.model.test_parity_hf import greedy
+
+PROMPT = [1, 17, 43, 99, 250, 7, 7, 300, 12, 5]
+PACKED_TYPES = [QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.Q5_K, QType.Q6_K]
+
+
+def logits_bound(model: LlamaModel, reference: torch.Tensor) -> float:
+    return 4 * 2 * model.config.num_layers * 2**-14 * reference.abs().max().item()
+
+
+def all_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced logits [len(ids), vocab] in one pass without a cache."""
+    tokens = torch.tensor(ids)
+    hidden = model.forward(tokens, torch.arange(len(ids)), NoCacheAttention())
+    return model.logits(hidden)
+
+
+@pytest.fixture(scope="module")
+def vocab(stories_dir):
+    return llama_vocab(stories_dir)
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
+def test_a_gguf_runs_on_its_packed_blocks(tmp_path, vocab, qtype):
+    path = write_gguf(tmp_path / "m.gguf", random_model(qtype, len(vocab.tokens), Dims(), seed=3), vocab)
+    packed = LlamaModel(*_parts(load_model(path, keep_quantized=True)), quantization="auto")
+    dense = LlamaModel(*_parts(load_model(path)))
+    layers = [packed.lm_head] + [getattr(layer, n) for layer in packed.layers for n in ("qkv", "o", "gate_up", "down")]
+    assert all(isinstance(layer, QuantLinear) for layer in layers)
+    want_tokens, want = greedy(dense, PROMPT, 8, "contiguous")
+    tokens, got = greedy(packed, PROMPT, 8, "contiguous")
+    assert (got - want).abs().max().item() <= logits_bound(packed, want)
+    assert tokens == want_tokens
+
+
+def test_projections_whose_formats_do_not_stack_run_side_by_side(tmp_path, vocab):
+    """A Q4_K_M-style file: q/k in Q4_K, v and down in Q6_K."""
+    model = random_model(QType.Q4_K, len(vocab.tokens), Dims(), seed=4)
+    six = random_model(QType.Q6_K, len(vocab.tokens), Dims(), seed=5)
+    for name in model:
+        if name.endswith(("v_proj.weight", "down_proj.weight")):
+            model[name] = six[name]
+    path = write_gguf(tmp_path / "mixed.gguf", model, vocab)
+    packed = LlamaModel(*_parts(load_model(path, keep_quantized=True)), quantization="auto")
+    dense = LlamaModel(*_parts(load_model(path)))
+    qkv = packed.layers[0].qkv
+    assert isinstance(qkv, ConcatLinear) and [p.out_features for p in qkv.parts] == [256, 128, 128]
+    assert "qmatmul_u4" in packed.kernels()["qkv"][0] and "qmatmul_u8" in packed.kernels()["qkv"][0]
+    want = all_logits(dense, PROMPT)
+    assert (all_logits(packed, PROMPT) - want).abs().max().item() <= logits_bound(packed, want)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_float_weights_packed_by_the_engine(method):
+    """stories260K's fp32 matrices packed in groups of 32: the same text for a few dozen tokens, and
+    each projection reports its kernel and a fraction of the fp32 bytes. Its down projection reads
+    172 columns, not a multiple of 32, and stays float."""
+    llm, dense = LLM(quantization=method), LLM(quantization="none")
+    params = SamplingParams(temperature=0, max_tokens=24)
+    assert llm.generate("Once upon a time", params)[0].text == dense.generate("Once upon a time", params)[0].text
+    kernels, floats = llm.engine.model.kernels(), dense.engine.model.kernels()
+    assert kernels.pop("down") == floats["down"]
+    assert all(kernel.startswith("qmatmul_u" + method[-1]) for kernel, _ in kernels.values())
+    for role, (_, size) in kernels.items():
+        assert size < floats[role][1] * (0.35 if method == "int8" else 0.2), role
+
+
+def test_packed_real_model_keeps_its_quality(smollm_gguf, smollm_llm):
+    """Issue 15's bar on the real Q4_1 file, teacher-forced over the bundled text: top-1 agrees with
+    the dequantized fp32 model on >= 98% of positions and perplexity stays within 1%."""
+    dense = smollm_llm.engine.model
+    packed = LlamaModel(*_parts(load_model(smollm_gguf, keep_quantized=True)), quantization="auto")
+    ids = text_token_ids(smollm_llm.tokenizer, read_text(None))[:512]
+    with torch.no_grad():
+        want, got = all_logits(dense, ids)[:-1], all_logits(packed, ids)[:-1]
+    agreement = (want.argmax(-1) == got.argmax(-1)).float().mean().item()
+    targets = torch.tensor(ids[1:])
+
+    def ppl(logits: torch.Tensor) -> float:
+        return math.exp(-logits.log_softmax(-1).gather(-1, targets[:, None]).mean().item())
+
+    assert agreement >= 0.98
+    assert abs(ppl(got) / ppl(want) - 1) <= 0.01
+
+
+def _parts(loaded):
+    """(config, weights) for LlamaModel: the float tensors and the packed matrices together."""
+    return loaded.config, {**loaded.weights, **loaded.quantized}
+
+
+def test_the_packed_embedding_dequantizes_only_the_rows_looked_up(tmp_path, vocab):
+    path = write_gguf(tmp_path / "q8.gguf", random_model(QType.Q8_0, len(vocab.tokens), Dims(), seed=6), vocab)
+    loaded = load_model(path, keep_quantized=True)
+    model = LlamaModel(*_parts(loaded), quantization="auto")
+    ids = torch.tensor([5, 300, 5])
+    table = loaded.quantized["model.embed_tokens.weight"].dequantize()
+    assert torch.equal(model.embed(ids), table[ids])
+    assert model.embed.table is None and np.shares_memory(model.embed.weight.raw, loaded.quantized[
+        "model.embed_tokens.weight"].raw)
+
+
+def test_default_model_is_float_under_auto():
+    """stories260K is fp32: `auto` leaves float checkpoints as they are."""
+    llm = LLM(DEFAULT_MODEL)
+    assert all(kernel == "BlasLinear" for kernel, _ in llm.engine.model.kernels().values())
