@@ -79,6 +79,15 @@ def pack(q: np.ndarray, offset: int, bits: int, scale: np.ndarray, min: np.ndarr
     return PackedWeight(codes, tiled(scale), tiled(min), offset, bits, group, (out, cols))
 
 
+def dequantize_rows(w: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """dequantize(w)[rows] (rows int64 [n]) -> fp32 [n, in], reading only those rows' tiles: an
+    embedding lookup in a table that stays packed (tied embeddings share it with the LM head)."""
+    tiles = rows // TILE
+    picked = replace(w, codes=w.codes[tiles], scale=w.scale[tiles],
+                     min=None if w.min is None else w.min[tiles], shape=(len(rows) * TILE, w.shape[1]))
+    return dequantize(picked)[torch.arange(len(rows), device=rows.device) * TILE + rows % TILE]
+
+
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """The weights one above the other ([sum of out, in]), for fused projections (q/k/v, gate/up):
     one kernel call instead of several. The parts must share codes, offset, group and having mins;

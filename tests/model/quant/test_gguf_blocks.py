@@ -5,7 +5,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from kvgen.model.quant.formats import concat_rows, dequantize
+from kvgen.model.quant.formats import concat_rows, dequantize, dequantize_rows
 from kvgen.model.quant.gguf_blocks import convert
 from tests.model.quant.raw_blocks import MAPPED, Q, raw_matrix
 
@@ -57,3 +57,10 @@ def test_fused_projections_stack_the_parts_exactly():
     assert concat_rows(k_quant).scale.dtype == torch.float32
     with pytest.raises(ValueError, match="different formats"):
         concat_rows([parts[0], convert(Q.Q8_0, raw_matrix(Q.Q8_0, 4, 64), (4, 64))])
+
+
+@pytest.mark.parametrize("ggml_type", [Q.Q8_0, Q.Q4_1, Q.Q6_K], ids=lambda t: t.name)
+def test_embedding_rows_dequantize_alone(ggml_type):
+    packed = convert(ggml_type, raw_matrix(ggml_type, 10, 256), (10, 256))
+    rows = torch.tensor([9, 0, 3, 3, 8])  # the last tile is half padding; repeats allowed
+    assert torch.equal(dequantize_rows(packed, rows), dequantize(packed)[rows])
