@@ -123,7 +123,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _latency(args: argparse.Namespace) -> Report:
     model, kvgen, settings = _setup(args)
     peers, unavailable = _peers(args, model, settings["dtype"], args.prompt_len + args.gen_len)
-    return _noting(latency.run(args, kvgen.engine.model_config, [kvgen, *peers], settings), unavailable)
+    weights = sum(size for _, size in kvgen.engine.model.kernels().values())
+    return _noting(latency.run(args, kvgen.engine.model_config, [kvgen, *peers], settings, weights), unavailable)
 
 
 def _throughput(args: argparse.Namespace) -> Report:

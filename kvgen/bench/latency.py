@@ -17,7 +17,6 @@ from kvgen.bench.peers import System, TokenTimes, random_prompt
 from kvgen.bench.report import Metric, Report, comparison_table, median, timed
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token
 from kvgen.config import ModelConfig
-from kvgen.loaders import expected_shapes
 
 METRICS = (
     Metric("ttft_s", "time to first token (ms)", 1e3),
@@ -29,14 +28,16 @@ METRICS = (
 BANDWIDTH_REPEATS = 5
 
 
-def run(args: argparse.Namespace, config: ModelConfig, systems: Sequence[System], settings: dict) -> Report:
+def run(args: argparse.Namespace, config: ModelConfig, systems: Sequence[System], settings: dict,
+        weights: int) -> Report:
+    """`weights`: the bytes of the matrices kvgen's decode step reads once each (packed or float)."""
     rng = np.random.default_rng(args.seed)
     # A fresh prompt per run: a repeated one would be served from kvgen's prefix cache.
     prompts = [random_prompt(rng, config.vocab_size, args.prompt_len) for _ in range(args.repeats + 1)]
     runs = measure(systems, prompts, args.gen_len)
     bandwidth = memory_bandwidth(args.bandwidth_size, torch.device(args.device))
     element = torch.tensor([], dtype=getattr(torch, settings["dtype"])).element_size()
-    weights, kv = weight_bytes(config, element), average_kv_bytes(config, element, args.prompt_len, args.gen_len)
+    kv = average_kv_bytes(config, element, args.prompt_len, args.gen_len)
     results = {name: summarize(system_runs, weights + kv, bandwidth) for name, system_runs in runs.items()}
     title = (f"latency: {settings['model']}, {settings['dtype']}, batch 1, prompt {args.prompt_len}, "
              f"{args.gen_len} new tokens, median of {args.repeats}")
@@ -79,13 +80,6 @@ def summarize(runs: list[dict], bytes_per_token: int, bandwidth: float) -> dict:
         result["decode_bytes_per_s"] = bytes_per_token * result["decode_tokens_per_s"]
         result["bandwidth_fraction"] = result["decode_bytes_per_s"] / bandwidth
     return result
-
-
-def weight_bytes(config: ModelConfig, element_size: int) -> int:
-    """Weight bytes one decode step reads: every matrix once; the embedding only as a tied output head
-    (a lookup reads one row)."""
-    return element_size * sum(int(np.prod(shape)) for name, shape in expected_shapes(config).items()
-                              if name != "model.embed_tokens.weight" or config.tie_word_embeddings)
 
 
 def average_kv_bytes(config: ModelConfig, element_size: int, prompt_len: int, gen_len: int) -> int:

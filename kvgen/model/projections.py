@@ -9,21 +9,18 @@
 
 Fused projections (q/k/v, gate/up) become one packed matrix when their formats stack, else one
 layer per part side by side (a Q4_K_M file keeps some v or down projections in Q6_K). The token
-embedding may stay packed too: a step dequantizes only the rows it looks up.
+embedding may stay packed too (sharing its table with a tied LM head): a step dequantizes only the
+rows it looks up.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
-from gguf.quants import dequantize as gguf_dequantize
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
 from kvgen.model.linear import Linear, RowKernels, make_linear
 from kvgen.model.quant.float_weights import GROUP
-from kvgen.model.quant.formats import concat_rows
+from kvgen.model.quant.formats import PackedWeight, concat_rows, dequantize_rows
 from kvgen.model.quant.gguf_blocks import convert
 from kvgen.model.quant.linear import describe as describe_layer
 from kvgen.model.quant.linear import packed_linear, quantize_linear
@@ -34,18 +31,24 @@ Weight = torch.Tensor | GGUFWeight
 ACTIVATIONS = "int8x2"
 
 
-@dataclass(frozen=True)
 class LayerBuilder:
-    """Builds the model's linear layers on `device` in `dtype`; `quantization` as EngineConfig has it."""
+    """Builds the model's linear layers on `device` in `dtype`; `quantization` as EngineConfig has it.
+    Each GGUF matrix is converted once, so a tied embedding and LM head share one packed table."""
 
-    device: torch.device
-    dtype: torch.dtype
-    quantization: str = "none"
+    def __init__(self, device: torch.device, dtype: torch.dtype, quantization: str = "none") -> None:
+        self.device, self.dtype, self.quantization = device, dtype, quantization
+        self._conversions: dict[str, PackedWeight | None] = {}
+
+    def packed(self, weight: GGUFWeight) -> PackedWeight | None:
+        """The matrix in a kernel format, or None where no format holds its type."""
+        if weight.name not in self._conversions:
+            self._conversions[weight.name] = convert(weight.ggml_type, weight.raw, weight.shape)
+        return self._conversions[weight.name]
 
     def linear(self, parts: list[Weight], bias: torch.Tensor | None = None) -> Linear:
         """The projection whose weight is `parts` stacked by rows ([sum of out, in])."""
         if all(isinstance(p, GGUFWeight) for p in parts):
-            packed = [convert(p.ggml_type, p.raw, p.shape) for p in parts]
+            packed = [self.packed(p) for p in parts]
             if all(p is not None for p in packed):
                 return self._packed(packed, bias)
         weight = torch.cat([self.float(p) for p in parts]) if len(parts) > 1 else self.float(parts[0])
@@ -58,7 +61,7 @@ class LayerBuilder:
             weight = weight.dequantize()
         return weight.to(device=self.device, dtype=self.dtype)
 
-    def _packed(self, packed: list, bias: torch.Tensor | None) -> Linear:
+    def _packed(self, packed: list[PackedWeight], bias: torch.Tensor | None) -> Linear:
         try:
             stacked = concat_rows(packed) if len(packed) > 1 else packed[0]
         except ValueError:  # formats that do not stack: one layer each, outputs side by side
@@ -90,18 +93,17 @@ def describe(layer: Linear) -> tuple[str, int]:
 
 
 class Embedding:
-    """Token embedding rows [vocab, hidden]: a float table, or GGUF blocks dequantized row by row as
-    they are looked up (the table stays packed; a step looks up a few hundred rows at most)."""
+    """Token embedding rows [vocab, hidden]: a float table, or a packed one whose rows are dequantized
+    as they are looked up (a step looks up a few hundred rows at most)."""
 
     def __init__(self, weight: Weight, builder: LayerBuilder) -> None:
-        self.weight = weight
-        self.table = None if isinstance(weight, GGUFWeight) else builder.float(weight)
+        self.packed = builder.packed(weight) if isinstance(weight, GGUFWeight) else None
+        self.table = None if self.packed is not None else builder.float(weight)
         self.device, self.dtype = builder.device, builder.dtype
 
     def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden], a fresh tensor (the model adds to it in place)."""
         if self.table is not None:
             return self.table[token_ids]
-        raw = self.weight.raw[token_ids.cpu().numpy()]
-        rows = gguf_dequantize(raw, self.weight.ggml_type).reshape(len(raw), self.weight.shape[1])
-        return torch.from_numpy(np.ascontiguousarray(rows)).to(device=self.device, dtype=self.dtype)
+        rows = dequantize_rows(self.packed, token_ids.cpu())
+        return rows.to(device=self.device, dtype=self.dtype)
