@@ -36,7 +36,7 @@ from kvgen.engine.sequence import CompletionOutput, RequestOutput
 from kvgen.errors import InvalidRequestError
 from kvgen.sampler import TokenLogprobs
 from kvgen.server.chat import ChatTemplate
-from kvgen.server.limits import LimitExceededError, RequestLimits
+from kvgen.server.limits import DEFAULT_MAX_QUEUED_REQUESTS, LimitExceededError, RequestLimits
 from kvgen.server.metrics import ServerMetrics
 from kvgen.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
@@ -48,7 +48,6 @@ from kvgen.tokenizer import Tokenizer
 log = logging.getLogger("kvgen.server")
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
-DEFAULT_MAX_QUEUED_REQUESTS = 256
 _SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -95,8 +94,8 @@ class APIError(Exception):
 
 
 class RequestFailedError(Exception):
-    """The engine failed a request (NaN logits, a fault in a step, a token it cannot decode): a 500, or
-    an error event in a stream that has started."""
+    """The engine failed a request (NaN logits, a fault in a step that ran it): a 500, or an error event
+    in a stream that has started."""
 
 
 def _json(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvgen.cache.sizing import parse_bytes
 from kvgen.errors import KVGenError
-from kvgen.server.limits import RequestLimits
+from kvgen.server.limits import DEFAULT_MAX_QUEUED_REQUESTS, RequestLimits
 
 # Each request limit is an option of the same name (--max-n ...); a request over one gets a 400.
 LIMIT_HELP = {
@@ -38,8 +38,9 @@ def register(subparsers: argparse._SubParsersAction, add_engine_options: Callabl
     g.add_argument("--served-model-name", help="the model's name in the API (default: the model file's name)")
     g.add_argument("--max-request-bytes", type=parse_bytes, default="1MiB",
                    help="largest request body accepted, e.g. 64KiB (default: 1MiB)")
-    g.add_argument("--max-queued-requests", type=int, default=256,
-                   help="sequences waiting for the engine past which new requests get 429 (default: 256)")
+    g.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                   help=f"sequences waiting for the engine past which new requests get 429 "
+                        f"(default: {DEFAULT_MAX_QUEUED_REQUESTS})")
     limits = serve.add_argument_group("request limits (a request over one gets a 400 naming it)")
     defaults = RequestLimits()
     for name, what in LIMIT_HELP.items():

@@ -17,6 +17,10 @@ from kvgen.engine.sampling_params import INT64_MAX, INT64_MIN
 from kvgen.errors import InvalidRequestError
 
 
+# Sequences waiting for the engine past which a new request gets 429 (backpressure; see ServerState.admit).
+DEFAULT_MAX_QUEUED_REQUESTS = 256
+
+
 class LimitExceededError(InvalidRequestError):
     """A request field over one of the server's bounds (a 400, counted in /metrics)."""
 
