@@ -34,8 +34,9 @@ class DashboardSnapshot:
 
     @property
     def fingerprint(self) -> tuple:
-        """Equal for two snapshots an observer could not tell apart (nothing ran, nothing was added)."""
-        return self.engine.step, self.engine.stats
+        """Equal for two snapshots an observer could not tell apart: nothing ran, nothing was added or
+        aborted, and no block is shown as just released (which the next snapshot after a pause shows free)."""
+        return self.engine.step, self.engine.stats, self.engine.blocks.counts()["released"]
 
 
 def state_json(snap: DashboardSnapshot, compact: bool = False) -> dict:

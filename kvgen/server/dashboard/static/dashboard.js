@@ -124,9 +124,10 @@ function show(state) {
   document.body.dataset.renderMs = (performance.now() - started).toFixed(1);
 }
 
-// Sequences get hues 40..330 by the golden angle: no red (released) near another; white is shared.
+// Sequences get hues in 40..330 (no red: that is "released"; white is "shared"), spread by the golden
+// ratio so that neighbouring ids look different.
 function ownerColour(owner) {
-  return `hsl(${40 + ((owner * 137.508) % 290)} 62% 52%)`;
+  return `hsl(${40 + ((owner * 0.6180339887) % 1) * 290} 62% 52%)`;
 }
 
 function cellColour(letter, owner) {
