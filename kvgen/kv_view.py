@@ -20,8 +20,9 @@ from kvgen.cache.kv_manager import BLOCK_STATES, USED, BlockStates
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.snapshot import EngineSnapshot, take_snapshot
 
-STYLE = {"free": "grey30", "cached": "#3d5a80", "shared": "bold white", "released": "bold red"}
+STYLE = {"free": "grey30", "cached": "#8fb3e8", "shared": "bold white", "released": "bold red"}
 CELL = "■"
+HOLLOW = "□"  # a cached prefix, as the page draws it
 MAX_ROWS = 16
 
 
@@ -63,13 +64,13 @@ def render(snap: EngineSnapshot, width: int) -> Group:
         if i and i % width == 0:
             grid.append("\n")
         name = BLOCK_STATES[code]
-        grid.append(CELL, style=owner_style(seq_id) if code == USED else STYLE[name])
+        grid.append(HOLLOW if name == "cached" else CELL, style=owner_style(seq_id) if code == USED else STYLE[name])
     counts = snap.blocks.counts()
     header = Text(f"KV cache: {snap.num_blocks} blocks x {snap.block_size} tokens"
                   + (f", 1 cell = {size} blocks" if size > 1 else "") + f" · step {snap.step}  ")
     for name, style in (("free", STYLE["free"]), ("cached", STYLE["cached"]), ("used", "green"),
                         ("shared", STYLE["shared"]), ("released", STYLE["released"])):
-        header.append(f"{CELL} {name} {counts[name]}  ", style=style)
+        header.append(f"{HOLLOW if name == 'cached' else CELL} {name} {counts[name]}  ", style=style)
     lines = [header, grid]
     for s in snap.sequences:
         phase = "decode" if s.phase == "decode" else f"prefill {s.computed_tokens}/{s.prompt_tokens}"

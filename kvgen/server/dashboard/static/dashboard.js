@@ -185,9 +185,18 @@ function drawPool(pool) {
     } else {
       ({ letter, owner } = binOf(pool, cell, layout.bin));
     }
-    ctx.fillStyle = cellColour(letter, owner);
     const x = (cell % layout.cols) * layout.size, y = Math.floor(cell / layout.cols) * layout.size;
-    ctx.fillRect(x, y, layout.size - gap, layout.size - gap);
+    const side = layout.size - gap;
+    if (letter === "c" && side >= 5) {  // a cached prefix: a hollow cell, unlike any sequence's solid one
+      ctx.fillStyle = COLOUR.f;
+      ctx.fillRect(x, y, side, side);
+      ctx.strokeStyle = COLOUR.c;
+      ctx.lineWidth = 1.5;
+      ctx.strokeRect(x + 1.25, y + 1.25, side - 2.5, side - 2.5);
+      continue;
+    }
+    ctx.fillStyle = cellColour(letter, owner);
+    ctx.fillRect(x, y, side, side);
   }
   $("bin-size").textContent = layout.bin;
   $("pool-shape").textContent = `${pool.num_blocks} blocks × ${pool.block_size} tokens`;
