@@ -107,19 +107,28 @@ class AsyncLLM:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            self._stepping = True
-            try:
-                outputs = await asyncio.to_thread(self.engine.step)
-            except Exception as error:  # the engine is broken: tell every waiting caller
-                self._fail_all(error)
-                raise
-            finally:
-                self._stepping = False
-                self._run_observers()
+            outputs = await self._step()
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+
+    async def _step(self) -> list[RequestOutput]:
+        """One engine step in a worker thread; the observers that came meanwhile run once it is over."""
+        self._stepping = True
+        try:
+            return await asyncio.to_thread(self.engine.step)
+        except asyncio.CancelledError:  # shut down mid-step: the thread may still be in it, so none runs
+            cancelled, self._observers = self._observers, []
+            for _, future in cancelled:
+                future.cancel()
+            raise
+        except Exception as error:  # the engine is broken: tell every waiting caller
+            self._fail_all(error)
+            raise
+        finally:
+            self._stepping = False
+            self._run_observers()
 
     def _run_observers(self) -> None:
         observers, self._observers = self._observers, []

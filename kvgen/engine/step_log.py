@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 from kvgen.engine.scheduler import ScheduledChunk
 
-DEFAULT_STEP_LOG_LEN = 512
+DEFAULT_STEP_LOG_LEN = 256
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,9 @@ class StepRecord:
     ms: float
     released: tuple[int, ...]  # block ids a cache policy gave back in the step
 
+    @cached_property
     def as_dict(self) -> dict:
+        """JSON-ready, made once: the dashboard sends each record in many snapshots."""
         return {"step": self.number, "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
                 "batch_size": self.batch_size, "preempted": self.preempted, "ms": round(self.ms, 3)}
 

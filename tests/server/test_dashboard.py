@@ -126,6 +126,7 @@ def test_events_are_compact_snapshots_at_most_ten_a_second(server):
     full = state(server, snapshot=last["snapshot"])
     assert decode_compact(last["pool"]) == (full["pool"]["state"], full["pool"]["owner"], full["pool"]["ref_count"])
     assert {k: v for k, v in last.items() if k != "pool"} == {k: v for k, v in full.items() if k != "pool"}
+    assert state(server, snapshot=last["snapshot"], compact="true") == last
 
 
 def test_an_idle_server_sends_one_event_and_then_nothing(server):

@@ -2,7 +2,7 @@
 
 However many pages are open, snapshots are taken at most `max_rate` times a second: a client asking
 within that interval of the last one gets the same (coalesced). The interval also grows with what a
-snapshot costs (at most `max_share` of the time goes into taking and formatting them), so a huge pool
+snapshot costs (at most `max_share`, 1%, of the time goes into taking and formatting them), so a huge pool
 slows the updates rather than the engine. The last `keep` snapshots stay retrievable by id.
 """
 
@@ -25,7 +25,9 @@ KEEPALIVE_S = 15.0
 
 
 class DashboardSource:
-    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics, *, max_rate: float = 10.0, max_share: float = 0.02,
+    """The snapshots of one app's engine, for its dashboard's routes."""
+
+    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics, *, max_rate: float = 10.0, max_share: float = 0.01,
                  keep: int = 16) -> None:
         self.llm = llm
         self.metrics = metrics

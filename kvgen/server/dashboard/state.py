@@ -44,7 +44,7 @@ def state_json(snap: DashboardSnapshot, compact: bool = False) -> dict:
     pool = {"num_blocks": engine.num_blocks, "block_size": engine.block_size, "counts": engine.blocks.counts()}
     pool.update(_compact_pool(engine.blocks) if compact else _full_pool(engine.blocks))
     return {"snapshot": snap.id, "step": engine.step, "taken_at": engine.taken_at, "pool": pool,
-            "sequences": [s.as_dict() for s in engine.sequences], "steps": [r.as_dict() for r in engine.steps],
+            "sequences": [s.as_dict() for s in engine.sequences], "steps": [r.as_dict for r in engine.steps],
             "metrics": snap.metrics}
 
 
