@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
 import numpy as np
 import pytest
 
@@ -129,14 +130,26 @@ def test_events_are_compact_snapshots_at_most_ten_a_second(server):
     assert state(server, snapshot=last["snapshot"], compact="true") == last
 
 
-def test_an_idle_server_sends_one_event_and_then_nothing(server):
+def next_event(lines: Iterator[str]) -> dict:
+    return json.loads(next(line for line in lines if line.startswith("data: ")).removeprefix("data: "))
+
+
+def test_an_idle_server_sends_one_event_then_one_per_change(server):
+    quick = httpx.Timeout(10, read=1.0)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server.url, headers=auth, timeout=quick) as http, \
+            http.stream("GET", "/dashboard/events") as events:
+        lines, received = events.iter_lines(), []
+        with pytest.raises(httpx.ReadTimeout):  # idle: soon nothing for a second, ten snapshot intervals
+            while True:  # (a stream an earlier test dropped may still be winding down)
+                received.append(next_event(lines))
+                assert len(received) <= 3, "an idle server keeps sending"
+        assert received[0]["pool"]["num_blocks"] == 256
     with server.client() as http, http.stream("GET", "/dashboard/events") as events:
         lines = events.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        assert json.loads(first.removeprefix("data: "))["pool"]["num_blocks"] == 256
+        first = next_event(lines)
         http.post("/v1/completions", json={"prompt": "Tom", "max_tokens": 3})  # something changes
-        second = next(line for line in lines if line.startswith("data: "))
-        assert json.loads(second.removeprefix("data: "))["step"] > json.loads(first.removeprefix("data: "))["step"]
+        assert next_event(lines)["step"] > first["step"]
 
 
 def test_the_data_needs_the_key_and_the_page_does_not(server):
@@ -158,8 +171,11 @@ def test_a_snapshot_no_longer_kept_is_a_404(server):
     assert gone.status_code == 404 and "no longer kept" in gone.json()["error"]["message"]
 
 
-def test_no_dashboard_turns_it_off():
-    app = create_app(LLM(num_kv_blocks=16).engine, model_name=MODEL, dashboard=False)
+@pytest.mark.parametrize(("engine_options", "dashboard"), [({"num_kv_blocks": 16}, False),
+                                                           ({"kv_cache": "contiguous"}, True)])
+def test_no_dashboard_without_the_flag_or_a_block_pool(engine_options, dashboard):
+    """--no-dashboard turns it off; the one-at-a-time reference engine has no pool to show."""
+    app = create_app(LLM(**engine_options).engine, model_name=MODEL, dashboard=dashboard)
     with running(app) as url, Server(url, app).client() as http:
         assert http.get("/dashboard").status_code == 404
         assert http.get("/dashboard/state").status_code == 404
