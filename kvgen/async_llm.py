@@ -4,20 +4,25 @@ One background task drives the engine: between steps it applies queued adds and 
 engine is only ever touched by one thread at a time), runs `engine.step()` in a worker thread so the
 event loop keeps serving, and routes each output to the queue of the request it belongs to.
 Cancelling an iteration (a client that went away) aborts the request and frees its blocks.
+`between_steps(fn)` runs a read-only `fn(engine)` (a dashboard snapshot) at the next moment no step
+runs, so observers never see a half-done step and never hold the loop up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from kvgen.config import EngineConfig
 from kvgen.engine.base import Engine, Prompt
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import RequestOutput
 from kvgen.llm import build_engine, load
+
+T = TypeVar("T")
 
 
 class AsyncLLM:
@@ -31,6 +36,8 @@ class AsyncLLM:
         self._aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        self._stepping = False
+        self._observers: list[tuple[Callable[[Engine], object], asyncio.Future]] = []
 
     @classmethod
     def from_options(cls, model: str | Path | None = None, **engine_options) -> "AsyncLLM":
@@ -67,6 +74,15 @@ class AsyncLLM:
         """Requests added but not yet in the engine, plus sequences the engine has not scheduled yet."""
         return len(self._adds) + self.engine.stats().num_waiting
 
+    async def between_steps(self, fn: Callable[[Engine], T]) -> T:
+        """`fn(engine)` run on the event loop while no step runs: at once when the engine is idle, else
+        right after the running step. `fn` must only read the engine."""
+        if not self._stepping:
+            return fn(self.engine)
+        future = asyncio.get_running_loop().create_future()
+        self._observers.append((fn, future))
+        return await future
+
     def abort(self, request_id: str) -> None:
         self._aborts.append(request_id)
         if self._wakeup is not None:
@@ -91,15 +107,38 @@ class AsyncLLM:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            try:
-                outputs = await asyncio.to_thread(self.engine.step)
-            except Exception as error:  # the engine is broken: tell every waiting caller
-                self._fail_all(error)
-                raise
+            outputs = await self._step()
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+
+    async def _step(self) -> list[RequestOutput]:
+        """One engine step in a worker thread; the observers that came meanwhile run once it is over."""
+        self._stepping = True
+        try:
+            return await asyncio.to_thread(self.engine.step)
+        except asyncio.CancelledError:  # shut down mid-step: the thread may still be in it, so none runs
+            cancelled, self._observers = self._observers, []
+            for _, future in cancelled:
+                future.cancel()
+            raise
+        except Exception as error:  # the engine is broken: tell every waiting caller
+            self._fail_all(error)
+            raise
+        finally:
+            self._stepping = False
+            self._run_observers()
+
+    def _run_observers(self) -> None:
+        observers, self._observers = self._observers, []
+        for fn, future in observers:
+            if future.done():  # its caller went away
+                continue
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as error:  # noqa: BLE001 - the observer's fault is its caller's to see
+                future.set_exception(error)
 
     def _apply_queued(self) -> None:
         adds, self._adds = self._adds, []

@@ -116,8 +116,12 @@ def result_json(out: RequestOutput) -> dict:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # a bad parameter is reported before the model is loaded
+    if args.show_kv and (args.json or args.kv_cache != "paged"):
+        raise KVGenError("--show-kv draws the paged KV cache: it needs --kv-cache paged and no --json")
     engine = build_engine_from_args(args)
     engine.add_request("cli", args.prompt, params)
+    if args.show_kv:
+        return _generate_showing_kv(engine)
     final = None
     if not args.json:
         print(args.prompt, end="", flush=True)
@@ -131,6 +135,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(result_json(final) | {"weights": weights}))
     else:
         print()
+    return 0
+
+
+def _generate_showing_kv(engine: Engine) -> int:
+    """Runs the request under a live picture of the block pool; prints the text at the end."""
+    from kvgen.kv_view import KVView
+
+    view, final = KVView(engine), None
+    try:
+        while engine.has_unfinished():
+            final = next((out for out in engine.step() if out.finished), final)
+            view.update()
+    finally:
+        view.close()
+    print(final.prompt + final.text)
     return 0
 
 
@@ -246,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed")
     gen.add_argument("--prompt", default="", help="prompt text (empty: start from BOS)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--show-kv", action="store_true",
+                     help="draw the KV block pool live in the terminal while generating (paged cache)")
     add_engine_options(gen)
     add_sampling_options(gen)
     gen.set_defaults(func=cmd_generate)

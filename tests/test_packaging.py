@@ -8,7 +8,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_wheel_carries_the_default_model_and_kernel_sources(tmp_path):
+def test_wheel_carries_the_default_model_kernel_sources_and_dashboard(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                            "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -17,3 +17,5 @@ def test_wheel_carries_the_default_model_and_kernel_sources(tmp_path):
     for name in ("stories260K.bin", "tok512.bin", "README.md", "LICENSE"):
         assert f"kvgen/models/stories260K/{name}" in names
     assert "kvgen/model/kernels/paged_decode.c" in names
+    for name in ("index.html", "dashboard.js", "dashboard.css"):
+        assert f"kvgen/server/dashboard/static/{name}" in names

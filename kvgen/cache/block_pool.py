@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 # Stands in for a missing parent hash, so every hashed key is a tuple of ints (deterministic
 # across runs: `hash(None)` is address-based before Python 3.12).
 _NO_PARENT = 0x5EED
@@ -66,7 +68,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # block_id -> Block, head first; OrderedDict gives O(1) pop-head, append and remove-middle.
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self._cached: dict[int, Block] = {}
+        self._cached: dict[int, int] = {}  # hash -> block id (ids, so that listing them is one C-level pass)
         self._num_cached_free = 0
 
     # -- counters ---------------------------------------------------------------------------
@@ -90,6 +92,10 @@ class BlockPool:
     def num_cached(self) -> int:
         """Blocks in the hash map, used or free."""
         return len(self._cached)
+
+    def hashed_block_ids(self) -> np.ndarray:
+        """[num_cached] int64: ids of the blocks in the hash map, used or free."""
+        return np.fromiter(self._cached.values(), np.int64, count=len(self._cached))
 
     # -- operations -------------------------------------------------------------------------
 
@@ -124,10 +130,10 @@ class BlockPool:
 
     def lookup(self, block_hash: int, token_ids: Sequence[int]) -> Block | None:
         """The cached block with this hash, only if it holds exactly these tokens (collision guard)."""
-        block = self._cached.get(block_hash)
-        if block is None or block.token_ids != tuple(token_ids):
+        block_id = self._cached.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids):
             return None
-        return block
+        return self.blocks[block_id]
 
     def cache(self, block: Block, block_hash: int, token_ids: Sequence[int]) -> bool:
         """Registers a used, full block under `block_hash`; returns whether it was registered.
@@ -142,11 +148,11 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
-        self._cached[block_hash] = block
+        self._cached[block_hash] = block.block_id
         return True
 
     def _uncache(self, block: Block) -> None:
-        assert block.block_hash is not None and self._cached[block.block_hash] is block
+        assert block.block_hash is not None and self._cached[block.block_hash] == block.block_id
         del self._cached[block.block_hash]
         block.forget_hash()
 
@@ -161,10 +167,10 @@ class BlockPool:
         assert self.num_free + self.num_used == self.num_blocks, "free + used != total"
         cached_free = sum(1 for b in self._free.values() if b.block_hash is not None)
         assert cached_free == self._num_cached_free, "cached-free counter out of sync"
-        for block_hash, block in self._cached.items():
-            assert block is self.blocks[block.block_id], "hash map holds a foreign block"
+        for block_hash, block_id in self._cached.items():
+            block = self.blocks[block_id]
             assert block.block_hash == block_hash, "hash map key != block's hash"
             assert block.token_ids is not None, "cached block without token ids"
         hashed = [b for b in self.blocks if b.block_hash is not None]
-        assert all(self._cached.get(b.block_hash) is b for b in hashed), "hashed block missing from the map"
+        assert all(self._cached.get(b.block_hash) == b.block_id for b in hashed), "hashed block missing from the map"
         assert self.enable_prefix_caching or not self._cached, "cache used while prefix caching is off"

@@ -10,13 +10,14 @@ import time
 
 import torch
 
-from kvgen.cache.kv_manager import KVCacheManager
+from kvgen.cache.kv_manager import NULL_BLOCK, KVCacheManager
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of, num_blocks_for_budget
 from kvgen.config import DEFAULT_KV_MEMORY, EngineConfig
 from kvgen.engine.base import Engine, EngineStats
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvgen.engine.sequence import Request, RequestOutput, Sequence
+from kvgen.engine.step_log import StepLog, split_tokens
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
 from kvgen.model.attention import PagedKVCache
@@ -43,6 +44,7 @@ class LLMEngine(Engine):
         decode_kernel = paged_decode_for(config.attention_backend, self.model.device, self.model.dtype, pool_dtype)
         self.runner = ModelRunner(self.model, cache, self.kv, decode_kernel)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.step_log = StepLog()
         log.info("%s", self.capacity_report())
 
     @property
@@ -97,29 +99,35 @@ class LLMEngine(Engine):
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         schedule = self.scheduler.schedule()
         for seq in schedule.preempted:
             self.runner.forget(seq.seq_id)
         if not schedule.chunks:
             return []
+        tokens, released = split_tokens(schedule.chunks), []
         try:
-            return self._run(schedule)
+            outputs = self._run(schedule, released)
         except Exception as error:  # noqa: BLE001 - a fault fails the step's requests, not the engine
             log.exception("engine step failed")
-            return self.fail({chunk.seq.request for chunk in schedule.chunks}, f"internal error: {error!r}")
+            outputs = self.fail({chunk.seq.request for chunk in schedule.chunks}, f"internal error: {error!r}")
+        self.step_log.add(tokens, len(schedule.chunks), len(schedule.preempted), time.perf_counter() - started,
+                          released)
+        return outputs
 
-    def _run(self, schedule: SchedulerOutput) -> list[RequestOutput]:
+    def _run(self, schedule: SchedulerOutput, released: list[int]) -> list[RequestOutput]:
         self.runner.cache.copy_blocks(self.kv.take_pending_copies())
         scoring = self._scoring_prompts(schedule)
         logits = self.runner.execute(schedule.chunks, scoring)
         logits = self._record_prompt_logprobs(schedule, scoring, logits)
         sampling = [chunk.seq for chunk in schedule.chunks if chunk.completes_sequence]
-        self._mark_computed(schedule)
+        self._mark_computed(schedule, released)
         rows, logits = self._sampling_rows(sampling, logits)
         return self.sample_and_record(rows, logits) if rows else []
 
-    def _mark_computed(self, schedule: SchedulerOutput) -> None:
-        """Advances each sequence, offers its new full blocks to the prefix cache, drops dead ones."""
+    def _mark_computed(self, schedule: SchedulerOutput, released: list[int]) -> None:
+        """Advances each sequence, offers its new full blocks to the prefix cache, drops dead ones
+        (appending their block ids to `released`)."""
         now = time.monotonic()
         for chunk in schedule.chunks:
             seq = chunk.seq
@@ -127,7 +135,9 @@ class LLMEngine(Engine):
             if seq.policy.shares_prefixes:
                 self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                                           extra_key=seq.policy.prefix_key)
-            self.kv.release_blocks(seq.seq_id, self._dead_blocks(seq))
+            dead = self._dead_blocks(seq)
+            released.extend(b for i in dead if (b := self.kv.block_id(seq.seq_id, i)) != NULL_BLOCK)
+            self.kv.release_blocks(seq.seq_id, dead)
             if seq.request.metrics.first_scheduled is None:
                 seq.request.metrics.first_scheduled = now
 

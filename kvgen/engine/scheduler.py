@@ -127,6 +127,7 @@ class Scheduler:
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = seq.num_dead_blocks = 0
         seq.status = Status.WAITING
+        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -77,6 +77,7 @@ class Sequence:
         self.logprobs: list[TokenLogprobs] = []
         self.num_computed_tokens = 0
         self.num_dead_blocks = 0  # table entries below this a bounded cache policy has given back
+        self.num_preemptions = 0
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)

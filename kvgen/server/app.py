@@ -2,6 +2,7 @@
 
     POST /v1/completions       POST /v1/chat/completions       GET /v1/models
     GET /health                GET /metrics (Prometheus)
+    GET /dashboard             a live view of the KV cache (kvgen.server.dashboard), unless turned off
 
 Both generation endpoints share one path: the request is validated and turned into a `Job` (prompt
 token ids + SamplingParams) before any response starts, so a bad request always gets its 4xx status;
@@ -31,11 +32,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvgen.async_llm import AsyncLLM
 from kvgen.engine.base import Engine, Prompt
+from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import CompletionOutput, RequestOutput
 from kvgen.errors import InvalidRequestError
 from kvgen.sampler import TokenLogprobs
 from kvgen.server.chat import ChatTemplate
+from kvgen.server.dashboard import routes as dashboard_routes
+from kvgen.server.dashboard.source import DashboardSource
 from kvgen.server.limits import DEFAULT_MAX_QUEUED_REQUESTS, LimitExceededError, RequestLimits
 from kvgen.server.metrics import ServerMetrics
 from kvgen.server.protocol import (
@@ -581,8 +585,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 def create_app(engine: Engine | AsyncLLM, *, model_name: str, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: RequestLimits | None = None,
-               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> FastAPI:
-    """The server's ASGI app over an engine (or an AsyncLLM already wrapping one)."""
+               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, dashboard: bool = True) -> FastAPI:
+    """The server's ASGI app over an engine (or an AsyncLLM already wrapping one). The dashboard needs
+    the paged engine (the one-at-a-time reference has no block pool to show)."""
     llm = engine if isinstance(engine, AsyncLLM) else AsyncLLM(engine)
 
     @asynccontextmanager
@@ -598,4 +603,8 @@ def create_app(engine: Engine | AsyncLLM, *, model_name: str, api_key: str | Non
     _add_error_handlers(app)
     app.include_router(_open)
     app.include_router(_api)
+    if dashboard and isinstance(llm.engine, LLMEngine):
+        app.state.dashboard = DashboardSource(llm, app.state.kvgen.metrics)
+        app.include_router(dashboard_routes.page)
+        app.include_router(dashboard_routes.data, dependencies=[Depends(check_api_key)])
     return app

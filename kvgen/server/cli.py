@@ -34,10 +34,13 @@ def register(subparsers: argparse._SubParsersAction, add_engine_options: Callabl
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=os.environ.get("KVGEN_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $KVGEN_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' on /v1 and /dashboard's data "
+                        "(default: $KVGEN_API_KEY, else no key)")
     g.add_argument("--served-model-name", help="the model's name in the API (default: the model file's name)")
     g.add_argument("--max-request-bytes", type=parse_bytes, default="1MiB",
                    help="largest request body accepted, e.g. 64KiB (default: 1MiB)")
+    g.add_argument("--no-dashboard", action="store_true",
+                   help="do not serve /dashboard, the live view of the KV cache")
     g.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                    help=f"sequences waiting for the engine past which new requests get 429 "
                         f"(default: {DEFAULT_MAX_QUEUED_REQUESTS})")
@@ -66,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = RequestLimits(**{name: getattr(args, name) for name in LIMIT_HELP})
     app = create_app(engine, model_name=args.served_model_name or _model_name(args.model),
                      api_key=args.api_key, max_request_bytes=args.max_request_bytes, limits=limits,
-                     max_queued_requests=args.max_queued_requests)
+                     max_queued_requests=args.max_queued_requests, dashboard=not args.no_dashboard)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 

@@ -12,11 +12,30 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvgen.engine.base import Engine
+from kvgen.engine.base import Engine, EngineStats
 from kvgen.engine.sequence import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def stats_families(stats: EngineStats) -> Iterator[Metric]:
+    """The gauges and engine-side counters of /metrics, from one reading of the engine's stats."""
+    usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+    hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+    yield GaugeMetricFamily("kvgen_num_requests_running", "Sequences being generated.", stats.num_running)
+    yield GaugeMetricFamily("kvgen_num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting)
+    yield GaugeMetricFamily("kvgen_kv_cache_blocks_used", "KV blocks held by sequences.", stats.kv_blocks_used)
+    yield GaugeMetricFamily("kvgen_kv_cache_blocks_total", "KV blocks in the pool.", stats.kv_blocks_total)
+    yield GaugeMetricFamily("kvgen_kv_cache_usage_ratio", "Fraction of KV blocks in use.", usage)
+    yield GaugeMetricFamily("kvgen_prefix_cache_hit_rate",
+                            "Fraction of looked-up prompt tokens served from the prefix cache.", hit_rate)
+    yield CounterMetricFamily("kvgen_num_preemptions", "Sequences preempted for lack of KV blocks.",
+                              stats.num_preemptions)
+    yield CounterMetricFamily("kvgen_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                              stats.prefix_cache_queries)
+    yield CounterMetricFamily("kvgen_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                              stats.prefix_cache_hits)
 
 
 class EngineStatsCollector(Collector):
@@ -26,22 +45,7 @@ class EngineStatsCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats()
-        usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
-        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
-        yield GaugeMetricFamily("kvgen_num_requests_running", "Sequences being generated.", stats.num_running)
-        yield GaugeMetricFamily("kvgen_num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting)
-        yield GaugeMetricFamily("kvgen_kv_cache_blocks_used", "KV blocks held by sequences.", stats.kv_blocks_used)
-        yield GaugeMetricFamily("kvgen_kv_cache_blocks_total", "KV blocks in the pool.", stats.kv_blocks_total)
-        yield GaugeMetricFamily("kvgen_kv_cache_usage_ratio", "Fraction of KV blocks in use.", usage)
-        yield GaugeMetricFamily("kvgen_prefix_cache_hit_rate",
-                                "Fraction of looked-up prompt tokens served from the prefix cache.", hit_rate)
-        yield CounterMetricFamily("kvgen_num_preemptions", "Sequences preempted for lack of KV blocks.",
-                                  stats.num_preemptions)
-        yield CounterMetricFamily("kvgen_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  stats.prefix_cache_queries)
-        yield CounterMetricFamily("kvgen_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                                  stats.prefix_cache_hits)
+        return stats_families(self.engine.stats())
 
 
 class ServerMetrics:
@@ -64,6 +68,8 @@ class ServerMetrics:
                                 "(429, backpressure) or over_limit (400, a field over a server limit).", ["reason"],
                                 registry=r)
         r.register(EngineStatsCollector(engine))
+        self._own = (self.ttft, self.inter_token, self.e2e, self.prompt_tokens, self.generation_tokens,
+                     self.requests, self.rejected)
 
     def on_start(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -92,3 +98,47 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def values(self, stats: EngineStats) -> dict[str, float]:
+        """Every /metrics sample by its exposition name (labels as in the text format), with the engine's
+        part taken from `stats` (a reading from between two steps), plus p50/p90/p99 of each histogram."""
+        values: dict[str, float] = {}
+        families = [*stats_families(stats), *(f for m in self._own for f in m.collect())]
+        for family in families:
+            for sample in family.samples:
+                if not sample.name.endswith("_created"):  # a timestamp, not a figure to show
+                    values[_sample_key(sample.name, sample.labels)] = sample.value
+            if family.type == "histogram":
+                values.update(_quantiles(family))
+        return values
+
+
+def _sample_key(name: str, labels: dict[str, str]) -> str:
+    if not labels:
+        return name
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+
+
+def _quantiles(family: Metric) -> dict[str, float]:
+    """p50/p90/p99 of a histogram, interpolated inside its buckets as PromQL's histogram_quantile does
+    (0 before any observation; the largest finite bound when the rank falls in the +Inf bucket)."""
+    buckets = [(float(s.labels["le"]), s.value) for s in family.samples if s.name.endswith("_bucket")]
+    total = buckets[-1][1]
+    out = {}
+    for q in (0.5, 0.9, 0.99):
+        out[f"{family.name}_p{round(q * 100)}"] = _quantile(q, buckets, total)
+    return out
+
+
+def _quantile(q: float, buckets: list[tuple[float, float]], total: float) -> float:
+    if total == 0:
+        return 0.0
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / max(count - lower_count, 1e-12)
+        lower_bound, lower_count = bound, count
+    return lower_bound

@@ -15,6 +15,7 @@ from kvgen.cli import build_parser
 def test_serve_defaults():
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.port, args.api_key, args.max_request_bytes) == ("127.0.0.1", 8000, None, 1 << 20)
+    assert not args.no_dashboard and build_parser().parse_args(["serve", "--no-dashboard"]).no_dashboard
     args = build_parser().parse_args(["serve", "--port", "9000", "--max-request-bytes", "64KiB", "--block-size", "8"])
     assert (args.port, args.max_request_bytes, args.block_size) == (9000, 64 << 10, 8)
 
@@ -44,6 +45,10 @@ def test_kvgen_serve_subprocess():
         body = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer k"}, timeout=60,
                           json={"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 5}).json()
         assert body["usage"]["completion_tokens"] == 5
+        assert httpx.get(f"{url}/dashboard").status_code == 200  # the page holds no data; its data needs the key
+        assert httpx.get(f"{url}/dashboard/state").status_code == 401
+        state = httpx.get(f"{url}/dashboard/state", headers={"Authorization": "Bearer k"}).json()
+        assert state["pool"]["num_blocks"] == 64
     finally:
         proc.terminate()
         _, stderr = proc.communicate(timeout=30)
