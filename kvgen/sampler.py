@@ -26,10 +26,12 @@ class SamplingRow(Protocol):
 
 @dataclass
 class TokenLogprobs:
-    """Log-probability of the chosen token and of the most likely alternatives (raw model distribution)."""
+    """Log-probability of the chosen token and of the most likely alternatives (raw model distribution);
+    scored prompt tokens also know their rank (1: the most likely token)."""
 
     token_logprob: float
     top: dict[int, float]
+    rank: int | None = None
 
 
 @dataclass
@@ -125,9 +127,15 @@ def gather_logprobs(raw: torch.Tensor, token_ids: list[int], rows: list[Sampling
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:
-    """logits [N, vocab] -> the log-probability of token_ids[i] under row i, with `top` alternatives."""
-    logprobs = logits.log_softmax(dim=-1)
-    return [_token_logprobs(logprobs[i], t, top) for i, t in enumerate(token_ids)]
+    """logits [N, vocab] -> the log-probability of token_ids[i] under row i, with `top` alternatives
+    and its rank."""
+    logprobs = logits.log_softmax(dim=-1)  # [N, vocab]
+    chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])  # [N, 1]
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    scored = [_token_logprobs(logprobs[i], t, top) for i, t in enumerate(token_ids)]
+    for entry, rank in zip(scored, ranks):
+        entry.rank = rank
+    return scored
 
 
 def _token_logprobs(logprobs: torch.Tensor, token_id: int, top: int) -> TokenLogprobs:

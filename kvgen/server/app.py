@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -41,7 +41,8 @@ from kvgen.server.metrics import ServerMetrics
 from kvgen.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
     ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList, SamplingRequest, TopLogprob, Usage,
+    CompletionResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList, PromptLogprob, SamplingRequest, TopLogprob,
+    Usage,
 )
 from kvgen.tokenizer import Tokenizer
 
@@ -208,24 +209,31 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 @dataclass
 class TokenLogprob:
-    """A generated token's text and log-probability, its most likely alternatives, and where the token's
-    text starts in the completion."""
+    """A token's text and log-probability, its most likely alternatives as (id, text, log-probability),
+    and where the token's text starts in the choice. The first token of a scored prompt has no
+    log-probability (nothing comes before it)."""
 
+    token_id: int
     token: str
-    logprob: float
-    top: list[tuple[str, float]]
+    logprob: float | None
+    top: list[tuple[int, str, float]] | None
     text_offset: int
+    rank: int | None = None
+
+    def keep_top(self, k: int) -> "TokenLogprob":
+        return self if self.top is None else replace(self, top=self.top[:k])
 
 
 @dataclass
 class ChoiceDelta:
-    """What one step added to one choice."""
+    """What one step added to one choice; the first delta of a scored prompt carries its entries."""
 
     index: int
     text: str
     num_tokens: int
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -237,21 +245,31 @@ class Choice:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text += delta.text
         self.num_tokens += delta.num_tokens
         self.logprobs += delta.logprobs
         self.finish_reason = delta.finish_reason
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 @dataclass
 class Job:
-    """A validated generation request: prompts (token ids) that each get `params.n` choices."""
+    """A validated generation request: prompts (token ids) that each get `params.n` choices.
+
+    `echo` holds the prompt texts the choices start with (None: no echo); `echo_only` drops what the
+    engine generates (the one token it samples from the prompt's last row); `prompt_logprobs` is
+    vLLM's count of alternatives per prompt token (None: not asked for)."""
 
     request_id: str
     prompts: list[list[int]]
     params: SamplingParams
+    echo: list[str] | None = None
+    echo_only: bool = False
+    prompt_logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -287,21 +305,24 @@ def prepare_job(state: ServerState, id_prefix: str, prompts: Sequence[Prompt], b
 
 
 class TokenTexts:
-    """The text each generated token adds, decoded in the context of the tokens before it (so pieces
-    keep their leading spaces). A token holding part of a multibyte character reads as U+FFFD."""
+    """The text each token adds, decoded in the context of the tokens before it (so pieces keep their
+    leading spaces). A token holding part of a multibyte character reads as U+FFFD."""
 
     WINDOW = 4
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int], offset: int = 0) -> None:
         self.tokenizer = tokenizer
-        self.context = list(prompt_ids[-self.WINDOW:])
-        self.offset = 0
+        self.context = list(context_ids[-self.WINDOW:])
+        self.offset = offset
 
-    def entry(self, token_id: int, logprobs: TokenLogprobs) -> TokenLogprob:
+    def entry(self, token_id: int, logprobs: TokenLogprobs | None) -> TokenLogprob:
         prefix = self.tokenizer.decode(self.context)
         token = self._text(prefix, token_id)
-        top = [(self._text(prefix, alt), value) for alt, value in logprobs.top.items()]
-        entry = TokenLogprob(token, logprobs.token_logprob, top, self.offset)
+        if logprobs is None:
+            entry = TokenLogprob(token_id, token, None, None, self.offset)
+        else:
+            top = [(alt, self._text(prefix, alt), value) for alt, value in logprobs.top.items()]
+            entry = TokenLogprob(token_id, token, logprobs.token_logprob, top, self.offset, logprobs.rank)
         self.offset += len(token)
         self.context = (self.context + [token_id])[-self.WINDOW:]
         return entry
@@ -311,25 +332,47 @@ class TokenTexts:
 
 
 class RequestTracker:
-    """Turns the cumulative snapshots of one engine request (one prompt, n completions) into deltas."""
+    """Turns the cumulative snapshots of one engine request (one prompt, n completions) into deltas;
+    an echoed or scored prompt comes first, with the first snapshot (the prompt is scored by then)."""
 
     def __init__(self, job: Job, prompt_index: int, tokenizer: Tokenizer) -> None:
         n = job.params.n
+        self.job, self.tokenizer = job, tokenizer
         self.first_index = prompt_index * n
         self.reported_finish = [False] * n
-        ids = job.prompts[prompt_index]
-        self.token_texts = [TokenTexts(tokenizer, ids) for _ in range(n)] if job.want_logprobs else None
+        self.prompt_ids = job.prompts[prompt_index]
+        self.echo = job.echo[prompt_index] if job.echo is not None else None
+        self.opened = self.echo is None and job.prompt_logprobs is None
+        start = len(self.echo or "")
+        self.token_texts = ([TokenTexts(tokenizer, self.prompt_ids, start) for _ in range(n)]
+                            if job.want_logprobs else None)
 
     def deltas(self, out: RequestOutput) -> list[ChoiceDelta]:
-        deltas = []
+        deltas = [] if self.opened else self._opening(out)
+        self.opened = True
         for c in out.outputs:
             if self.reported_finish[c.index]:
                 continue
-            if c.new_text or c.new_token_ids or c.finish_reason:
+            if self.job.echo_only:
+                if c.finish_reason:
+                    deltas.append(ChoiceDelta(self.first_index + c.index, "", 0, [], "length"))
+            elif c.new_text or c.new_token_ids or c.finish_reason:
                 deltas.append(ChoiceDelta(self.first_index + c.index, c.new_text, len(c.new_token_ids),
                                           self._new_logprobs(c), c.finish_reason))
             self.reported_finish[c.index] = c.finish_reason is not None
         return deltas
+
+    def _opening(self, out: RequestOutput) -> list[ChoiceDelta]:
+        """Each choice's echoed prompt (with its legacy logprobs) and vLLM prompt_logprobs."""
+        scored = self._prompt_entries(out.prompt_logprobs) if out.prompt_logprobs is not None else []
+        echoed = [e.keep_top(self.job.params.logprobs) for e in scored] if self.job.want_logprobs else []
+        vllm = None if self.job.prompt_logprobs is None else [e.keep_top(self.job.prompt_logprobs) for e in scored]
+        return [ChoiceDelta(self.first_index + i, self.echo or "", 0, echoed if self.echo is not None else [], None,
+                            vllm) for i in range(self.job.params.n)]
+
+    def _prompt_entries(self, logprobs: list[TokenLogprobs | None]) -> list[TokenLogprob]:
+        texts = TokenTexts(self.tokenizer, [])
+        return [texts.entry(t, lp) for t, lp in zip(self.prompt_ids, logprobs, strict=True)]
 
     def _new_logprobs(self, c: CompletionOutput) -> list[TokenLogprob]:
         if self.token_texts is None or not c.logprobs:
@@ -422,40 +465,48 @@ class ResponseFormat(Protocol):
 
 
 class CompletionFormat:
-    """/v1/completions: text choices, legacy logprobs; with echo, each choice starts with its prompt."""
+    """/v1/completions: text choices, legacy logprobs (an echoed prompt's entries first), and vLLM's
+    prompt_logprobs."""
 
-    def __init__(self, job: Job, model: str, echo: Sequence[str] | None) -> None:
-        self.job, self.model, self.echo = job, model, echo
+    def __init__(self, job: Job, model: str) -> None:
+        self.job, self.model = job, model
 
     def opening(self, index: int) -> BaseModel | None:
-        return self._message([CompletionChoice(index=index, text=self._echo(index))]) if self.echo else None
+        return None
 
     def chunk(self, delta: ChoiceDelta) -> BaseModel:
-        return self._message([self._choice(delta.index, delta.text, delta.logprobs, delta.finish_reason)])
+        return self._message([self._choice(delta)])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._message([], usage)
 
     def response(self, choices: Sequence[Choice], usage: Usage) -> BaseModel:
-        return self._message([self._choice(c.index, self._echo(c.index) + c.text, c.logprobs, c.finish_reason)
-                              for c in choices], usage)
+        return self._message([self._choice(c) for c in choices], usage)
 
     def _message(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.job.request_id, created=self.job.created, model=self.model,
                                   choices=choices, usage=usage)
 
-    def _choice(self, index: int, text: str, logprobs: list[TokenLogprob], finish: str | None) -> CompletionChoice:
-        return CompletionChoice(index=index, text=text, finish_reason=finish,
-                                logprobs=self._logprobs(index, logprobs) if self.job.want_logprobs else None)
+    def _choice(self, c: Choice | ChoiceDelta) -> CompletionChoice:
+        return CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                logprobs=_legacy_logprobs(c.logprobs) if self.job.want_logprobs else None,
+                                prompt_logprobs=_vllm_prompt_logprobs(c.prompt_logprobs))
 
-    def _echo(self, index: int) -> str:
-        return self.echo[index // self.job.params.n] if self.echo else ""
 
-    def _logprobs(self, index: int, entries: list[TokenLogprob]) -> CompletionLogprobs:
-        start = len(self._echo(index))
-        return CompletionLogprobs(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
-                                  top_logprobs=[dict(e.top) for e in entries],
-                                  text_offset=[start + e.text_offset for e in entries])
+def _legacy_logprobs(entries: list[TokenLogprob]) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
+                              top_logprobs=[None if e.top is None else {t: v for _, t, v in e.top} for e in entries],
+                              text_offset=[e.text_offset for e in entries])
+
+
+def _vllm_prompt_logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's format: per prompt token, {token id: entry} for the alternatives and the token itself."""
+    if entries is None:
+        return None
+    return [None if e.logprob is None else {
+        **{str(i): PromptLogprob(logprob=v, rank=rank, decoded_token=t) for rank, (i, t, v) in enumerate(e.top, 1)},
+        str(e.token_id): PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=e.token),
+    } for e in entries]
 
 
 class ChatFormat:
@@ -491,7 +542,7 @@ class ChatFormat:
             return None
         return ChatLogprobs(content=[
             ChatTokenLogprob(token=e.token, logprob=e.logprob, bytes=_utf8(e.token),
-                             top_logprobs=[TopLogprob(token=t, logprob=v, bytes=_utf8(t)) for t, v in e.top])
+                             top_logprobs=[TopLogprob(token=t, logprob=v, bytes=_utf8(t)) for _, t, v in e.top])
             for e in entries])
 
 
@@ -565,8 +616,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     prompts = body.prompts()
     state.admit(body, len(prompts))
     job = prepare_job(state, "cmpl", prompts, body)
-    echo = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts] if body.echo else None
-    return await respond(request, state, job, CompletionFormat(job, state.model_name, echo), body)
+    if body.echo:
+        job.echo = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts]
+    job.echo_only, job.prompt_logprobs = body.echo_only, body.prompt_logprobs
+    return await respond(request, state, job, CompletionFormat(job, state.model_name), body)
 
 
 @_api.post("/chat/completions")

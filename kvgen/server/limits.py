@@ -43,13 +43,15 @@ class RequestLimits:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
 
     def check_counts(self, *, n: int, num_prompts: int, max_tokens: int | None, logprobs: int | None,
-                     stop: list[str], stop_token_ids: list[int], logit_bias: dict | None) -> None:
+                     prompt_logprobs: int | None, stop: list[str], stop_token_ids: list[int],
+                     logit_bias: dict | None) -> None:
         """Raises LimitExceededError for the first field over its bound."""
         _within("n", n, self.max_n)
         _within("the number of prompts", num_prompts, self.max_prompts)
         _within("n x the number of prompts", n * num_prompts, self.max_choices)
         _within("max_tokens", max_tokens or 0, self.max_tokens)
         _within("logprobs", logprobs or 0, self.max_logprobs)
+        _within("prompt_logprobs", prompt_logprobs or 0, self.max_logprobs)
         _within("the number of stop strings", len(stop), self.max_stop)
         longest = max((len(s) for s in stop), default=0)
         _within("the length of a stop string", longest, self.max_stop_length, unit=" characters")

@@ -72,13 +72,21 @@ class SamplingRequest(BaseModel):
         """Top alternatives per token to return (0: the chosen token's only), None: no logprobs."""
         return None
 
+    def prompt_logprobs_count(self) -> int | None:
+        """Top alternatives per prompt token the engine scores (None: the prompt is not scored)."""
+        return None
+
+    def engine_max_tokens(self) -> int | None:
+        """The engine's max_tokens: what the client asked for, unless the endpoint needs otherwise."""
+        return self.requested_max_tokens()
+
     def check_limits(self, limits: RequestLimits, num_prompts: int) -> None:
         """Raises LimitExceededError for a field over the server's bound (before any work is done)."""
         check_64_bit_integers(self.model_dump(exclude_unset=True))
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         limits.check_counts(n=self.n or 1, num_prompts=num_prompts, max_tokens=self.requested_max_tokens(),
-                            logprobs=self.logprobs_count(), stop=stop, stop_token_ids=self.stop_token_ids or [],
-                            logit_bias=self.logit_bias)
+                            logprobs=self.logprobs_count(), prompt_logprobs=self.prompt_logprobs_count(), stop=stop,
+                            stop_token_ids=self.stop_token_ids or [], logit_bias=self.logit_bias)
 
     def sampling_params(self, max_tokens_left: int) -> SamplingParams:
         """The engine's parameters; without max_tokens a request may use the rest of the context.
@@ -86,9 +94,10 @@ class SamplingRequest(BaseModel):
         Raises InvalidRequestError for values out of range.
         """
         fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS if name in self.model_fields_set}
-        max_tokens = self.requested_max_tokens()
+        max_tokens = self.engine_max_tokens()
         return SamplingParams(**fields, max_tokens=max_tokens_left if max_tokens is None else max_tokens,
-                              logprobs=self.logprobs_count(), logit_bias=_token_biases(self.logit_bias))
+                              logprobs=self.logprobs_count(), prompt_logprobs=self.prompt_logprobs_count(),
+                              logit_bias=_token_biases(self.logit_bias))
 
 
 def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
@@ -101,10 +110,15 @@ def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
 
 
 class CompletionRequest(SamplingRequest):
+    """With `echo`, each choice starts with its prompt and, with `logprobs`, the prompt's tokens and
+    their log-probabilities (the first token's is null); `max_tokens: 0` then scores the prompt only
+    (as lm-evaluation-harness asks). vLLM's `prompt_logprobs` returns the prompt's scores apart."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -120,9 +134,25 @@ class CompletionRequest(SamplingRequest):
         return list(self.prompt)
 
     def logprobs_count(self) -> int | None:
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo with logprobs is not supported: the engine does not score prompt tokens")
         return self.logprobs
+
+    @property
+    def scores_echo(self) -> bool:
+        """The echoed prompt carries log-probabilities."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def echo_only(self) -> bool:
+        """`max_tokens: 0` with echo: the prompt alone comes back, nothing is generated."""
+        return self.echo and self.max_tokens == 0
+
+    def prompt_logprobs_count(self) -> int | None:
+        wanted = [k for k in (self.logprobs if self.scores_echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted, default=None)
+
+    def engine_max_tokens(self) -> int | None:
+        # The token sampled from the prompt's last row costs no forward pass; it is dropped.
+        return 1 if self.echo_only else self.max_tokens
 
 
 class TextPart(BaseModel):
@@ -150,6 +180,14 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported on chat completions; send the prompt to /v1/completions")
+        return echo
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -174,12 +212,21 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions format: parallel lists, one entry per token."""
+    """The legacy completions format: parallel lists, one entry per token (an echoed prompt's first
+    token has null log-probabilities: nothing comes before it)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry for one token of `prompt_logprobs`; `rank` 1 is the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -187,6 +234,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM: per prompt token, None for the first, else {token id: entry} for it and its alternatives
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
