@@ -1,6 +1,7 @@
 """Turns a batch of logits into next tokens, each row under its own request's parameters.
 
-Order of operations (as in vLLM / HF): penalties and logit bias on raw logits -> greedy rows take the argmax ->
+Order of operations (as in vLLM / HF): penalties and logit bias on raw logits -> a row's grammar masks the
+tokens it does not allow -> greedy rows take the argmax ->
 temperature -> top-k -> top-p -> min-p -> softmax -> draw with the request's own generator, so a
 seeded request draws the same numbers whatever else is in the batch.
 """
@@ -12,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from kvgen.engine.grammar import GrammarState, mask_logits
 from kvgen.engine.sampling_params import SamplingParams
 
 
@@ -22,6 +24,7 @@ class SamplingRow(Protocol):
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    grammar: GrammarState | None
 
 
 @dataclass
@@ -47,6 +50,8 @@ class Sampler:
         """logits [B, vocab] fp32 -> one token per row."""
         raw = logits
         logits = apply_penalties(logits, rows)
+        if any(row.grammar is not None for row in rows):
+            logits = mask_logits(logits, [row.grammar for row in rows])
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
         if sampled:

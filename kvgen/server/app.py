@@ -301,6 +301,7 @@ def prepare_job(state: ServerState, id_prefix: str, prompts: Sequence[Prompt], b
     params = body.sampling_params(max_tokens_left=max(engine.max_model_len - longest, 1))
     for ids in token_ids:
         engine.check_fits(len(ids), params)
+    engine.compile_grammar(params)  # a schema or regex that does not compile is a 400 before anything runs
     return Job(f"{id_prefix}-{uuid.uuid4().hex}", token_ids, params)
 
 

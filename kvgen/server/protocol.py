@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvgen.engine.base import Prompt
+from kvgen.engine.grammar import GrammarSpec
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import InvalidRequestError
 from kvgen.server.limits import RequestLimits, check_64_bit_integers
@@ -29,6 +30,34 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON under a schema."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object with a schema")
+        return self
+
+
+# Fields that would change what the client gets back and that kvgen does not honour: a 400, not silence.
+_UNSUPPORTED_FIELDS = ("guided_grammar", "guided_decoding_backend", "structured_outputs", "tools", "tool_choice",
+                       "functions", "function_call")
 
 
 class SamplingRequest(BaseModel):
@@ -55,11 +84,39 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     kv_policy: str | None = None
     logit_bias: dict[str, float] | None = None
+    # structured outputs: OpenAI's response_format, or one of vLLM's guided_* fields
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_unset(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        unsupported = [name for name in _UNSUPPORTED_FIELDS if data.get(name) is not None]
+        if unsupported:
+            raise ValueError(f"{unsupported[0]} is not supported by this server")
+        return {k: v for k, v in data.items() if v is not None}
+
+    def grammar(self) -> GrammarSpec | None:
+        """What the output must match, from whichever structured-output field was sent (at most one)."""
+        specs = []
+        if self.response_format is not None and self.response_format.type == "json_object":
+            specs.append(GrammarSpec.json_object())
+        elif self.response_format is not None and self.response_format.type == "json_schema":
+            schema = self.response_format.json_schema
+            specs.append(GrammarSpec.json_schema(schema.schema_, strict=bool(schema.strict)))
+        if self.guided_json is not None:
+            specs.append(GrammarSpec.json_schema(self.guided_json))
+        if self.guided_regex is not None:
+            specs.append(GrammarSpec.regex(self.guided_regex))
+        if self.guided_choice is not None:
+            specs.append(GrammarSpec.choice(self.guided_choice))
+        if len(specs) > 1:
+            raise InvalidRequestError("send one of response_format, guided_json, guided_regex and guided_choice")
+        return specs[0] if specs else None
 
     @property
     def include_usage(self) -> bool:
@@ -86,7 +143,7 @@ class SamplingRequest(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         limits.check_counts(n=self.n or 1, num_prompts=num_prompts, max_tokens=self.requested_max_tokens(),
                             logprobs=self.logprobs_count(), prompt_logprobs=self.prompt_logprobs_count(), stop=stop,
-                            stop_token_ids=self.stop_token_ids or [], logit_bias=self.logit_bias)
+                            stop_token_ids=self.stop_token_ids or [], logit_bias=self.logit_bias, grammar=self.grammar())
 
     def sampling_params(self, max_tokens_left: int) -> SamplingParams:
         """The engine's parameters; without max_tokens a request may use the rest of the context.
@@ -97,7 +154,7 @@ class SamplingRequest(BaseModel):
         max_tokens = self.engine_max_tokens()
         return SamplingParams(**fields, max_tokens=max_tokens_left if max_tokens is None else max_tokens,
                               logprobs=self.logprobs_count(), prompt_logprobs=self.prompt_logprobs_count(),
-                              logit_bias=_token_biases(self.logit_bias))
+                              logit_bias=_token_biases(self.logit_bias), grammar=self.grammar())
 
 
 def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
