@@ -38,6 +38,7 @@ from kvgen.sampler import TokenLogprobs
 from kvgen.server.chat import ChatTemplate
 from kvgen.server.limits import LimitExceededError, RequestLimits
 from kvgen.server.metrics import ServerMetrics
+from kvgen.server.tools import Tool, ToolCallDelta, ToolChoice, parse_tool_calls
 from kvgen.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
     ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -458,7 +459,8 @@ class ResponseFormat(Protocol):
     def opening(self, index: int) -> BaseModel | None:
         """The chunk a streamed choice starts with, if any."""
 
-    def chunk(self, delta: ChoiceDelta) -> BaseModel: ...
+    def chunk(self, delta: ChoiceDelta) -> BaseModel | None:
+        """The streamed chunk of a delta; None where the format holds it back."""
 
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
@@ -511,28 +513,51 @@ def _vllm_prompt_logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, 
 
 
 class ChatFormat:
-    """/v1/chat/completions: assistant messages, chat logprobs."""
+    """/v1/chat/completions: assistant messages, chat logprobs. With tools (tool_choice other than
+    none) a reply is read back as tool calls once it is complete, so a streamed one is held until its
+    end and sent as one delta: tool_calls and finish_reason "tool_calls", or its text if it is none."""
 
-    def __init__(self, job: Job, model: str) -> None:
+    def __init__(self, job: Job, model: str, tools: list[Tool], tool_choice: ToolChoice) -> None:
         self.job, self.model = job, model
+        self.tools, self.tool_choice = tools, tool_choice
+        self.holds_replies = bool(tools) and tool_choice != "none"
+        self.held = [Choice(i) for i in range(job.num_choices)] if self.holds_replies else []
 
     def opening(self, index: int) -> BaseModel | None:
         return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
 
-    def chunk(self, delta: ChoiceDelta) -> BaseModel:
-        return self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text),
-                                            logprobs=self._logprobs(delta.logprobs),
-                                            finish_reason=delta.finish_reason)])
+    def chunk(self, delta: ChoiceDelta) -> BaseModel | None:
+        if not self.holds_replies:
+            return self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text),
+                                                logprobs=self._logprobs(delta.logprobs),
+                                                finish_reason=delta.finish_reason)])
+        held = self.held[delta.index]
+        held.add(delta)
+        if delta.finish_reason is None:
+            return None
+        message, finish = self._message(held)
+        calls = [ToolCallDelta(index=i, **c.model_dump()) for i, c in enumerate(message.tool_calls or [])]
+        return self._chunk([ChatChunkChoice(index=held.index, delta=ChatDelta(content=message.content,
+                                                                              tool_calls=calls or None),
+                                            logprobs=self._logprobs(held.logprobs), finish_reason=finish)])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._chunk([], usage)
 
     def response(self, choices: Sequence[Choice], usage: Usage) -> BaseModel:
+        replies = [(c, *self._message(c)) for c in choices]
         return ChatCompletionResponse(
             id=self.job.request_id, created=self.job.created, model=self.model, usage=usage,
-            choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                logprobs=self._logprobs(c.logprobs), finish_reason=c.finish_reason)
-                     for c in choices])
+            choices=[ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.logprobs),
+                                finish_reason=finish) for c, message, finish in replies])
+
+    def _message(self, c: Choice) -> tuple[ChatResponseMessage, str | None]:
+        """A complete reply as the assistant's message, and its finish reason."""
+        calls = (parse_tool_calls(c.text, self.tools, self.tool_choice)
+                 if self.holds_replies and c.finish_reason == "stop" else None)
+        if calls:
+            return ChatResponseMessage(content=None, tool_calls=calls), "tool_calls"
+        return ChatResponseMessage(content=c.text), c.finish_reason
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.job.request_id, created=self.job.created, model=self.model,
@@ -579,7 +604,8 @@ async def _event_stream(deltas: AsyncIterator[ChoiceDelta], job: Job, fmt: Respo
         async with aclosing(deltas):
             async for delta in deltas:
                 choices[delta.index].add(delta)
-                yield _sse(fmt.chunk(delta))
+                if (chunk := fmt.chunk(delta)) is not None:
+                    yield _sse(chunk)
     except Exception as error:  # the engine failed mid-stream: the status is sent, so say it in the stream
         log.exception("%s: failed", job.request_id)
         yield _sse(ErrorResponse(error=ErrorInfo(message=str(error), type="server_error")))
@@ -627,8 +653,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _serving_state(request, body.model)
     state.admit(body, 1)
-    job = prepare_job(state, "chatcmpl", [state.chat_template.prompt_ids(body.messages)], body)
-    return await respond(request, state, job, ChatFormat(job, state.model_name), body)
+    tools = body.tools or []
+    job = prepare_job(state, "chatcmpl", [state.chat_template.prompt_ids(body.messages, tools)], body)
+    return await respond(request, state, job, ChatFormat(job, state.model_name, tools, body.effective_tool_choice),
+                         body)
 
 
 # -- the app ------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ Defaults of the sampling fields are SamplingParams' own: only fields the client 
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -17,6 +18,7 @@ from kvgen.engine.grammar import GrammarSpec
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import InvalidRequestError
 from kvgen.server.limits import RequestLimits, check_64_bit_integers
+from kvgen.server.tools import Tool, ToolCall, ToolCallDelta, ToolChoice, tool_grammar
 
 # Request fields copied into SamplingParams under the same name, when the client sent them.
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
@@ -55,15 +57,16 @@ class ResponseFormat(BaseModel):
         return self
 
 
-# Fields that would change what the client gets back and that kvgen does not honour: a 400, not silence.
-_UNSUPPORTED_FIELDS = ("guided_grammar", "guided_decoding_backend", "structured_outputs", "tools", "tool_choice",
-                       "functions", "function_call")
 
 
 class SamplingRequest(BaseModel):
     """The fields completions and chat completions share."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+    # Fields that would change what the client gets back and that kvgen does not honour here: a 400,
+    # not silence.
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("guided_grammar", "guided_decoding_backend", "structured_outputs",
+                                              "tools", "tool_choice", "functions", "function_call")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -95,14 +98,14 @@ class SamplingRequest(BaseModel):
     def _null_means_unset(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        unsupported = [name for name in _UNSUPPORTED_FIELDS if data.get(name) is not None]
+        unsupported = [name for name in cls.UNSUPPORTED if data.get(name) is not None]
         if unsupported:
             raise ValueError(f"{unsupported[0]} is not supported by this server")
         return {k: v for k, v in data.items() if v is not None}
 
     def grammar(self) -> GrammarSpec | None:
         """What the output must match, from whichever structured-output field was sent (at most one)."""
-        specs = []
+        specs = self._extra_grammars()
         if self.response_format is not None and self.response_format.type == "json_object":
             specs.append(GrammarSpec.json_object())
         elif self.response_format is not None and self.response_format.type == "json_schema":
@@ -115,8 +118,13 @@ class SamplingRequest(BaseModel):
         if self.guided_choice is not None:
             specs.append(GrammarSpec.choice(self.guided_choice))
         if len(specs) > 1:
-            raise InvalidRequestError("send one of response_format, guided_json, guided_regex and guided_choice")
+            raise InvalidRequestError("send one of response_format, guided_json, guided_regex, guided_choice "
+                                      "and a tool_choice that forces a call")
         return specs[0] if specs else None
+
+    def _extra_grammars(self) -> list[GrammarSpec]:
+        """Grammars an endpoint's own fields ask for."""
+        return []
 
     @property
     def include_usage(self) -> bool:
@@ -224,6 +232,21 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+    def template_fields(self) -> dict[str, Any]:
+        """The message as chat templates read it (HF's layout: tool_calls with arguments as objects)."""
+        fields: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            fields["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            fields["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            fields["name"] = self.name
+        return fields
 
     def text(self) -> str:
         """The content as one string; text parts are joined with newlines (as vLLM does)."""
@@ -232,8 +255,31 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 class ChatCompletionRequest(SamplingRequest):
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = tuple(f for f in SamplingRequest.UNSUPPORTED
+                                                   if f not in ("tools", "tool_choice"))
+
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """OpenAI's default: auto with tools, none without."""
+        return self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+
+    def _extra_grammars(self) -> list[GrammarSpec]:
+        spec = tool_grammar(self.tools or [], self.effective_tool_choice, self.parallel_tool_calls)
+        return [spec] if spec is not None else []
+
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -320,7 +366,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -342,6 +389,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

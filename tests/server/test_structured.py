@@ -162,8 +162,13 @@ BAD = {
     "regex that does not compile": {"extra_body": {"guided_regex": "([a-z]+"}},
     "empty choice": {"extra_body": {"guided_choice": []}},
     "two grammars": {"extra_body": {"guided_regex": "a+", "guided_choice": ["a"]}},
-    "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
-    "tool_choice naming a function": {"tool_choice": {"type": "function", "function": {"name": "nowhere"}}},
+    "tool_choice naming an unknown function": {
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "nowhere"}}},
+    "a tool's invalid parameter schema": {
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wrong"}}}],
+        "tool_choice": "required"},
+    "functions (unsupported)": {"extra_body": {"functions": [{"name": "f"}]}},
     "grammar over the size limit": {"extra_body": {"guided_regex": "a" * 40000}},
 }
 
