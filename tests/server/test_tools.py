@@ -153,3 +153,8 @@ def test_plain_template_renders_tools_calls_and_tool_messages(stories_dir):
     calls = '[{"function": {"arguments": {"a": 1, "b": 2}, "name": "add"}, "id": "call_1", "type": "function"}]'  # tojson sorts keys
     assert text == ("<|tools|>\nweather, add\n<|user|>\nWeather in Oslo?\n<|assistant|>\n" + calls
                     + "\n<|tool|>\n3\n<|assistant|>\n")
+
+
+def test_tools_on_completions_are_400(client):
+    with pytest.raises(openai.BadRequestError, match="tools is not supported"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"tools": TOOLS})
