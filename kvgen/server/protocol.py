@@ -57,8 +57,6 @@ class ResponseFormat(BaseModel):
         return self
 
 
-
-
 class SamplingRequest(BaseModel):
     """The fields completions and chat completions share."""
 
