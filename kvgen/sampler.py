@@ -1,6 +1,7 @@
 """Turns a batch of logits into next tokens, each row under its own request's parameters.
 
-Order of operations (as in vLLM / HF): penalties and logit bias on raw logits -> greedy rows take the argmax ->
+Order of operations (as in vLLM / HF): penalties and logit bias on raw logits -> a row's grammar masks the
+tokens it does not allow -> greedy rows take the argmax ->
 temperature -> top-k -> top-p -> min-p -> softmax -> draw with the request's own generator, so a
 seeded request draws the same numbers whatever else is in the batch.
 """
@@ -12,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from kvgen.engine.grammar import GrammarState, mask_logits
 from kvgen.engine.sampling_params import SamplingParams
 
 
@@ -22,14 +24,17 @@ class SamplingRow(Protocol):
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    grammar: GrammarState | None
 
 
 @dataclass
 class TokenLogprobs:
-    """Log-probability of the chosen token and of the most likely alternatives (raw model distribution)."""
+    """Log-probability of the chosen token and of the most likely alternatives (raw model distribution);
+    scored prompt tokens also know their rank (1: the most likely token)."""
 
     token_logprob: float
     top: dict[int, float]
+    rank: int | None = None
 
 
 @dataclass
@@ -45,6 +50,8 @@ class Sampler:
         """logits [B, vocab] fp32 -> one token per row."""
         raw = logits
         logits = apply_penalties(logits, rows)
+        if any(row.grammar is not None for row in rows):
+            logits = mask_logits(logits, [row.grammar for row in rows])
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
         if sampled:
@@ -125,9 +132,15 @@ def gather_logprobs(raw: torch.Tensor, token_ids: list[int], rows: list[Sampling
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:
-    """logits [N, vocab] -> the log-probability of token_ids[i] under row i, with `top` alternatives."""
-    logprobs = logits.log_softmax(dim=-1)
-    return [_token_logprobs(logprobs[i], t, top) for i, t in enumerate(token_ids)]
+    """logits [N, vocab] -> the log-probability of token_ids[i] under row i, with `top` alternatives
+    and its rank."""
+    logprobs = logits.log_softmax(dim=-1)  # [N, vocab]
+    chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])  # [N, 1]
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    scored = [_token_logprobs(logprobs[i], t, top) for i, t in enumerate(token_ids)]
+    for entry, rank in zip(scored, ranks):
+        entry.rank = rank
+    return scored
 
 
 def _token_logprobs(logprobs: torch.Tensor, token_id: int, top: int) -> TokenLogprobs:

@@ -129,6 +129,52 @@ POISON = 300  # the token whose embedding row overflows
 BEYOND = 515  # a token the tokenizer has and the model does not (its vocabulary is 512)
 
 
+def _save_stories_hf(path: Path, weights: dict[str, torch.Tensor], tie_word_embeddings: bool) -> None:
+    """stories260K's weights as a Hugging Face Llama directory (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    from kvgen.llm import DEFAULT_MODEL
+    from kvgen.loaders import load_model
+
+    c = load_model(DEFAULT_MODEL).config
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.hidden_size,
+              "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+              "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+              "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
+              "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+              "tie_word_embeddings": tie_word_embeddings, "bos_token_id": 1, "eos_token_id": 2}
+    save_file({name: w.contiguous() for name, w in weights.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="session")
+def stories_hf_dir(tmp_path_factory, stories_dir) -> Path:
+    """stories260K as a Hugging Face directory that transformers, lm-evaluation-harness and kvgen all
+    load: tied embeddings as the checkpoint has them, and tok512.model converted by transformers into
+    the tokenizer.json every one of them reads (the conversion needs protobuf)."""
+    import shutil
+
+    import tokenizers
+    import tokenizers.processors
+    from transformers import AutoTokenizer
+
+    from kvgen.llm import DEFAULT_MODEL
+    from kvgen.loaders import load_model
+
+    path = tmp_path_factory.mktemp("stories-hf")
+    _save_stories_hf(path, load_model(DEFAULT_MODEL).weights, tie_word_embeddings=True)
+    shutil.copy(stories_dir / "tok512.model", path / "tokenizer.model")
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "legacy": False}))
+    AutoTokenizer.from_pretrained(path).save_pretrained(path)
+    (path / "tokenizer.model").unlink()  # one tokenizer file: tokenizer.json
+    converted = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))  # BOS first, as llama2.c does
+    converted.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    converted.save(str(path / "tokenizer.json"))
+    return path
+
+
 @pytest.fixture(scope="session")
 def broken_model(tmp_path_factory) -> Path:
     """stories260K as a Hugging Face directory with two real defects:
@@ -137,24 +183,13 @@ def broken_model(tmp_path_factory) -> Path:
     - the tokenizer knows 520 words while the model has 512 rows, so a text prompt with word w515
       makes the embedding lookup fail inside the engine's step.
     The LM head is a separate, unscaled copy of the embedding."""
-    from safetensors.torch import save_file
-
     from kvgen.llm import DEFAULT_MODEL
     from kvgen.loaders import load_model
 
-    loaded = load_model(DEFAULT_MODEL)
-    weights = {name: w.clone() for name, w in loaded.weights.items()}
+    weights = {name: w.clone() for name, w in load_model(DEFAULT_MODEL).weights.items()}
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
     weights["model.embed_tokens.weight"][POISON] *= 1e39
-    c = loaded.config
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.hidden_size,
-              "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-              "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-              "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
-              "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "tie_word_embeddings": False,
-              "bos_token_id": 1, "eos_token_id": 2}
     path = tmp_path_factory.mktemp("broken")
-    save_file({name: w.contiguous() for name, w in weights.items()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(config))
+    _save_stories_hf(path, weights, tie_word_embeddings=False)
     _word_tokenizer(BEYOND + 5, path)
     return path

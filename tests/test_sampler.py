@@ -24,6 +24,7 @@ class Row:
     generator: torch.Generator | None = None
     prompt_token_ids: list[int] = field(default_factory=lambda: [1])
     output_token_ids: list[int] = field(default_factory=list)
+    grammar: None = None
 
 
 def row(seed: int | None = None, **params) -> Row:

@@ -13,6 +13,7 @@ import torch
 from kvgen.cache.policies import CachePolicy
 from kvgen.cache.sizing import format_bytes
 from kvgen.config import EngineConfig
+from kvgen.engine.grammar import Grammar, GrammarCompiler
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import Request, RequestOutput, Sequence, snapshot
 from kvgen.errors import InvalidRequestError
@@ -50,6 +51,7 @@ class Engine(ABC):
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size)
         self.requests: dict[str, Request] = {}
 
     # -- the public loop ------------------------------------------------------------------------
@@ -63,7 +65,8 @@ class Engine(ABC):
         policy = self.resolve_policy(params)
         self.check_fits(len(token_ids), params)
         request = Request(request_id, token_ids, params, self.tokenizer,
-                          prompt=prompt if isinstance(prompt, str) else None, arrival=arrival, policy=policy)
+                          prompt=prompt if isinstance(prompt, str) else None, arrival=arrival, policy=policy,
+                          grammar=self.compile_grammar(params))
         self.requests[request_id] = request
         self._enqueue(request)
         return request
@@ -108,6 +111,11 @@ class Engine(ABC):
                 raise InvalidRequestError("the prompt is empty and the model has no BOS token to start from")
             token_ids = [bos]
         return token_ids
+
+    def compile_grammar(self, params: SamplingParams) -> Grammar | None:
+        """The request's compiled grammar, if it has one; raises InvalidRequestError for a schema or
+        regex that does not compile (compiled grammars are cached, so a second call is cheap)."""
+        return None if params.grammar is None else self.grammars.compile(params.grammar)
 
     def resolve_policy(self, params: SamplingParams) -> CachePolicy:
         """The request's cache policy; models with a sliding window get it unless told otherwise."""

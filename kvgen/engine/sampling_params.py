@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass, field, replace
 
 from kvgen.cache.policies import CachePolicy
+from kvgen.engine.grammar import GrammarSpec
 from kvgen.errors import InvalidRequestError
 
 
@@ -35,6 +36,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     kv_policy: str = "full"
+    grammar: GrammarSpec | None = None  # structured output: what the completion must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +81,8 @@ class SamplingParams:
                "logit_bias must map token ids to biases in [-100, 100]")
         _check(isinstance(self.kv_policy, str), f"kv_policy must be a string, got {self.kv_policy!r}")
         CachePolicy.parse(self.kv_policy)
+        _check(self.grammar is None or isinstance(self.grammar, GrammarSpec),
+               f"grammar must be a GrammarSpec, got {self.grammar!r}")
 
     @property
     def greedy(self) -> bool:

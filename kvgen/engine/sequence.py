@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvgen.cache.policies import CachePolicy
+from kvgen.engine.grammar import Grammar
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.sampler import TokenLogprobs
 from kvgen.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -81,6 +82,7 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        self.grammar = request.grammar.matcher() if request.grammar is not None else None
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_token_ids)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.stop_token_ids))
         self.text = ""
@@ -106,7 +108,8 @@ class Sequence:
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.logprobs.append(logprobs)
-        if token_id in self.stop_ids:
+        # A finished grammar has taken a stop token (under ignore_eos too: nothing else is allowed).
+        if token_id in self.stop_ids or (self.grammar is not None and self.grammar.accept(token_id)):
             return self._finish("stop", self._release_pending())
         delta = self._pending_text + self.detokenizer.add([token_id])
         stopped, delta = self._cut_at_stop_string(delta)
@@ -160,13 +163,14 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer: Tokenizer, prompt: str | None = None, arrival: float | None = None,
-                 policy: CachePolicy | None = None) -> None:
+                 policy: CachePolicy | None = None, grammar: Grammar | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.policy = policy or CachePolicy.parse(params.kv_policy)
         self.metrics = RequestMetrics(arrival=time.monotonic() if arrival is None else arrival)
+        self.grammar = grammar
         self.sequences = [Sequence(self, i, params.for_completion(i), tokenizer, self.policy)
                           for i in range(params.n)]
         # Log-probability of each prompt token given the ones before it (None for the first).

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -42,10 +42,12 @@ from kvgen.server.dashboard import routes as dashboard_routes
 from kvgen.server.dashboard.source import DashboardSource
 from kvgen.server.limits import DEFAULT_MAX_QUEUED_REQUESTS, LimitExceededError, RequestLimits
 from kvgen.server.metrics import ServerMetrics
+from kvgen.server.tools import Tool, ToolCallDelta, ToolChoice, parse_tool_calls
 from kvgen.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
     ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList, SamplingRequest, TopLogprob, Usage,
+    CompletionResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList, PromptLogprob, SamplingRequest, TopLogprob,
+    Usage,
 )
 from kvgen.tokenizer import Tokenizer
 
@@ -211,24 +213,31 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 @dataclass
 class TokenLogprob:
-    """A generated token's text and log-probability, its most likely alternatives, and where the token's
-    text starts in the completion."""
+    """A token's text and log-probability, its most likely alternatives as (id, text, log-probability),
+    and where the token's text starts in the choice. The first token of a scored prompt has no
+    log-probability (nothing comes before it)."""
 
+    token_id: int
     token: str
-    logprob: float
-    top: list[tuple[str, float]]
+    logprob: float | None
+    top: list[tuple[int, str, float]] | None
     text_offset: int
+    rank: int | None = None
+
+    def keep_top(self, k: int) -> "TokenLogprob":
+        return self if self.top is None else replace(self, top=self.top[:k])
 
 
 @dataclass
 class ChoiceDelta:
-    """What one step added to one choice."""
+    """What one step added to one choice; the first delta of a scored prompt carries its entries."""
 
     index: int
     text: str
     num_tokens: int
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -240,21 +249,31 @@ class Choice:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text += delta.text
         self.num_tokens += delta.num_tokens
         self.logprobs += delta.logprobs
         self.finish_reason = delta.finish_reason
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 @dataclass
 class Job:
-    """A validated generation request: prompts (token ids) that each get `params.n` choices."""
+    """A validated generation request: prompts (token ids) that each get `params.n` choices.
+
+    `echo` holds the prompt texts the choices start with (None: no echo); `echo_only` drops what the
+    engine generates (the one token it samples from the prompt's last row); `prompt_logprobs` is
+    vLLM's count of alternatives per prompt token (None: not asked for)."""
 
     request_id: str
     prompts: list[list[int]]
     params: SamplingParams
+    echo: list[str] | None = None
+    echo_only: bool = False
+    prompt_logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -286,25 +305,29 @@ def prepare_job(state: ServerState, id_prefix: str, prompts: Sequence[Prompt], b
     params = body.sampling_params(max_tokens_left=max(engine.max_model_len - longest, 1))
     for ids in token_ids:
         engine.check_fits(len(ids), params)
+    engine.compile_grammar(params)  # a schema or regex that does not compile is a 400 before anything runs
     return Job(f"{id_prefix}-{uuid.uuid4().hex}", token_ids, params)
 
 
 class TokenTexts:
-    """The text each generated token adds, decoded in the context of the tokens before it (so pieces
-    keep their leading spaces). A token holding part of a multibyte character reads as U+FFFD."""
+    """The text each token adds, decoded in the context of the tokens before it (so pieces keep their
+    leading spaces). A token holding part of a multibyte character reads as U+FFFD."""
 
     WINDOW = 4
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int], offset: int = 0) -> None:
         self.tokenizer = tokenizer
-        self.context = list(prompt_ids[-self.WINDOW:])
-        self.offset = 0
+        self.context = list(context_ids[-self.WINDOW:])
+        self.offset = offset
 
-    def entry(self, token_id: int, logprobs: TokenLogprobs) -> TokenLogprob:
+    def entry(self, token_id: int, logprobs: TokenLogprobs | None) -> TokenLogprob:
         prefix = self.tokenizer.decode(self.context)
         token = self._text(prefix, token_id)
-        top = [(self._text(prefix, alt), value) for alt, value in logprobs.top.items()]
-        entry = TokenLogprob(token, logprobs.token_logprob, top, self.offset)
+        if logprobs is None:
+            entry = TokenLogprob(token_id, token, None, None, self.offset)
+        else:
+            top = [(alt, self._text(prefix, alt), value) for alt, value in logprobs.top.items()]
+            entry = TokenLogprob(token_id, token, logprobs.token_logprob, top, self.offset, logprobs.rank)
         self.offset += len(token)
         self.context = (self.context + [token_id])[-self.WINDOW:]
         return entry
@@ -314,25 +337,47 @@ class TokenTexts:
 
 
 class RequestTracker:
-    """Turns the cumulative snapshots of one engine request (one prompt, n completions) into deltas."""
+    """Turns the cumulative snapshots of one engine request (one prompt, n completions) into deltas;
+    an echoed or scored prompt comes first, with the first snapshot (the prompt is scored by then)."""
 
     def __init__(self, job: Job, prompt_index: int, tokenizer: Tokenizer) -> None:
         n = job.params.n
+        self.job, self.tokenizer = job, tokenizer
         self.first_index = prompt_index * n
         self.reported_finish = [False] * n
-        ids = job.prompts[prompt_index]
-        self.token_texts = [TokenTexts(tokenizer, ids) for _ in range(n)] if job.want_logprobs else None
+        self.prompt_ids = job.prompts[prompt_index]
+        self.echo = job.echo[prompt_index] if job.echo is not None else None
+        self.opened = self.echo is None and job.prompt_logprobs is None
+        start = len(self.echo or "")
+        self.token_texts = ([TokenTexts(tokenizer, self.prompt_ids, start) for _ in range(n)]
+                            if job.want_logprobs else None)
 
     def deltas(self, out: RequestOutput) -> list[ChoiceDelta]:
-        deltas = []
+        deltas = [] if self.opened else self._opening(out)
+        self.opened = True
         for c in out.outputs:
             if self.reported_finish[c.index]:
                 continue
-            if c.new_text or c.new_token_ids or c.finish_reason:
+            if self.job.echo_only:
+                if c.finish_reason:
+                    deltas.append(ChoiceDelta(self.first_index + c.index, "", 0, [], "length"))
+            elif c.new_text or c.new_token_ids or c.finish_reason:
                 deltas.append(ChoiceDelta(self.first_index + c.index, c.new_text, len(c.new_token_ids),
                                           self._new_logprobs(c), c.finish_reason))
             self.reported_finish[c.index] = c.finish_reason is not None
         return deltas
+
+    def _opening(self, out: RequestOutput) -> list[ChoiceDelta]:
+        """Each choice's echoed prompt (with its legacy logprobs) and vLLM prompt_logprobs."""
+        scored = self._prompt_entries(out.prompt_logprobs) if out.prompt_logprobs is not None else []
+        echoed = [e.keep_top(self.job.params.logprobs) for e in scored] if self.job.want_logprobs else []
+        vllm = None if self.job.prompt_logprobs is None else [e.keep_top(self.job.prompt_logprobs) for e in scored]
+        return [ChoiceDelta(self.first_index + i, self.echo or "", 0, echoed if self.echo is not None else [], None,
+                            vllm) for i in range(self.job.params.n)]
+
+    def _prompt_entries(self, logprobs: list[TokenLogprobs | None]) -> list[TokenLogprob]:
+        texts = TokenTexts(self.tokenizer, [])
+        return [texts.entry(t, lp) for t, lp in zip(self.prompt_ids, logprobs, strict=True)]
 
     def _new_logprobs(self, c: CompletionOutput) -> list[TokenLogprob]:
         if self.token_texts is None or not c.logprobs:
@@ -417,7 +462,8 @@ class ResponseFormat(Protocol):
     def opening(self, index: int) -> BaseModel | None:
         """The chunk a streamed choice starts with, if any."""
 
-    def chunk(self, delta: ChoiceDelta) -> BaseModel: ...
+    def chunk(self, delta: ChoiceDelta) -> BaseModel | None:
+        """The streamed chunk of a delta; None where the format holds it back."""
 
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
@@ -425,65 +471,96 @@ class ResponseFormat(Protocol):
 
 
 class CompletionFormat:
-    """/v1/completions: text choices, legacy logprobs; with echo, each choice starts with its prompt."""
-
-    def __init__(self, job: Job, model: str, echo: Sequence[str] | None) -> None:
-        self.job, self.model, self.echo = job, model, echo
-
-    def opening(self, index: int) -> BaseModel | None:
-        return self._message([CompletionChoice(index=index, text=self._echo(index))]) if self.echo else None
-
-    def chunk(self, delta: ChoiceDelta) -> BaseModel:
-        return self._message([self._choice(delta.index, delta.text, delta.logprobs, delta.finish_reason)])
-
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return self._message([], usage)
-
-    def response(self, choices: Sequence[Choice], usage: Usage) -> BaseModel:
-        return self._message([self._choice(c.index, self._echo(c.index) + c.text, c.logprobs, c.finish_reason)
-                              for c in choices], usage)
-
-    def _message(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
-        return CompletionResponse(id=self.job.request_id, created=self.job.created, model=self.model,
-                                  choices=choices, usage=usage)
-
-    def _choice(self, index: int, text: str, logprobs: list[TokenLogprob], finish: str | None) -> CompletionChoice:
-        return CompletionChoice(index=index, text=text, finish_reason=finish,
-                                logprobs=self._logprobs(index, logprobs) if self.job.want_logprobs else None)
-
-    def _echo(self, index: int) -> str:
-        return self.echo[index // self.job.params.n] if self.echo else ""
-
-    def _logprobs(self, index: int, entries: list[TokenLogprob]) -> CompletionLogprobs:
-        start = len(self._echo(index))
-        return CompletionLogprobs(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
-                                  top_logprobs=[dict(e.top) for e in entries],
-                                  text_offset=[start + e.text_offset for e in entries])
-
-
-class ChatFormat:
-    """/v1/chat/completions: assistant messages, chat logprobs."""
+    """/v1/completions: text choices, legacy logprobs (an echoed prompt's entries first), and vLLM's
+    prompt_logprobs."""
 
     def __init__(self, job: Job, model: str) -> None:
         self.job, self.model = job, model
 
     def opening(self, index: int) -> BaseModel | None:
-        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+        return None
 
     def chunk(self, delta: ChoiceDelta) -> BaseModel:
-        return self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text),
-                                            logprobs=self._logprobs(delta.logprobs),
-                                            finish_reason=delta.finish_reason)])
+        return self._message([self._choice(delta)])
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._message([], usage)
+
+    def response(self, choices: Sequence[Choice], usage: Usage) -> BaseModel:
+        return self._message([self._choice(c) for c in choices], usage)
+
+    def _message(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.job.request_id, created=self.job.created, model=self.model,
+                                  choices=choices, usage=usage)
+
+    def _choice(self, c: Choice | ChoiceDelta) -> CompletionChoice:
+        return CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                logprobs=_legacy_logprobs(c.logprobs) if self.job.want_logprobs else None,
+                                prompt_logprobs=_vllm_prompt_logprobs(c.prompt_logprobs))
+
+
+def _legacy_logprobs(entries: list[TokenLogprob]) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
+                              top_logprobs=[None if e.top is None else {t: v for _, t, v in e.top} for e in entries],
+                              text_offset=[e.text_offset for e in entries])
+
+
+def _vllm_prompt_logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's format: per prompt token, {token id: entry} for the alternatives and the token itself."""
+    if entries is None:
+        return None
+    return [None if e.logprob is None else {
+        **{str(i): PromptLogprob(logprob=v, rank=rank, decoded_token=t) for rank, (i, t, v) in enumerate(e.top, 1)},
+        str(e.token_id): PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=e.token),
+    } for e in entries]
+
+
+class ChatFormat:
+    """/v1/chat/completions: assistant messages, chat logprobs. With tools (tool_choice other than
+    none) a reply is read back as tool calls once it is complete, so a streamed one is held until its
+    end and sent as one delta: tool_calls and finish_reason "tool_calls", or its text if it is none."""
+
+    def __init__(self, job: Job, model: str, tools: list[Tool], tool_choice: ToolChoice) -> None:
+        self.job, self.model = job, model
+        self.tools, self.tool_choice = tools, tool_choice
+        self.holds_replies = bool(tools) and tool_choice != "none"
+        self.held = [Choice(i) for i in range(job.num_choices)] if self.holds_replies else []
+
+    def opening(self, index: int) -> BaseModel | None:
+        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+
+    def chunk(self, delta: ChoiceDelta) -> BaseModel | None:
+        if not self.holds_replies:
+            return self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text),
+                                                logprobs=self._logprobs(delta.logprobs),
+                                                finish_reason=delta.finish_reason)])
+        held = self.held[delta.index]
+        held.add(delta)
+        if delta.finish_reason is None:
+            return None
+        message, finish = self._message(held)
+        calls = [ToolCallDelta(index=i, **c.model_dump()) for i, c in enumerate(message.tool_calls or [])]
+        return self._chunk([ChatChunkChoice(index=held.index, delta=ChatDelta(content=message.content,
+                                                                              tool_calls=calls or None),
+                                            logprobs=self._logprobs(held.logprobs), finish_reason=finish)])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._chunk([], usage)
 
     def response(self, choices: Sequence[Choice], usage: Usage) -> BaseModel:
+        replies = [(c, *self._message(c)) for c in choices]
         return ChatCompletionResponse(
             id=self.job.request_id, created=self.job.created, model=self.model, usage=usage,
-            choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                logprobs=self._logprobs(c.logprobs), finish_reason=c.finish_reason)
-                     for c in choices])
+            choices=[ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.logprobs),
+                                finish_reason=finish) for c, message, finish in replies])
+
+    def _message(self, c: Choice) -> tuple[ChatResponseMessage, str | None]:
+        """A complete reply as the assistant's message, and its finish reason."""
+        calls = (parse_tool_calls(c.text, self.tools, self.tool_choice)
+                 if self.holds_replies and c.finish_reason == "stop" else None)
+        if calls:
+            return ChatResponseMessage(content=None, tool_calls=calls), "tool_calls"
+        return ChatResponseMessage(content=c.text), c.finish_reason
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.job.request_id, created=self.job.created, model=self.model,
@@ -494,7 +571,7 @@ class ChatFormat:
             return None
         return ChatLogprobs(content=[
             ChatTokenLogprob(token=e.token, logprob=e.logprob, bytes=_utf8(e.token),
-                             top_logprobs=[TopLogprob(token=t, logprob=v, bytes=_utf8(t)) for t, v in e.top])
+                             top_logprobs=[TopLogprob(token=t, logprob=v, bytes=_utf8(t)) for _, t, v in e.top])
             for e in entries])
 
 
@@ -530,7 +607,8 @@ async def _event_stream(deltas: AsyncIterator[ChoiceDelta], job: Job, fmt: Respo
         async with aclosing(deltas):
             async for delta in deltas:
                 choices[delta.index].add(delta)
-                yield _sse(fmt.chunk(delta))
+                if (chunk := fmt.chunk(delta)) is not None:
+                    yield _sse(chunk)
     except Exception as error:  # the engine failed mid-stream: the status is sent, so say it in the stream
         log.exception("%s: failed", job.request_id)
         yield _sse(ErrorResponse(error=ErrorInfo(message=str(error), type="server_error")))
@@ -568,16 +646,20 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     prompts = body.prompts()
     state.admit(body, len(prompts))
     job = prepare_job(state, "cmpl", prompts, body)
-    echo = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts] if body.echo else None
-    return await respond(request, state, job, CompletionFormat(job, state.model_name, echo), body)
+    if body.echo:
+        job.echo = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts]
+    job.echo_only, job.prompt_logprobs = body.echo_only, body.prompt_logprobs
+    return await respond(request, state, job, CompletionFormat(job, state.model_name), body)
 
 
 @_api.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _serving_state(request, body.model)
     state.admit(body, 1)
-    job = prepare_job(state, "chatcmpl", [state.chat_template.prompt_ids(body.messages)], body)
-    return await respond(request, state, job, ChatFormat(job, state.model_name), body)
+    tools = body.tools or []
+    job = prepare_job(state, "chatcmpl", [state.chat_template.prompt_ids(body.messages, tools)], body)
+    return await respond(request, state, job, ChatFormat(job, state.model_name, tools, body.effective_tool_choice),
+                         body)
 
 
 # -- the app ------------------------------------------------------------------------------------

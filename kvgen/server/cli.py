@@ -19,11 +19,12 @@ LIMIT_HELP = {
     "max_choices": "n x the number of prompts",
     "max_tokens": "max_tokens / max_completion_tokens",
     "max_prompt_tokens": "tokens in one prompt (default: the model's context)",
-    "max_logprobs": "logprobs / top_logprobs alternatives per token",
+    "max_logprobs": "logprobs / top_logprobs / prompt_logprobs alternatives per token",
     "max_stop": "stop strings",
     "max_stop_length": "characters in one stop string",
     "max_stop_token_ids": "entries in stop_token_ids",
     "max_logit_bias": "entries in logit_bias",
+    "max_grammar_size": "characters in a structured output's schema (as JSON), regex or choices",
 }
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvgen.engine.grammar import GrammarSpec
 from kvgen.engine.sampling_params import INT64_MAX, INT64_MIN
 from kvgen.errors import InvalidRequestError
 
@@ -39,6 +40,7 @@ class RequestLimits:
     max_stop_length: int = 256  # characters of one stop string
     max_stop_token_ids: int = 256
     max_logit_bias: int = 1024  # logit_bias entries
+    max_grammar_size: int = 32768  # characters of a structured output's schema (as JSON), regex or choices
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -47,18 +49,22 @@ class RequestLimits:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
 
     def check_counts(self, *, n: int, num_prompts: int, max_tokens: int | None, logprobs: int | None,
-                     stop: list[str], stop_token_ids: list[int], logit_bias: dict | None) -> None:
+                     prompt_logprobs: int | None, stop: list[str], stop_token_ids: list[int],
+                     logit_bias: dict | None, grammar: GrammarSpec | None = None) -> None:
         """Raises LimitExceededError for the first field over its bound."""
         _within("n", n, self.max_n)
         _within("the number of prompts", num_prompts, self.max_prompts)
         _within("n x the number of prompts", n * num_prompts, self.max_choices)
         _within("max_tokens", max_tokens or 0, self.max_tokens)
         _within("logprobs", logprobs or 0, self.max_logprobs)
+        _within("prompt_logprobs", prompt_logprobs or 0, self.max_logprobs)
         _within("the number of stop strings", len(stop), self.max_stop)
         longest = max((len(s) for s in stop), default=0)
         _within("the length of a stop string", longest, self.max_stop_length, unit=" characters")
         _within("the number of stop_token_ids", len(stop_token_ids), self.max_stop_token_ids)
         _within("the number of logit_bias entries", len(logit_bias or {}), self.max_logit_bias)
+        _within("the size of the structured output's grammar", len(grammar.source) if grammar else 0,
+                self.max_grammar_size, unit=" characters")
 
     def check_prompt_tokens(self, num_tokens: int, context: int) -> None:
         _within("prompt tokens", num_tokens, self.max_prompt_tokens or context)

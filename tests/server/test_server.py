@@ -183,7 +183,6 @@ BAD_COMPLETIONS = {
     "token id out of range": {"prompt": [1, 99999]},
     "beyond the context": {"prompt": "Once upon a time", "max_tokens": 600},
     "logprobs over 20": {"prompt": "x", "logprobs": 21},
-    "echo with logprobs": {"prompt": "x", "echo": True, "logprobs": 1},
     "kv_policy not a string": {"prompt": "x", "kv_policy": 3},
 }
 BAD_CHATS = {
