@@ -66,7 +66,11 @@ def test_generate_streams_a_story_with_the_default_model(capsys):
 
 def test_generate_json(capsys, stories_bin):
     result = gen_json(capsys, "--model", stories_bin, "--prompt", "Once upon a time", "--max-tokens", 12)
-    assert set(result) == JSON_FIELDS
+    assert set(result) == JSON_FIELDS | {"weights"}
+    # stories260K: fp32, 5 layers of q/k/v 128x64, o 64x64, gate/up 344x64, down 64x172; tied 512x64 head
+    assert result["weights"] == {role: {"kernel": "BlasLinear", "bytes": 4 * n} for role, n in (
+        ("qkv", 5 * 128 * 64), ("o", 5 * 64 * 64), ("gate_up", 5 * 344 * 64), ("down", 5 * 64 * 172),
+        ("lm_head", 512 * 64))}
     assert result["finish_reason"] == "length" and len(result["token_ids"]) == 12
     assert result["prompt_token_ids"][0] == 1 and result["text"].startswith(", there was")
     assert result["ttft_s"] > 0 and result["decode_tokens_per_s"] > 0

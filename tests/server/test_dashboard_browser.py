@@ -162,9 +162,9 @@ def test_the_page_keeps_up_with_64_sequences_on_a_50000_block_pool(browser):
     with running(app) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
         open_dashboard(browser, url, key=None)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        # 16 prompts x n = 4: 64 sequences at once, a block per token.
+        # 16 prompts x n = 4: 64 sequences at once, a block per token, running well past the 3 s watched.
         prompts = [f"{PREFIX} Story {i}:" for i in range(16)]
-        done = pool.submit(client.completions.create, model=MODEL, prompt=prompts, n=4, max_tokens=40,
+        done = pool.submit(client.completions.create, model=MODEL, prompt=prompts, n=4, max_tokens=400,
                            extra_body={"ignore_eos": True})
         wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#sequences tr.running")) == 64,
                  "64 running sequences on the page", timeout=60)
