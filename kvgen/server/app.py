@@ -42,7 +42,7 @@ from kvgen.server.dashboard import routes as dashboard_routes
 from kvgen.server.dashboard.source import DashboardSource
 from kvgen.server.limits import DEFAULT_MAX_QUEUED_REQUESTS, LimitExceededError, RequestLimits
 from kvgen.server.metrics import ServerMetrics
-from kvgen.server.tools import Tool, ToolCallDelta, ToolChoice, parse_tool_calls
+from kvgen.server.tools import Tool, ToolCallDelta, ToolChoice, may_become_tool_call, parse_tool_calls
 from kvgen.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
     ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -517,25 +517,29 @@ def _vllm_prompt_logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, 
 
 class ChatFormat:
     """/v1/chat/completions: assistant messages, chat logprobs. With tools (tool_choice other than
-    none) a reply is read back as tool calls once it is complete, so a streamed one is held until its
-    end and sent as one delta: tool_calls and finish_reason "tool_calls", or its text if it is none."""
+    none) a reply is read back as tool calls once it is complete, so a streamed reply that may become
+    one is held until its end and sent as one delta: tool_calls and finish_reason "tool_calls", or
+    its text if it is none. Under auto, a reply that can no longer be a call streams on as text."""
 
     def __init__(self, job: Job, model: str, tools: list[Tool], tool_choice: ToolChoice) -> None:
         self.job, self.model = job, model
         self.tools, self.tool_choice = tools, tool_choice
         self.holds_replies = bool(tools) and tool_choice != "none"
         self.held = [Choice(i) for i in range(job.num_choices)] if self.holds_replies else []
+        self.released = [False] * job.num_choices  # held text sent as text: the rest streams through
 
     def opening(self, index: int) -> BaseModel | None:
         return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
 
     def chunk(self, delta: ChoiceDelta) -> BaseModel | None:
-        if not self.holds_replies:
-            return self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text),
-                                                logprobs=self._logprobs(delta.logprobs),
-                                                finish_reason=delta.finish_reason)])
+        if not self.holds_replies or self.released[delta.index]:
+            return self._text_chunk(delta)
         held = self.held[delta.index]
         held.add(delta)
+        if not may_become_tool_call(held.text, self.tool_choice):
+            self.released[delta.index] = True
+            return self._text_chunk(ChoiceDelta(held.index, held.text, held.num_tokens, held.logprobs,
+                                                held.finish_reason))
         if delta.finish_reason is None:
             return None
         message, finish = self._message(held)
@@ -543,6 +547,11 @@ class ChatFormat:
         return self._chunk([ChatChunkChoice(index=held.index, delta=ChatDelta(content=message.content,
                                                                               tool_calls=calls or None),
                                             logprobs=self._logprobs(held.logprobs), finish_reason=finish)])
+
+    def _text_chunk(self, delta: ChoiceDelta) -> BaseModel:
+        return self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text),
+                                            logprobs=self._logprobs(delta.logprobs),
+                                            finish_reason=delta.finish_reason)])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._chunk([], usage)

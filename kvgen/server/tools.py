@@ -111,6 +111,18 @@ def parse_tool_calls(text: str, tools: list[Tool], choice: ToolChoice) -> list[T
     return None
 
 
+def may_become_tool_call(text: str, choice: ToolChoice) -> bool:
+    """Whether a reply that begins with `text` could still be read as tool calls (auto: it opens a
+    JSON value or a <tool_call> tag; a forced call always is one)."""
+    if choice != "auto":
+        return choice != "none"
+    start = text.lstrip()
+    return start[:1] in ("", "{", "[") or start.startswith(_TAG) or _TAG.startswith(start)
+
+
+_TAG = "<tool_call>"
+
+
 def _json(text: str) -> Any:
     try:
         return json.loads(text)

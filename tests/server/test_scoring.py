@@ -169,3 +169,16 @@ def test_echo_on_chat_is_400(server):
                                        extra_body={"echo": True})
     assert raised.value.body["param"] == "echo"
     assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_echo_for_several_prompts_and_choices(server, offline):
+    """Two prompts x n=2: choice index = prompt index * n + i, each starting with its own prompt."""
+    prompts = ["The dog", "Once upon a time"]
+    with server.client() as http:
+        body = http.post("/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 0, "echo": True,
+                                                  "logprobs": 0}).json()
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in choices] == [prompts[0], prompts[0], prompts[1], prompts[1]]
+    for choice in choices:
+        assert_scores_match(offline, choice["text"], choice["logprobs"]["token_logprobs"])
+    assert body["usage"]["completion_tokens"] == 0

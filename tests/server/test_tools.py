@@ -158,3 +158,19 @@ def test_plain_template_renders_tools_calls_and_tool_messages(stories_dir):
 def test_tools_on_completions_are_400(client):
     with pytest.raises(openai.BadRequestError, match="tools is not supported"):
         client.completions.create(model=MODEL, prompt="x", extra_body={"tools": TOOLS})
+
+
+@pytest.mark.parametrize("text,could", [("", True), ("  {", True), ("[{", True), ("<tool", True),
+                                        ("<tool_call>{", True), ("Once", False), ("<b>", False)])
+def test_auto_holds_a_streamed_reply_only_while_it_may_become_a_call(text, could):
+    from kvgen.server.tools import may_become_tool_call
+
+    assert may_become_tool_call(text, "auto") is could
+    assert may_become_tool_call(text, "required") and not may_become_tool_call(text, "none")
+
+
+def test_streamed_auto_text_reply_arrives_in_pieces(client):
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="auto",
+                                            max_tokens=12, temperature=0, stream=True)
+    pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 1
