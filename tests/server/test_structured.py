@@ -78,14 +78,16 @@ def schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
 
 
-async def chat(client: openai.AsyncOpenAI, stream: bool, **fields) -> tuple[str, str]:
+async def chat(client: openai.AsyncOpenAI, stream: bool, model: str = MODEL,
+               messages: tuple[dict, ...] = ({"role": "user", "content": "Tell me about Lily."},),
+               **fields) -> tuple[str, str]:
     """(text, finish reason) of one chat completion, streamed or not."""
-    messages = [{"role": "user", "content": "Tell me about Lily."}]
+    messages = list(messages)
     if not stream:
-        out = await client.chat.completions.create(model=MODEL, messages=messages, **fields)
+        out = await client.chat.completions.create(model=model, messages=messages, **fields)
         return out.choices[0].message.content, out.choices[0].finish_reason
     text, finish = "", None
-    async for chunk in await client.chat.completions.create(model=MODEL, messages=messages, stream=True, **fields):
+    async for chunk in await client.chat.completions.create(model=model, messages=messages, stream=True, **fields):
         for choice in chunk.choices:
             text += choice.delta.content or ""
             finish = choice.finish_reason or finish

@@ -17,12 +17,12 @@ import pytest
 from kvgen import LLM
 from kvgen.server.app import create_app
 from tests.server.harness import running
-from tests.server.test_structured import CHOICES, REGEX, SCHEMAS, schema_format
+from tests.server.test_structured import CHOICES, REGEX, SCHEMAS, chat, schema_format
 from tests.server.test_tools import SCHEMAS as TOOL_SCHEMAS
 from tests.server.test_tools import TOOLS
 
 MODEL = "smollm2"
-ASK = [{"role": "user", "content": "Reply with a short JSON object: a person's name and age."}]
+ASK = ({"role": "user", "content": "Reply with a short JSON object: a person's name and age."},)
 
 
 @pytest.fixture(scope="module")
@@ -32,24 +32,12 @@ def base_url(smollm_gguf) -> Iterator[str]:
         yield f"{url}/v1"
 
 
-async def chat(client: openai.AsyncOpenAI, stream: bool, **fields) -> tuple[str, str]:
-    if not stream:
-        out = await client.chat.completions.create(model=MODEL, messages=ASK, **fields)
-        return out.choices[0].message.content, out.choices[0].finish_reason
-    text, finish = "", None
-    async for chunk in await client.chat.completions.create(model=MODEL, messages=ASK, stream=True, **fields):
-        for choice in chunk.choices:
-            text += choice.delta.content or ""
-            finish = choice.finish_reason or finish
-    return text, finish
-
-
 def run_batch(base_url: str, stream: bool, constrained: list[dict]) -> list[tuple[str, str]]:
     """The constrained requests, each beside an unconstrained one, all at once."""
     async def go():
         async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600) as client:
             plain = [dict(max_tokens=16, temperature=0)] * len(constrained)
-            return await asyncio.gather(*(chat(client, stream, **f) for f in constrained + plain))
+            return await asyncio.gather(*(chat(client, stream, MODEL, ASK, **f) for f in constrained + plain))
     return asyncio.run(go())[:len(constrained)]
 
 
