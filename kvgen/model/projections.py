@@ -33,11 +33,12 @@ ACTIVATIONS = "int8x2"
 
 class LayerBuilder:
     """Builds the model's linear layers on `device` in `dtype`; `quantization` as EngineConfig has it.
-    Each GGUF matrix is converted once, so a tied embedding and LM head share one packed table."""
+    Each weight is converted once, so a tied embedding and LM head share one table, packed or float."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, quantization: str = "none") -> None:
         self.device, self.dtype, self.quantization = device, dtype, quantization
         self._conversions: dict[str, PackedWeight | None] = {}
+        self._floats: dict[int, tuple[Weight, torch.Tensor]] = {}
 
     def packed(self, weight: GGUFWeight) -> PackedWeight | None:
         """The matrix in a kernel format, or None where no format holds its type."""
@@ -57,9 +58,13 @@ class LayerBuilder:
         return make_linear(weight, bias)
 
     def float(self, weight: Weight) -> torch.Tensor:
-        if isinstance(weight, GGUFWeight):
-            weight = weight.dequantize()
-        return weight.to(device=self.device, dtype=self.dtype)
+        """The weight on the model's device and dtype; converted once, so that a tied embedding and
+        LM head share one table."""
+        key = id(weight)
+        if key not in self._floats:
+            dense = weight.dequantize() if isinstance(weight, GGUFWeight) else weight
+            self._floats[key] = (weight, dense.to(device=self.device, dtype=self.dtype))  # keeps `weight` alive
+        return self._floats[key][1]
 
     def _packed(self, packed: list[PackedWeight], bias: torch.Tensor | None) -> Linear:
         try:
