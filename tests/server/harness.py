@@ -16,6 +16,8 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key"
+MODEL = "stories260K"
+ENGINE_OPTIONS = {"num_kv_blocks": 512, "max_num_seqs": 64}
 
 
 @dataclass

@@ -5,33 +5,17 @@ scores, under batching and with the prefix cache warm."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import openai
 import pytest
 
 from kvgen import LLM, SamplingParams
-from kvgen.server.app import create_app
-from tests.server.harness import API_KEY, Server, metric_samples, running, sse_events
+from tests.server.harness import API_KEY, MODEL, metric_samples, sse_events
 from tests.tolerances import logprob_gap
 
-MODEL = "stories260K"
-ENGINE_OPTIONS = {"num_kv_blocks": 512, "max_num_seqs": 64}
 # Over three 16-token blocks, so that a second request finds full blocks in the prefix cache.
 LONG_PROMPT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park "
                "with her friends and her dog.")
-
-
-@pytest.fixture(scope="module")
-def offline() -> LLM:
-    return LLM(**ENGINE_OPTIONS)
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    app = create_app(LLM(**ENGINE_OPTIONS).engine, model_name=MODEL, api_key=API_KEY)
-    with running(app) as url:
-        yield Server(url, app)
 
 
 def offline_scores(offline: LLM, prompt: str, top: int):

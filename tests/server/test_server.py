@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -15,23 +14,11 @@ import pytest
 
 from kvgen import LLM, SamplingParams
 from kvgen.server.app import create_app
-from tests.server.harness import API_KEY, Server, blocks_used, metric_samples, running, sse_events
+from tests.server.harness import (
+    API_KEY, ENGINE_OPTIONS, MODEL, Server, blocks_used, metric_samples, running, sse_events,
+)
 
-MODEL = "stories260K"
-ENGINE_OPTIONS = {"num_kv_blocks": 512, "max_num_seqs": 64}
 NON_ASCII_PROMPT = "Lily saw a café — 日本の猫 — and said"
-
-
-@pytest.fixture(scope="module")
-def offline() -> LLM:
-    return LLM(**ENGINE_OPTIONS)
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    app = create_app(LLM(**ENGINE_OPTIONS).engine, model_name=MODEL, api_key=API_KEY)
-    with running(app) as url:
-        yield Server(url, app)
 
 
 @pytest.fixture(scope="module")
