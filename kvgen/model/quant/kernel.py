@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels import build_library
+from kvgen.model.kernels import build_library, cpu_has
 from kvgen.model.quant.formats import PackedWeight
 
 log = logging.getLogger(__name__)
@@ -84,20 +84,11 @@ class BoundKernel:
         return out
 
 
-def cpu_supports_vnni() -> bool:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    present = set(flags.split(":", 1)[1].split())
-    return all(feature in present for feature in CPU_FEATURES)
-
-
 @functools.cache
 def vnni_kernel() -> VnniKernel | None:
     """The kernel, built once per machine, or None where this CPU lacks its features or it cannot be
     built (then the layers use torch)."""
-    if not cpu_supports_vnni():
+    if not cpu_has(CPU_FEATURES):
         return None
     try:
         return VnniKernel(ctypes.CDLL(str(build_library(SOURCE, FLAGS))))

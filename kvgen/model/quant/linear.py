@@ -93,7 +93,7 @@ def describe(layer: Linear) -> tuple[str, int]:
     if isinstance(layer, QuantLinear):
         return layer.kernel, layer.weight_bytes
     weight = getattr(layer, "weight", None)
-    if weight is None:  # OneDnnLinear keeps only its reordered bf16 copy
+    if weight is None:  # Bf16Linear and OneDnnLinear keep only their reordered bf16 copy
         return type(layer).__name__, layer.out_features * layer.in_features * 2
     return type(layer).__name__, weight.numel() * weight.element_size()
 
