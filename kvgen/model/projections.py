@@ -29,6 +29,10 @@ Weight = torch.Tensor | GGUFWeight
 # How the packed kernels quantize activations: two int8 parts per 32 (~15 bits), which keeps top-1
 # agreement with the fp32 model at 100% on the real Q4_1 file where one part gives 97.8% (BENCHMARKS.md).
 ACTIVATIONS = "int8x2"
+# From this many rows of x on (prefill chunks, large decode batches) a packed layer dequantizes its
+# weight to bf16 per call and runs x in bf16 where the CPU can (kvgen.model.quant.linear): 1.3-1.9x
+# faster than the integer kernel at 16 rows, 2.5-3.4x at 64-512, and slower below ~8 (BENCHMARKS.md).
+BF16_FROM_ROWS = 16
 
 
 class LayerBuilder:
@@ -54,7 +58,7 @@ class LayerBuilder:
                 return self._packed(packed, bias)
         weight = torch.cat([self.float(p) for p in parts]) if len(parts) > 1 else self.float(parts[0])
         if self.quantization in ("int8", "int4") and weight.shape[1] % GROUP == 0:
-            return quantize_linear(weight, self.quantization, bias, ACTIVATIONS)
+            return quantize_linear(weight, self.quantization, bias, ACTIVATIONS, BF16_FROM_ROWS)
         return make_linear(weight, bias)
 
     def float(self, weight: Weight) -> torch.Tensor:
@@ -71,9 +75,9 @@ class LayerBuilder:
             stacked = concat_rows(packed) if len(packed) > 1 else packed[0]
         except ValueError:  # formats that do not stack: one layer each, outputs side by side
             biases = [None] * len(packed) if bias is None else bias.split([p.shape[0] for p in packed])
-            return ConcatLinear([packed_linear(p, b, self.device, self.dtype, ACTIVATIONS)
+            return ConcatLinear([packed_linear(p, b, self.device, self.dtype, ACTIVATIONS, BF16_FROM_ROWS)
                                  for p, b in zip(packed, biases)])
-        return packed_linear(stacked, bias, self.device, self.dtype, ACTIVATIONS)
+        return packed_linear(stacked, bias, self.device, self.dtype, ACTIVATIONS, BF16_FROM_ROWS)
 
 
 class ConcatLinear(Linear):

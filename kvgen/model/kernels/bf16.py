@@ -38,21 +38,24 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 class Bf16Matmul:
     def __init__(self, library: ctypes.CDLL) -> None:
         function = library.bf16_matmul
-        function.argtypes = [_P, _I64, _I64, _P, _I64, _P, ctypes.c_int32]
+        function.argtypes = [_P, _I64, _I64, _P, _I64, _P, ctypes.c_int32, ctypes.c_int32]
         function.restype = None
         self._function = function
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-        """x bf16 [T, K] contiguous, `packed` from pack() of a [out_features, K] weight -> bf16
-        [T, out_features]."""
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x bf16 [T, K] contiguous, `packed` from pack() of a [out_features, K] weight -> [T, out_features]
+        in `out_dtype`: bf16, or float32 for the unrounded fp32 sums."""
         if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.dim() != 2:
             raise ValueError(f"bf16 matmul: x must be contiguous bf16 [T, K], not {x.dtype} {list(x.shape)}")
         if packed.shape[:2] != (-(-out_features // TILE_ROWS), -(-x.shape[1] // SPAN)):
             raise ValueError(f"bf16 matmul: x [{x.shape[1]} columns] does not fit the packed weight {list(packed.shape)}")
-        out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"bf16 matmul: out_dtype must be bfloat16 or float32, not {out_dtype}")
+        out = torch.empty(x.shape[0], out_features, dtype=out_dtype)
         if x.shape[0]:
             self._function(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out_features, out.data_ptr(),
-                           torch.get_num_threads())
+                           out_dtype == torch.float32, torch.get_num_threads())
         return out
 
 
