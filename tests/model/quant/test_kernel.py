@@ -120,7 +120,7 @@ def test_dequantized_bf16_tiles_are_the_weights_rounded_to_bf16(ggml_type):
 
 
 @pytest.mark.parametrize("rows", [16, 70])
-@pytest.mark.parametrize("ggml_type", [MAPPED[0], MAPPED[-1]], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
 def test_many_rows_run_in_bf16_within_its_rounding(ggml_type, rows):
     """x and W^ each rounded to bf16 (relative 2^-8), products exact in fp32, summed in fp32:
     |y - x W^T| <= ((1 + u)^2 - 1 + gamma(K) (1 + u)^2) sum |x| |W^|, u = 2^-8."""
