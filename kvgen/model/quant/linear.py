@@ -11,7 +11,7 @@
                       in bf16 through kvgen.model.kernels.bf16: there the integer kernel is
                       compute-bound and its two parts of x cost it twice the work, while bf16 dot
                       products do 32 multiply-adds an instruction (top-1 agreement with the fp32
-                      model on the real Q4_1 file: 99.6%; BENCHMARKS.md).
+                      model on the real Q4_1 file: 99.2%; BENCHMARKS.md).
     TorchQuantLinear  CUDA and other devices: dequantizes on each call and runs F.linear, so the
                       weights stay packed in memory; also the kernel's CPU twin in the tests.
 
