@@ -18,12 +18,13 @@ from __future__ import annotations
 import torch
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
+from kvgen.model.kernels.bf16 import Bf16Tiles
 from kvgen.model.linear import Linear, RowKernels, make_linear
 from kvgen.model.quant.float_weights import GROUP
 from kvgen.model.quant.formats import PackedWeight, concat_rows, dequantize_rows
 from kvgen.model.quant.gguf_blocks import convert
 from kvgen.model.quant.linear import describe as describe_layer
-from kvgen.model.quant.linear import packed_linear, quantize_linear
+from kvgen.model.quant.linear import ManyRows, packed_linear, quantize_linear
 
 Weight = torch.Tensor | GGUFWeight
 # How the packed kernels quantize activations: two int8 parts per 32 (~15 bits), which keeps top-1
@@ -42,6 +43,7 @@ class LayerBuilder:
     def __init__(self, device: torch.device, dtype: torch.dtype, quantization: str = "none") -> None:
         self.device, self.dtype, self.quantization = device, dtype, quantization
         self._conversions: dict[str, PackedWeight | None] = {}
+        self._many_rows = ManyRows(BF16_FROM_ROWS, Bf16Tiles())  # one buffer for every layer's tiles
         self._floats: dict[int, tuple[Weight, torch.Tensor]] = {}
 
     def packed(self, weight: GGUFWeight) -> PackedWeight | None:
@@ -58,7 +60,7 @@ class LayerBuilder:
                 return self._packed(packed, bias)
         weight = torch.cat([self.float(p) for p in parts]) if len(parts) > 1 else self.float(parts[0])
         if self.quantization in ("int8", "int4") and weight.shape[1] % GROUP == 0:
-            return quantize_linear(weight, self.quantization, bias, ACTIVATIONS, BF16_FROM_ROWS)
+            return quantize_linear(weight, self.quantization, bias, ACTIVATIONS, self._many_rows)
         return make_linear(weight, bias)
 
     def float(self, weight: Weight) -> torch.Tensor:
@@ -75,9 +77,9 @@ class LayerBuilder:
             stacked = concat_rows(packed) if len(packed) > 1 else packed[0]
         except ValueError:  # formats that do not stack: one layer each, outputs side by side
             biases = [None] * len(packed) if bias is None else bias.split([p.shape[0] for p in packed])
-            return ConcatLinear([packed_linear(p, b, self.device, self.dtype, ACTIVATIONS, BF16_FROM_ROWS)
+            return ConcatLinear([packed_linear(p, b, self.device, self.dtype, ACTIVATIONS, self._many_rows)
                                  for p, b in zip(packed, biases)])
-        return packed_linear(stacked, bias, self.device, self.dtype, ACTIVATIONS, BF16_FROM_ROWS)
+        return packed_linear(stacked, bias, self.device, self.dtype, ACTIVATIONS, self._many_rows)
 
 
 class ConcatLinear(Linear):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -33,6 +34,22 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     padded = F.pad(weight.to(torch.bfloat16), (0, -k % SPAN, 0, -n % TILE_ROWS))
     rows, cols = padded.shape
     return padded.view(rows // TILE_ROWS, TILE_ROWS, cols // SPAN, SPAN).transpose(1, 2).contiguous()
+
+
+class Bf16Tiles:
+    """One growable buffer of weights in this kernel's layout, which a model's packed layers share for
+    their weights dequantized at many rows (kvgen.model.quant.linear): each layer's tiles live only
+    during its own call, and a fresh multi-MB tensor per call is page-faulted in every time."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.bfloat16)
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor of `shape` over the buffer (valid until the next take)."""
+        size = math.prod(shape)
+        if self._buffer.numel() < size:
+            self._buffer = torch.empty(size, dtype=torch.bfloat16)
+        return self._buffer[:size].view(shape)
 
 
 class Bf16Matmul:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kvgen.model.kernels import build_library, cpu_has
+from kvgen.model.kernels.bf16 import Bf16Tiles
 from kvgen.model.quant.formats import PackedWeight
 
 log = logging.getLogger(__name__)
@@ -77,11 +78,11 @@ class BoundKernel:
         minimum = 0 if w.min is None else w.min.data_ptr()
         self._weight_args = (w.codes.data_ptr(), w.scale.data_ptr(), minimum, w.offset, w.shape[0])
 
-    def dequantize_bf16(self) -> torch.Tensor:
+    def dequantize_bf16(self, tiles: Bf16Tiles | None = None) -> torch.Tensor:
         """W^ rounded to bf16 in kvgen.model.kernels.bf16's layout [ceil(out/4), in/32, 4, 32] (for
-        the bf16 kernel at many rows)."""
-        tiles = -(-self._out_features // 4)
-        out = torch.empty(tiles, self._in_features // 32, 4, 32, dtype=torch.bfloat16)
+        the bf16 kernel at many rows), in `tiles`' buffer if given."""
+        shape = (-(-self._out_features // 4), self._in_features // 32, 4, 32)
+        out = tiles.take(shape) if tiles is not None else torch.empty(shape, dtype=torch.bfloat16)
         self._dequantize(*self._weight_args[:3], self._weight.offset, self._out_features, self._in_features,
                          out.data_ptr(), torch.get_num_threads())
         return out

@@ -6,7 +6,7 @@
                       bits; on the real Q4_1 file top-1 agreement with the fp32 model is 97.8% with
                       int8 and 100% with int8x2, see BENCHMARKS.md). Against fp32 BLAS on the
                       dequantized weights it is faster at 1, 16 and 64 rows and no slower at 512.
-                      From `bf16_from_rows` rows on (prefill), where the CPU has AVX-512 BF16, the
+                      From `many_rows.from_rows` rows on (prefill), where the CPU has AVX-512 BF16, the
                       weight is instead dequantized per call to bf16 (qmatmul.c, in C) and x runs
                       in bf16 through kvgen.model.kernels.bf16: there the integer kernel is
                       compute-bound and its two parts of x cost it twice the work, while bf16 dot
@@ -23,13 +23,15 @@ values, fp32 bytes): dequantizing every matrix on every call would cost more tha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from kvgen.model.kernels.bf16 import bf16_kernel
+from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
 from kvgen.model.linear import Linear, RowKernels, make_linear
 from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
 from kvgen.model.quant.formats import PackedWeight, dequantize
@@ -56,24 +58,33 @@ class QuantLinear(Linear):
         return self.packed.nbytes
 
 
+@dataclass(frozen=True)
+class ManyRows:
+    """From `from_rows` rows of x on, a packed layer runs in bf16 (see VnniQuantLinear), dequantizing
+    its weight into `tiles`."""
+
+    from_rows: int
+    tiles: Bf16Tiles
+
+
 class VnniQuantLinear(QuantLinear):
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None, activations: str = "int8",
-                 bf16_from_rows: int | None = None) -> None:
+                 many_rows: ManyRows | None = None) -> None:
         super().__init__(weight, bias)
         kernel = vnni_kernel()
         assert kernel is not None, "VnniQuantLinear needs the VNNI kernel (see vnni_kernel())"
         self._matmul = kernel.bind(weight, activations)
-        self._bf16 = bf16_kernel() if bf16_from_rows is not None else None
-        self.bf16_from_rows = bf16_from_rows if self._bf16 is not None else None
-        many = f"; from {self.bf16_from_rows} rows bf16_matmul" if self.bf16_from_rows is not None else ""
+        self._bf16 = bf16_kernel() if many_rows is not None else None
+        self.many_rows = many_rows if self._bf16 is not None else None
+        many = f"; from {self.many_rows.from_rows} rows bf16_matmul" if self.many_rows is not None else ""
         self.kernel = f"{kernel_name(weight)} (x {activations}{many})"
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
-        whatever rows run with it, for a given side of `bf16_from_rows`."""
-        if self.bf16_from_rows is not None and x.shape[0] >= self.bf16_from_rows:
-            out = self._bf16(x.to(torch.bfloat16).contiguous(), self._matmul.dequantize_bf16(), self.out_features,
-                             torch.float32)
+        whatever rows run with it, for a given side of `many_rows.from_rows`."""
+        if self.many_rows is not None and x.shape[0] >= self.many_rows.from_rows:
+            tiles = self._matmul.dequantize_bf16(self.many_rows.tiles)
+            out = self._bf16(x.to(torch.bfloat16).contiguous(), tiles, self.out_features, torch.float32)
         else:
             out = self._matmul(x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous())
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -90,17 +101,17 @@ class TorchQuantLinear(QuantLinear):
 
 def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None, device: torch.device = CPU,
                   dtype: torch.dtype = torch.float32, activations: str = "int8",
-                  bf16_from_rows: int | None = None) -> Linear:
+                  many_rows: ManyRows | None = None) -> Linear:
     """The layer for a packed weight on `device` (see the module docstring). `dtype` is the float
     layer's where a CPU lacks the kernel's features; `activations` how the kernel quantizes x;
-    from `bf16_from_rows` rows of x on (None: never), where the CPU has AVX-512 BF16, the weight is
-    dequantized to bf16 per call and x runs in bf16 (see VnniQuantLinear)."""
+    `many_rows` (None: never) from how many rows of x on, where the CPU has AVX-512 BF16, the weight
+    is dequantized to bf16 per call and x runs in bf16 (see VnniQuantLinear)."""
     if activations not in ACTIVATION_PARTS:
         raise ValueError(f"activations {activations!r}: expected one of {', '.join(ACTIVATION_PARTS)}")
     if device.type != "cpu":
         return TorchQuantLinear(weight.to(device), None if bias is None else bias.to(device))
     if vnni_kernel() is not None:
-        return VnniQuantLinear(weight, bias, activations, bf16_from_rows)
+        return VnniQuantLinear(weight, bias, activations, many_rows)
     return make_linear(dequantize(weight).to(dtype), bias)
 
 
@@ -129,10 +140,10 @@ def make_quantized_linear(ggml_type: GGMLQuantizationType, raw: np.ndarray, shap
 
 
 def quantize_linear(weight: torch.Tensor, method: str, bias: torch.Tensor | None = None,
-                    activations: str = "int8", bf16_from_rows: int | None = None) -> Linear:
+                    activations: str = "int8", many_rows: ManyRows | None = None) -> Linear:
     """A float weight [out, in] quantized by `method` ("int8" or "int4", see float_weights), on its
     device."""
     if method not in FLOAT_QUANTIZERS:
         raise ValueError(f"quantization {method!r}: expected one of {', '.join(FLOAT_QUANTIZERS)}")
     return packed_linear(FLOAT_QUANTIZERS[method](weight), bias, weight.device, weight.dtype, activations,
-                         bf16_from_rows)
+                         many_rows)

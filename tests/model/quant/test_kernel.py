@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
-from kvgen.model.kernels.bf16 import bf16_kernel
+from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
 from kvgen.model.quant.formats import PackedWeight, dequantize
 from kvgen.model.quant.gguf_blocks import convert
 from kvgen.model.quant.kernel import vnni_kernel
-from kvgen.model.quant.linear import VnniQuantLinear
+from kvgen.model.quant.linear import ManyRows, VnniQuantLinear
 from tests.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix
@@ -128,7 +128,7 @@ def test_many_rows_run_in_bf16_within_its_rounding(ggml_type, rows):
         pytest.skip("this CPU has no AVX-512 BF16")
     w = gguf_weight(ggml_type, out=13)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-    layer = VnniQuantLinear(w, None, "int8x2", bf16_from_rows=16)
+    layer = VnniQuantLinear(w, None, "int8x2", ManyRows(16, Bf16Tiles()))
     dense = dequantize(w).double()
     u = BF16_UNIT_ROUNDOFF
     bound = ((1 + u) ** 2 - 1 + gamma(512) * (1 + u) ** 2) * (x.double().abs() @ dense.abs().T)
