@@ -25,7 +25,7 @@ from kvgen.distributed.shard import ShardPlan
 from kvgen.distributed.worker import memory_report, shard_model
 from kvgen.engine.llm_engine import LLMEngine, build_runner
 from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.scheduler import ScheduledChunk
+from kvgen.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvgen.engine.sequence import RequestOutput
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
@@ -68,7 +68,7 @@ class TensorParallelEngine(LLMEngine):
         if loaded.shard is None:
             raise ValueError("a tensor-parallel engine needs the model loaded with its shard plan")
         self.group, self.plan, self.workers = group, loaded.shard, workers
-        self._closed = False
+        self._closed, self._between_steps = False, True
         super().__init__(loaded, config)  # logs capacity_report(), every rank's memory with it
         atexit.register(self.close)
 
@@ -108,9 +108,17 @@ class TensorParallelEngine(LLMEngine):
 
     def step(self) -> list[RequestOutput]:
         self._stop_if_broken()
-        outputs = super().step()  # a failed collective fails the step's requests (LLMEngine.step)
+        self._between_steps = False  # stays so if the step is interrupted (Ctrl-C): see close()
+        outputs = super().step()
+        self._between_steps = True
         self._stop_if_broken()
         return outputs
+
+    def _run(self, schedule: SchedulerOutput, released: list[int]) -> list[RequestOutput]:
+        try:
+            return super()._run(schedule, released)
+        except DistributedError as error:  # expected, not an internal error: no traceback
+            return self.fail({chunk.seq.request for chunk in schedule.chunks}, f"tensor parallelism failed: {error}")
 
     def _stop_if_broken(self) -> None:
         """A broken group ends the engine: every request fails with the reason, the workers stop."""
@@ -122,16 +130,18 @@ class TensorParallelEngine(LLMEngine):
         raise DistributedError(f"tensor parallelism failed: {message}")
 
     def close(self) -> None:
+        """Stops every rank: STOP between steps; the workers are terminated if a step was cut short
+        (they wait in its collectives) or the group is broken."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
-        if self.group.broken is None:
+        orderly = self.group.broken is None and self._between_steps
+        if orderly:
             try:
                 self.channel.send(Message(Header(Op.STOP)))
             except DistributedError:
-                pass
+                orderly = False
         if self.workers is not None:
-            self.workers.stop()
-        if self.group.broken is None:
-            self.group.destroy()
+            self.workers.stop(join_seconds=5.0 if orderly else 0.0)
+        self.group.destroy()  # so that this process can form another group

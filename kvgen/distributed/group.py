@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,12 +75,19 @@ class TensorParallelGroup:
         kwargs = {"init_method": meeting.init_method} if meeting.init_method else {}
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(meeting.backend, rank=meeting.rank, world_size=meeting.world,
-                                timeout=datetime.timedelta(seconds=meeting.timeout), **kwargs)
-        self.data = dist.group.WORLD
-        self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        try:
+            dist.init_process_group(meeting.backend, rank=meeting.rank, world_size=meeting.world,
+                                    timeout=datetime.timedelta(seconds=meeting.timeout), **kwargs)
+            self.data = dist.group.WORLD
+            self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        except (RuntimeError, OSError, ValueError) as error:  # DistStoreError is a RuntimeError
+            raise DistributedError(f"rank {meeting.rank}: the {meeting.world} tensor-parallel ranks did not meet "
+                                   f"within {meeting.timeout:g} s: {_first_line(error)}") from None
         self._broken: str | None = None
         self._lock = threading.Lock()
+        # Names a dead peer, if one can be found (WorkerWatch sets it on rank 0): a lost connection
+        # is reported by gloo before the dead process is reaped.
+        self.diagnose: Callable[[], str | None] = lambda: None
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -132,8 +140,10 @@ class TensorParallelGroup:
         try:
             op()
         except (RuntimeError, OSError) as error:  # gloo / NCCL report lost peers and timeouts so
-            self.mark_broken(f"{what} failed on rank {self.rank} (a rank died, hung past "
-                             f"{self.timeout:g} s, or is unreachable): {_first_line(error)}")
+            failed = (f"{what} failed on rank {self.rank} (a rank died, hung past {self.timeout:g} s, or is "
+                      f"unreachable): {_first_line(error)}")
+            reason = self.diagnose()
+            self.mark_broken(f"{reason} ({failed})" if reason else failed)
             raise DistributedError(self._broken) from None
 
     def destroy(self) -> None:

@@ -64,7 +64,13 @@ def build_tensor_parallel_engine(loaded: LoadedModel, config: EngineConfig) -> T
         raise ValueError("spawning tensor-parallel workers needs LoadedModel.reload (kvgen.llm.load sets it)")
     meeting = Rendezvous(0, world, backend, f"tcp://127.0.0.1:{free_port()}", config.distributed_timeout)
     workers = {r: _spawn(loaded, config, dataclasses.replace(meeting, rank=r), world) for r in range(1, world)}
-    group = TensorParallelGroup(meeting, torch.device(_rank_device(config.device, 0)))
+    try:
+        group = TensorParallelGroup(meeting, torch.device(_rank_device(config.device, 0)))
+    except DistributedError as error:
+        dead = [f"worker rank {r} exited with code {p.exitcode}" for r, p in workers.items() if p.exitcode is not None]
+        for process in workers.values():
+            process.kill()
+        raise DistributedError("; ".join([str(error), *dead])) from None
     watch = WorkerWatch(workers, group, grace=config.distributed_timeout)
     try:
         return TensorParallelEngine(loaded, config, group, watch)

@@ -26,15 +26,26 @@ class WorkerWatch:
     def __init__(self, workers: dict[int, BaseProcess], group: TensorParallelGroup, grace: float) -> None:
         self.workers, self.group, self.grace = workers, group, grace
         self._stopping = threading.Event()
+        group.diagnose = self.dead_worker
         self._thread = threading.Thread(target=self._watch, name="kvgen-tp-watch", daemon=True)
         self._thread.start()
 
+    def dead_worker(self, wait: float = 1.0) -> str | None:
+        """What happened to the first worker that exited, waiting up to `wait` s for one to."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, process in self.workers.items():
+                if process.exitcode is not None:
+                    return f"worker rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(POLL_SECONDS / 4)
+
     def _watch(self) -> None:
         while not self._stopping.wait(POLL_SECONDS):
-            dead = [(rank, p) for rank, p in self.workers.items() if p.exitcode is not None]
-            if dead:
-                rank, process = dead[0]
-                self.group.mark_broken(f"worker rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
+            reason = self.dead_worker(wait=0)
+            if reason is not None:
+                self.group.mark_broken(reason)
                 if not self._stopping.wait(self.grace):
                     log.critical("tensor parallelism: %s; rank 0 is stuck in a collective, exiting", self.group.broken)
                     os._exit(1)

@@ -73,8 +73,7 @@ def worker_main(reload: Callable[..., LoadedModel], config: EngineConfig, meetin
     try:
         loaded = reload(shard=(meeting.rank, meeting.world))
         serve_worker(loaded, config, group)
-    except DistributedError as error:
-        log.error("%s", error)
+    except DistributedError:  # the group logged why
         sys.exit(1)
     group.destroy()
     os._exit(0)  # nothing left to flush; skips interpreter teardown of the gloo threads
