@@ -72,6 +72,9 @@ class TensorParallelGroup:
     def __init__(self, meeting: Rendezvous, device: torch.device) -> None:
         self.rank, self.world, self.device = meeting.rank, meeting.world, device
         self.timeout = meeting.timeout
+        if dist.is_initialized():
+            raise DistributedError("this process already runs a tensor-parallel engine (torch.distributed has "
+                                   "one default group per process): close it first (LLM.close())")
         kwargs = {"init_method": meeting.init_method} if meeting.init_method else {}
         if device.type == "cuda":
             torch.cuda.set_device(device)

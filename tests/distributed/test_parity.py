@@ -49,7 +49,7 @@ MODELS = {
     "smollm2-packed-tp2": (lambda root, stories_bin, gguf: gguf(), 2, {}),
 }
 # SmolLM2 over every path takes minutes on two cores: the default suite runs its batch of one
-# (test_smollm2_*), the whole matrix is slow.
+# (test_parity_smollm.py), the whole matrix is slow.
 SLOW = {"smollm2-tp2", "smollm2-tp3", "smollm2-packed-tp2"}
 
 
@@ -115,22 +115,3 @@ def test_attention_sinks_rerotate_keys(pair):
     _assert_same(one, many, _prompts(one.engine.model_config.vocab_size, 2, seed=5),
                  _greedy(kv_policy="sinks:4,12", max_tokens=24))
 
-
-# -- SmolLM2-135M (real weights, 9 query heads over 3 KV heads), batch of one ------------------
-
-SMOLLM_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.fixture(scope="module")
-def smollm_tp2(smollm_gguf):
-    """KV heads split 2 + 1 (whole GQA groups: 6 and 3 query heads), as smollm_llm but on two ranks."""
-    llm = LLM(smollm_gguf, quantization="none", dtype="float32", num_kv_blocks=256, max_num_seqs=8,
-              tensor_parallel_size=2)
-    yield llm
-    llm.close()
-
-
-def test_smollm2_tp2_batch_of_one(smollm_llm, smollm_tp2):
-    _assert_same(smollm_llm, smollm_tp2, [SMOLLM_PROMPT], _greedy(max_tokens=16))
-    plans = smollm_tp2.engine.shard_plans
-    assert [(p.kv_heads.size, p.q_heads.size) for p in plans] == [(2, 6), (1, 3)]
