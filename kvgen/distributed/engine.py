@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -69,6 +70,9 @@ class TensorParallelEngine(LLMEngine):
             raise ValueError("a tensor-parallel engine needs the model loaded with its shard plan")
         self.group, self.plan, self.workers = group, loaded.shard, workers
         self._closed, self._between_steps = False, True
+        # Called with the reason once the group broke and every request failed (`kvgen serve` stops).
+        self.on_failure: Callable[[str], None] = lambda _: None
+        self.failure: str | None = None
         super().__init__(loaded, config)  # logs capacity_report(), every rank's memory with it
         atexit.register(self.close)
 
@@ -125,9 +129,11 @@ class TensorParallelEngine(LLMEngine):
         message = self.group.broken
         if message is None:
             return
-        self.fail(list(self.requests.values()), f"tensor parallelism failed: {message}")
+        self.failure = f"tensor parallelism failed: {message}"
+        self.fail(list(self.requests.values()), self.failure)
         self.close()
-        raise DistributedError(f"tensor parallelism failed: {message}")
+        self.on_failure(self.failure)
+        raise DistributedError(self.failure)
 
     def close(self) -> None:
         """Stops every rank: STOP between steps; the workers are terminated if a step was cut short

@@ -71,8 +71,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(engine, model_name=args.served_model_name or _model_name(args.model),
                      api_key=args.api_key, max_request_bytes=args.max_request_bytes, limits=limits,
                      max_queued_requests=args.max_queued_requests, dashboard=not args.no_dashboard)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    _stop_when_ranks_fail(engine, server)
+    server.run()
+    if getattr(engine, "failure", None):
+        raise KVGenError(engine.failure)
     return 0
+
+
+def _stop_when_ranks_fail(engine, server) -> None:
+    """A broken tensor-parallel group ends the server (a graceful shutdown: the failed requests'
+    answers go out first); the command then exits with the reason."""
+    from kvgen.distributed.engine import TensorParallelEngine
+
+    if isinstance(engine, TensorParallelEngine):
+        engine.on_failure = lambda _: setattr(server, "should_exit", True)
 
 
 def _model_name(model: str | None) -> str:

@@ -11,11 +11,12 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
 from kvgen import LLM, SamplingParams
-from kvgen.distributed.group import DistributedError
+from kvgen.distributed.group import DistributedError, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LONG = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
@@ -112,3 +113,36 @@ def test_hung_worker_times_out(tp_llm):
     with pytest.raises(DistributedError, match="hung past 3 s"):
         tp_llm.generate(PROMPTS, LONG)
     assert time.monotonic() - started < 30
+
+
+def test_killed_worker_stops_the_server_after_failing_its_streams():
+    port = free_port()
+    command = [sys.executable, "-m", "kvgen", "serve", "--tensor-parallel-size", "2", "--port", str(port)]
+    server = subprocess.Popen(command, env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while not _healthy(url):
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+        body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            _workers(server.pid)[0].kill()
+            killed = time.monotonic()
+            rest = "\n".join(lines)
+        assert "worker rank 1" in rest  # the stream ends with the reason
+        stderr = server.communicate(timeout=30)[1]
+        assert time.monotonic() - killed < 30
+    finally:
+        server.kill()
+    assert server.returncode != 0 and "kvgen: error: tensor parallelism failed: worker rank 1" in stderr
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
