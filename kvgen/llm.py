@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from functools import partial
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -79,7 +79,7 @@ class LLM:
         """Stops the engine's tensor-parallel workers, if any (also done at exit)."""
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

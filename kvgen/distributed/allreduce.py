@@ -16,7 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvgen.distributed.group import Rendezvous, TensorParallelGroup, default_backend, free_port
+from kvgen.distributed.group import (
+    Rendezvous,
+    TensorParallelGroup,
+    default_backend,
+    free_port,
+)
 
 
 def _time_all_reduce(group: TensorParallelGroup, shape: tuple[int, int], dtype: torch.dtype, repeats: int) -> float:

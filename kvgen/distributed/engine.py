@@ -21,7 +21,14 @@ from kvgen.cache.sizing import format_bytes
 from kvgen.config import EngineConfig
 from kvgen.distributed.group import DistributedError, TensorParallelGroup
 from kvgen.distributed.liveness import WorkerWatch
-from kvgen.distributed.messages import Header, Message, Op, StepChannel, encode_copies, encode_step
+from kvgen.distributed.messages import (
+    Header,
+    Message,
+    Op,
+    StepChannel,
+    encode_copies,
+    encode_step,
+)
 from kvgen.distributed.shard import ShardPlan
 from kvgen.distributed.worker import memory_report, shard_model
 from kvgen.engine.llm_engine import LLMEngine, build_runner

@@ -21,7 +21,12 @@ import torch.multiprocessing as mp
 from kvgen.config import EngineConfig
 from kvgen.distributed.engine import TensorParallelEngine
 from kvgen.distributed.group import (
-    DistributedError, Rendezvous, TensorParallelGroup, default_backend, free_port, torchrun_rank,
+    DistributedError,
+    Rendezvous,
+    TensorParallelGroup,
+    default_backend,
+    free_port,
+    torchrun_rank,
 )
 from kvgen.distributed.liveness import WorkerWatch
 from kvgen.distributed.worker import serve_worker, worker_main
@@ -49,7 +54,7 @@ def build_tensor_parallel_engine(loaded: LoadedModel, config: EngineConfig) -> T
     _share_cores(world)
     rank = torchrun_rank()
     if rank is not None:
-        config = dataclasses.replace(config, device=_rank_device(config.device, int(os.environ.get("LOCAL_RANK", 0))))
+        config = dataclasses.replace(config, device=_rank_device(config.device, int(os.environ.get("LOCAL_RANK", "0"))))
         group = TensorParallelGroup(Rendezvous(rank, world, backend, None, config.distributed_timeout),
                                     torch.device(config.device))
         if rank != 0:

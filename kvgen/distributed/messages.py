@@ -50,7 +50,7 @@ class Header:
         return torch.tensor(values + [0] * (HEADER_SIZE - len(values)), dtype=torch.int64)
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> "Header":
+    def of(cls, t: torch.Tensor) -> Header:
         v = t.tolist()
         return cls(Op(v[0]), *v[1:8])
 

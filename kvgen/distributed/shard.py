@@ -43,7 +43,7 @@ class Span:
     def size(self) -> int:
         return self.stop - self.start
 
-    def scaled(self, factor: int) -> "Span":
+    def scaled(self, factor: int) -> Span:
         return Span(self.start * factor, self.stop * factor)
 
 

@@ -12,8 +12,12 @@ from kvgen import LLM
 from kvgen.server.app import create_app
 from tests.server.harness import API_KEY, ENGINE_OPTIONS, MODEL, Server, running
 from tests.server.test_server import (  # noqa: F401 - collected here, on the fixtures below
-    client, test_64_concurrent_streams_match_offline, test_chat_matches_offline_greedy,
-    test_completion_matches_offline_greedy, test_disconnect_mid_stream_frees_blocks, test_prompt_forms_and_n,
+    client,
+    test_64_concurrent_streams_match_offline,
+    test_chat_matches_offline_greedy,
+    test_completion_matches_offline_greedy,
+    test_disconnect_mid_stream_frees_blocks,
+    test_prompt_forms_and_n,
 )
 
 

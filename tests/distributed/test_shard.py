@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from kvgen.config import ModelConfig
-from kvgen.distributed.shard import COLUMNS, ROWS, ShardingError, ShardPlan, Slice, Span, take_gguf
+from kvgen.distributed.shard import (
+    COLUMNS,
+    ROWS,
+    ShardingError,
+    ShardPlan,
+    Slice,
+    Span,
+    take_gguf,
+)
 from kvgen.loaders.gguf_tensors import GGUFWeight
 
 
