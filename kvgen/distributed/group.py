@@ -62,6 +62,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_no_group() -> None:
+    if dist.is_initialized():
+        raise DistributedError("this process already runs a tensor-parallel engine (torch.distributed has "
+                               "one default group per process): close it first (LLM.close())")
+
+
 def default_backend(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
@@ -72,9 +78,7 @@ class TensorParallelGroup:
     def __init__(self, meeting: Rendezvous, device: torch.device) -> None:
         self.rank, self.world, self.device = meeting.rank, meeting.world, device
         self.timeout = meeting.timeout
-        if dist.is_initialized():
-            raise DistributedError("this process already runs a tensor-parallel engine (torch.distributed has "
-                                   "one default group per process): close it first (LLM.close())")
+        check_no_group()
         kwargs = {"init_method": meeting.init_method} if meeting.init_method else {}
         if device.type == "cuda":
             torch.cuda.set_device(device)

@@ -24,6 +24,7 @@ from kvgen.distributed.group import (
     DistributedError,
     Rendezvous,
     TensorParallelGroup,
+    check_no_group,
     default_backend,
     free_port,
     torchrun_rank,
@@ -67,6 +68,7 @@ def build_tensor_parallel_engine(loaded: LoadedModel, config: EngineConfig) -> T
         return TensorParallelEngine(loaded, config, group)
     if loaded.reload is None:
         raise ValueError("spawning tensor-parallel workers needs LoadedModel.reload (kvgen.llm.load sets it)")
+    check_no_group()  # before spawning anyone
     meeting = Rendezvous(0, world, backend, f"tcp://127.0.0.1:{free_port()}", config.distributed_timeout)
     workers = {r: _spawn(loaded, config, dataclasses.replace(meeting, rank=r), world) for r in range(1, world)}
     try:

@@ -15,6 +15,8 @@ import random
 import pytest
 
 from kvgen import LLM, SamplingParams
+from kvgen.distributed.group import DistributedError
+from kvgen.errors import InvalidRequestError
 from tests.conftest import SMALL, _word_tokenizer, build_hf_model
 from tests.tolerances import assert_same_logprobs
 
@@ -124,3 +126,14 @@ def test_attention_sinks_rerotate_keys(pair):
     _assert_same(one, many, _prompts(one.engine.model_config.vocab_size, 2, seed=5),
                  _greedy(kv_policy="sinks:4,12", max_tokens=24))
 
+
+
+def test_h2o_is_refused(pair):
+    _, many = pair
+    with pytest.raises(InvalidRequestError, match="h2o is not supported with tensor parallelism"):
+        many.generate([[5, 6, 7]], _greedy(kv_policy="h2o:4,8"))
+
+
+def test_one_tensor_parallel_engine_per_process(pair):
+    with pytest.raises(DistributedError, match="already runs a tensor-parallel engine"):
+        LLM(tensor_parallel_size=2)
