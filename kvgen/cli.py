@@ -15,7 +15,8 @@ from pathlib import Path
 
 from kvgen.cache.sizing import KV_ELEMENT_BYTES, KV_SCALE_BYTES, format_bytes, kv_bytes_per_token, parse_bytes
 from kvgen.config import (
-    ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, QUANTIZATION_MODES, EngineConfig, ModelConfig,
+    ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, QUANTIZATION_MODES,
+    EngineConfig, ModelConfig,
 )
 from kvgen.engine.base import Engine
 from kvgen.engine.sampling_params import SamplingParams

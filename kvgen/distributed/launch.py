@@ -83,6 +83,7 @@ def build_tensor_parallel_engine(loaded: LoadedModel, config: EngineConfig) -> T
         return TensorParallelEngine(loaded, config, group, watch)
     except BaseException:
         watch.stop(join_seconds=0)
+        group.destroy()
         raise
 
 

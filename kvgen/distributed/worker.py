@@ -20,6 +20,7 @@ from kvgen.distributed.layers import parallelize
 from kvgen.distributed.liveness import exit_with_parent
 from kvgen.distributed.messages import Op, StepChannel, decode_copies, decode_step
 from kvgen.distributed.shard import ShardPlan
+from kvgen.errors import KVGenError
 from kvgen.loaders import LoadedModel
 from kvgen.model.attention import PagedKVCache
 from kvgen.model.llama import LlamaModel
@@ -74,6 +75,9 @@ def worker_main(reload: Callable[..., LoadedModel], config: EngineConfig, meetin
         loaded = reload(shard=(meeting.rank, meeting.world))
         serve_worker(loaded, config, group)
     except DistributedError:  # the group logged why
+        sys.exit(1)
+    except KVGenError as error:  # a file this rank cannot read, say: rank 0 reports the exit
+        log.error("%s", error)
         sys.exit(1)
     group.destroy()
     os._exit(0)  # nothing left to flush; skips interpreter teardown of the gloo threads

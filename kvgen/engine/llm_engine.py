@@ -12,11 +12,7 @@ from collections.abc import Callable
 import torch
 
 from kvgen.cache.kv_manager import NULL_BLOCK, KVCacheManager
-from kvgen.cache.sizing import (
-    format_bytes,
-    kv_bytes_per_token_of,
-    num_blocks_for_budget,
-)
+from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of, num_blocks_for_budget
 from kvgen.config import DEFAULT_KV_MEMORY, EngineConfig
 from kvgen.engine.base import Engine, EngineStats
 from kvgen.engine.sampling_params import SamplingParams

@@ -59,6 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvgen.cli import build_engine_from_args
+    from kvgen.distributed.engine import TensorParallelEngine
     from kvgen.server.app import create_app
 
     if args.model_arg:
@@ -72,20 +73,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      api_key=args.api_key, max_request_bytes=args.max_request_bytes, limits=limits,
                      max_queued_requests=args.max_queued_requests, dashboard=not args.no_dashboard)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
-    _stop_when_ranks_fail(engine, server)
+    tensor_parallel = isinstance(engine, TensorParallelEngine)
+    if tensor_parallel:  # a broken group ends the server, gracefully: the failed requests' answers go out first
+        engine.on_failure = lambda _: setattr(server, "should_exit", True)
     server.run()
-    if getattr(engine, "failure", None):
+    if tensor_parallel and engine.failure:
         raise KVGenError(engine.failure)
     return 0
-
-
-def _stop_when_ranks_fail(engine, server) -> None:
-    """A broken tensor-parallel group ends the server (a graceful shutdown: the failed requests'
-    answers go out first); the command then exits with the reason."""
-    from kvgen.distributed.engine import TensorParallelEngine
-
-    if isinstance(engine, TensorParallelEngine):
-        engine.on_failure = lambda _: setattr(server, "should_exit", True)
 
 
 def _model_name(model: str | None) -> str:
