@@ -6,8 +6,8 @@
                     torchrun (env://); rank 0 goes on to serve, the others run steps inside
                     `build_engine` and exit when rank 0 stops
 
-Threads: the ranks share the machine's cores, so each gets cores // N for torch (and OpenBLAS in
-the spawned workers).
+Threads: the ranks on one machine share its cores, so each gets cores // (ranks here) for torch
+(and OpenBLAS in the spawned workers).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def build_tensor_parallel_engine(loaded: LoadedModel, config: EngineConfig) -> T
     exits the process (SystemExit) when rank 0 stops."""
     world = config.tensor_parallel_size
     backend = default_backend(config.device) if config.distributed_backend == "auto" else config.distributed_backend
-    _share_cores(world)
     rank = torchrun_rank()
+    _share_cores(world if rank is None else int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if rank is not None:
         config = dataclasses.replace(config, device=_rank_device(config.device, int(os.environ.get("LOCAL_RANK", "0"))))
         group = TensorParallelGroup(Rendezvous(rank, world, backend, None, config.distributed_timeout),
@@ -106,8 +106,9 @@ def _spawn(loaded: LoadedModel, config: EngineConfig, meeting: Rendezvous, world
     return process
 
 
-def _share_cores(world: int) -> None:
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world)))
+def _share_cores(ranks_here: int) -> None:
+    """The ranks on this machine split its cores (never more threads than torch was given)."""
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // ranks_here)))
 
 
 def _rank_device(device: str, local_rank: int) -> str:
