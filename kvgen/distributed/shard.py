@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import gguf
 import numpy as np
 import torch
 
@@ -163,8 +164,6 @@ class ShardPlan:
 def take_gguf(weight: GGUFWeight, part: Slice) -> GGUFWeight:
     """Rows of a GGUF matrix are whole runs of blocks; columns split at block boundaries only
     (32 weights for Q4_0/Q8_0/..., 256 for the K-quants), in place, the blocks kept packed."""
-    import gguf
-
     start, stop = part.span.start, part.span.stop
     shape = list(weight.shape)
     if part.dim == ROWS:
