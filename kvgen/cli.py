@@ -15,7 +15,8 @@ from pathlib import Path
 
 from kvgen.cache.sizing import KV_ELEMENT_BYTES, KV_SCALE_BYTES, format_bytes, kv_bytes_per_token, parse_bytes
 from kvgen.config import (
-    ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, QUANTIZATION_MODES, EngineConfig, ModelConfig,
+    ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, QUANTIZATION_MODES,
+    EngineConfig, ModelConfig,
 )
 from kvgen.engine.base import Engine
 from kvgen.engine.sampling_params import SamplingParams
@@ -50,6 +51,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="paged decode attention: native (compiled CPU kernel, reads blocks in place), "
                         "sdpa (gathered copy + torch SDPA), auto (native where it builds; default)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model across N processes (Megatron tensor parallelism on torch.distributed); "
+                        "kvgen starts N-1 workers, or joins the group torchrun started (docs/tensor_parallel.md)")
+    g.add_argument("--distributed-backend", choices=DISTRIBUTED_BACKENDS, default="auto",
+                   help="torch.distributed backend: auto (gloo on the CPU, nccl on CUDA; default)")
+    g.add_argument("--distributed-timeout", type=float, default=30.0,
+                   help="seconds a collective waits for a peer before the run fails (default: 30)")
 
 
 def _byte_size(text: str) -> int:
@@ -66,7 +74,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-        quantization=args.quantization,
+        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+        distributed_backend=args.distributed_backend, distributed_timeout=args.distributed_timeout,
     )
 
 

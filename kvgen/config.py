@@ -124,6 +124,8 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 # What the paged KV pools store: "auto" is the model's dtype; int8 and fp8 (e4m3) are quantized with
 # one scale per (token, KV head), dequantized as they are read.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+# torch.distributed backends for tensor parallelism: "auto" is gloo on the CPU, NCCL on CUDA.
+DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     quantization: str = "auto"
+    tensor_parallel_size: int = 1
+    distributed_backend: str = "auto"
+    distributed_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
@@ -161,6 +166,15 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.kv_cache != "paged":
+            raise ValueError("tensor parallelism needs the paged KV cache (--kv-cache paged)")
+        if self.distributed_backend not in DISTRIBUTED_BACKENDS:
+            raise ValueError(f"distributed_backend must be one of {DISTRIBUTED_BACKENDS}, "
+                             f"got {self.distributed_backend!r}")
+        if self.distributed_timeout <= 0:
+            raise ValueError("distributed_timeout must be positive")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,7 +36,13 @@ def default_model_path() -> Path:
 
 
 def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
-    """The paged continuous-batching engine, or the one-at-a-time reference for contiguous / none."""
+    """The paged continuous-batching engine, or the one-at-a-time reference for contiguous / none;
+    across processes with tensor_parallel_size > 1 (a torchrun worker rank serves its part of every
+    step inside this call and exits the process when rank 0 stops)."""
+    if config.tensor_parallel_size > 1:
+        from kvgen.distributed.launch import build_tensor_parallel_engine
+
+        return build_tensor_parallel_engine(loaded, config)
     return LLMEngine(loaded, config) if config.kv_cache == "paged" else SequentialEngine(loaded, config)
 
 
@@ -48,8 +55,15 @@ def load(model: str | Path | None, config: EngineConfig, tokenizer: str | Path |
     them; 'int8' / 'int4' load floats, which the model then packs.
     """
     path = resolve_model(str(model), gguf_file) if model is not None else default_model_path()
-    return load_model(path, tokenizer_path=tokenizer, device=config.device, dtype=torch.float32,
-                      keep_quantized=config.quantization == "auto")
+    reload = partial(load_model, path, tokenizer_path=tokenizer, device=config.device, dtype=torch.float32,
+                     keep_quantized=config.quantization == "auto")
+    if config.tensor_parallel_size == 1:
+        return reload()
+    from kvgen.distributed.launch import local_rank_of
+
+    loaded = reload(shard=(local_rank_of(config), config.tensor_parallel_size))
+    loaded.reload = reload
+    return loaded
 
 
 class LLM:
@@ -60,6 +74,16 @@ class LLM:
         self.config = EngineConfig(**engine_options)
         self.engine = build_engine(load(model, self.config, tokenizer, gguf_file), self.config)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stops the engine's tensor-parallel workers, if any (also done at exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -44,8 +44,7 @@ class Engine(ABC):
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
-        self.model = LlamaModel(loaded.config, {**loaded.weights, **loaded.quantized}, config.device,
-                                config.torch_dtype, config.quantization)
+        self.model = self._build_model(loaded, config)
         log.info("weights: %s", "; ".join(f"{role} {kernel} ({format_bytes(size)})"
                                           for role, (kernel, size) in self.model.kernels().items()))
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
@@ -53,6 +52,13 @@ class Engine(ABC):
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size)
         self.requests: dict[str, Request] = {}
+
+    def _build_model(self, loaded: LoadedModel, config: EngineConfig) -> LlamaModel:
+        return LlamaModel(loaded.config, {**loaded.weights, **loaded.quantized}, config.device,
+                          config.torch_dtype, config.quantization)
+
+    def close(self) -> None:
+        """Releases what the engine holds beyond memory (tensor-parallel workers); idempotent."""
 
     # -- the public loop ------------------------------------------------------------------------
 

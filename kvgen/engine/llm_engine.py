@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +24,8 @@ from kvgen.loaders import LoadedModel
 from kvgen.model.attention import PagedKVCache
 from kvgen.model.kernels import paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
-from kvgen.runner.model_runner import ModelRunner
+from kvgen.model.llama import LlamaModel
+from kvgen.runner.model_runner import BlockTables, ModelRunner
 from kvgen.sampler import logprobs_of
 
 log = logging.getLogger(__name__)
@@ -38,14 +40,13 @@ class LLMEngine(Engine):
         self.bytes_per_token = kv_bytes_per_token_of(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_dtype)
         num_blocks = self._num_blocks()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        pool_dtype = STORAGE_DTYPES[config.kv_dtype]
-        cache = PagedKVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                             self.model.device, pool_dtype, compute_dtype=self.model.dtype)
-        decode_kernel = paged_decode_for(config.attention_backend, self.model.device, self.model.dtype, pool_dtype)
-        self.runner = ModelRunner(self.model, cache, self.kv, decode_kernel)
+        self.runner = self._build_runner(num_blocks)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.step_log = StepLog()
         log.info("%s", self.capacity_report())
+
+    def _build_runner(self, num_blocks: int) -> ModelRunner:
+        return build_runner(self.model, self.config, num_blocks, self.kv)
 
     @property
     def capacity_tokens(self) -> int:
@@ -212,3 +213,15 @@ class LLMEngine(Engine):
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.runner.forget(seq.seq_id)
+
+
+def build_runner(model: LlamaModel, config: EngineConfig, num_blocks: int, block_tables: BlockTables | None,
+                 cache_type: Callable[..., PagedKVCache] = PagedKVCache,
+                 runner_type: Callable[..., ModelRunner] = ModelRunner) -> ModelRunner:
+    """The runner over KV pools of `num_blocks` blocks for the model's (local) KV heads."""
+    cfg = model.config
+    pool_dtype = STORAGE_DTYPES[config.kv_dtype]
+    cache = cache_type(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                       model.device, pool_dtype, compute_dtype=model.dtype)
+    decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
+    return runner_type(model, cache, block_tables, decode_kernel)

@@ -11,7 +11,7 @@ q/k row permutation from interleaved-pair RoPE (llama2.c, GGUF) to rotate-half (
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -24,6 +24,7 @@ from kvgen.errors import ModelLoadError
 from kvgen.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from kvgen.distributed.shard import ShardPlan
     from kvgen.loaders.gguf_tensors import GGUFWeight
 
 # Tensors older HF checkpoints carry that hold nothing the model needs (RoPE tables it recomputes).
@@ -37,6 +38,10 @@ class LoadedModel:
     `quantized` holds the block-quantized GGUF matrices, raw, when `load_model(keep_quantized=True)`
     asked for them; those names are then absent from `weights`. Otherwise it is empty and `weights`
     has every tensor.
+
+    `shard` is the tensor-parallel rank's plan when `load_model(shard=(rank, world))` asked for one
+    rank's part: `weights` and `quantized` then hold that rank's slices only (kvgen.distributed.shard).
+    `reload` loads the same files again for another rank (set by kvgen.llm.load; picklable).
     """
 
     config: ModelConfig
@@ -44,6 +49,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: str
     quantized: dict[str, GGUFWeight] = field(default_factory=dict)
+    shard: ShardPlan | None = None
+    reload: Callable[..., LoadedModel] | None = None
 
 
 def load_model(
@@ -53,12 +60,14 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     keep_quantized: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Loads a HF directory, a `.gguf` file or a llama2.c `.bin` checkpoint (format from the path).
 
     `tokenizer_path` overrides the tokenizer the format implies: a HF directory, a `tokenizer.json`,
     a SentencePiece `.model` or a llama2.c `tok*.bin`. `keep_quantized` leaves a GGUF's
-    block-quantized matrices raw in `LoadedModel.quantized` instead of dequantizing them.
+    block-quantized matrices raw in `LoadedModel.quantized` instead of dequantizing them. `shard`
+    (rank, world) loads one tensor-parallel rank's slices (see kvgen.distributed.shard).
     """
     # Imported here: the format modules import the helpers below from this package.
     from kvgen.loaders.gguf_file import load_gguf
@@ -77,7 +86,7 @@ def load_model(
     else:
         raise ModelLoadError(path, "unknown model format (expected a HF directory, a .gguf or a llama2.c .bin)")
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
-    return loader(path, tokenizer=tokenizer, device=device, dtype=dtype)
+    return loader(path, tokenizer=tokenizer, device=device, dtype=dtype, shard=shard)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -134,13 +143,32 @@ def finalize_weights(
     dtype: torch.dtype,
     *,
     origins: Mapping[str, object] | None = None,
+    plan: ShardPlan | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Checks names and shapes (`check_weights`), then moves every tensor to device/dtype.
+    """Checks names and shapes (`check_weights`), then moves every tensor (the `plan`'s slice of it,
+    if given) to device/dtype. `shapes`: the full shapes, where `weights` holds one rank's slices
+    already (read so from the file).
 
     A tied `lm_head.weight` that a checkpoint stores anyway is dropped (the model reuses the embedding).
     """
-    names = check_weights({name: tuple(w.shape) for name, w in weights.items()}, config, source, origins=origins)
-    return {name: weights[name].to(device=device, dtype=dtype) for name in names}
+    take = plan.take if plan is not None and shapes is None else lambda _, w: w
+    shapes = shapes if shapes is not None else {name: tuple(w.shape) for name, w in weights.items()}
+    names = check_weights(shapes, config, source, origins=origins)
+    return {name: take(name, weights[name]).to(device=device, dtype=dtype) for name in names}
+
+
+def shard_plan(config: ModelConfig, shard: tuple[int, int] | None, source: object) -> ShardPlan | None:
+    """The plan of tensor-parallel rank `shard` = (rank, world) for this model, or None; a model that
+    does not split so raises ModelLoadError naming `source`."""
+    if shard is None:
+        return None
+    from kvgen.distributed.shard import ShardingError, ShardPlan
+
+    try:
+        return ShardPlan(config, *shard)
+    except ShardingError as e:
+        raise ModelLoadError(source, str(e)) from None
 
 
 def check_weights(

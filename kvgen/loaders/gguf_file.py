@@ -23,7 +23,7 @@ from gguf import GGUFReader, ReaderTensor
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
-from kvgen.loaders import LoadedModel, check_weights, interleaved_to_half
+from kvgen.loaders import LoadedModel, check_weights, interleaved_to_half, shard_plan
 from kvgen.loaders.gguf_tensors import GGUFWeight, UnsupportedTensorType, read_tensor, rotate_half_rows
 from kvgen.loaders.gguf_vocab import gguf_tokenizer, token_id
 from kvgen.tokenizer import Tokenizer
@@ -55,6 +55,7 @@ def load_gguf(
     device: str | torch.device,
     dtype: torch.dtype,
     keep_quantized: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Loads a llama-architecture GGUF; tensors are dequantized to `dtype`, except that with
     `keep_quantized` block-quantized matrices stay raw in `LoadedModel.quantized`."""
@@ -69,9 +70,12 @@ def load_gguf(
     raw = _read_tensors(path, tensors)
     names = check_weights({name: w.shape for name, w in raw.items()}, config, path)
     raw = _rotate_half_qk({name: raw[name] for name in names}, config)
+    plan = shard_plan(config, shard, path)
+    if plan is not None:  # slices of the memory-mapped blocks, before anything is dequantized
+        raw = {name: plan.take(name, w) for name, w in raw.items()}
     quantized = {n: w for n, w in raw.items() if keep_quantized and _is_quantized_matrix(w)}
     weights = {n: _dequantize(path, w).to(device=device, dtype=dtype) for n, w in raw.items() if n not in quantized}
-    return LoadedModel(config, weights, tokenizer, str(path), quantized)
+    return LoadedModel(config, weights, tokenizer, str(path), quantized, shard=plan)
 
 
 def _open(path: Path) -> GGUFReader:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sentencepiece
 import tokenizers
@@ -18,9 +18,12 @@ from safetensors import SafetensorError, safe_open
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
-from kvgen.loaders import LoadedModel, finalize_weights
+from kvgen.loaders import LoadedModel, finalize_weights, shard_plan
 from kvgen.loaders.tokenizers import HFTokenizer, SentencePieceTokenizer
 from kvgen.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvgen.distributed.shard import ShardPlan, Slice
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -32,18 +35,21 @@ def load_hf(
     tokenizer: Tokenizer | None,
     device: str | torch.device,
     dtype: torch.dtype,
+    shard: tuple[int, int] | None = None,
 ) -> LoadedModel:
-    """Loads a HF directory; the tokenizer is the directory's own unless `tokenizer` is given."""
+    """Loads a HF directory; the tokenizer is the directory's own unless `tokenizer` is given.
+    A tensor-parallel `shard` reads only its slices from the files (`safe_open(...).get_slice`)."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(config_file, "missing: a HF model directory needs config.json")
     config = ModelConfig.from_hf(_read_json(config_file), source=config_file)
     config = _with_generation_ids(config, _read_json(path / "generation_config.json", default={}))
-    weights, origins = _read_safetensors(path)
+    plan = shard_plan(config, shard, path)
+    weights, origins, shapes = _read_safetensors(path, plan)
     if tokenizer is None:
         tokenizer = load_hf_tokenizer(path, eos_token_ids=config.eos_token_ids)
-    weights = finalize_weights(weights, config, path, device, dtype, origins=origins)
-    return LoadedModel(config, weights, tokenizer, str(path))
+    weights = finalize_weights(weights, config, path, device, dtype, origins=origins, shapes=shapes)
+    return LoadedModel(config, weights, tokenizer, str(path), shard=plan)
 
 
 def load_hf_tokenizer(
@@ -88,9 +94,10 @@ def _with_generation_ids(config: ModelConfig, generation: dict[str, Any]) -> Mod
     return dataclasses.replace(config, eos_token_ids=eos_ids, bos_token_id=bos)
 
 
-def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    """Every tensor of `model.safetensors`, or of the shards `model.safetensors.index.json` names,
-    and the file each came from."""
+def _read_safetensors(path: Path, plan: ShardPlan | None = None) -> tuple[
+        dict[str, torch.Tensor], dict[str, Path], dict[str, tuple[int, ...]]]:
+    """Every tensor of `model.safetensors`, or of the shards `model.safetensors.index.json` names
+    (the `plan`'s slice of it, if given), the file each came from, and its full shape."""
     if (path / SINGLE_FILE).is_file():
         files = [path / SINGLE_FILE]
     elif (path / SHARD_INDEX).is_file():
@@ -102,16 +109,30 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Pa
         raise ModelLoadError(path, f"no {SINGLE_FILE} or {SHARD_INDEX}")
     weights: dict[str, torch.Tensor] = {}
     origins: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
         if not file.is_file():
             raise ModelLoadError(file, "missing shard")
         try:
             with safe_open(file, framework="pt") as shard:
-                weights |= {name: shard.get_tensor(name) for name in shard.keys()}
+                for name in shard.keys():
+                    tensor_slice = shard.get_slice(name)
+                    shapes[name] = tuple(tensor_slice.get_shape())
+                    weights[name] = _read_part(tensor_slice, plan.slice_of(name) if plan else None)
                 origins |= dict.fromkeys(shard.keys(), file)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(file, f"unreadable safetensors file: {e}") from None
-    return weights, origins
+    return weights, origins, shapes
+
+
+def _read_part(tensor_slice, part: Slice | None) -> torch.Tensor:
+    """The whole tensor, or rows / columns [start, stop) of it: only those bytes are read."""
+    if part is None:
+        return tensor_slice[:]
+    index = [slice(None)] * len(tensor_slice.get_shape())
+    index[part.dim] = slice(part.span.start, part.span.stop)
+    values = tensor_slice[tuple(index)]
+    return torch.zeros_like(values) if part.zero else values
 
 
 def _find_tokenizer_file(path: Path) -> Path:

@@ -15,7 +15,7 @@ import torch
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
-from kvgen.loaders import LoadedModel, finalize_weights, interleaved_to_half
+from kvgen.loaders import LoadedModel, finalize_weights, interleaved_to_half, shard_plan
 from kvgen.loaders.tokenizers import BPEVocabTokenizer
 from kvgen.tokenizer import Tokenizer
 
@@ -33,6 +33,7 @@ def load_llama2c(
     tokenizer: Tokenizer | None,
     device: str | torch.device,
     dtype: torch.dtype,
+    shard: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Loads a llama2.c legacy checkpoint and the `tok*.bin` beside it (unless `tokenizer` is given)."""
     if path.stat().st_size < 4 * HEADER_INTS:
@@ -43,7 +44,9 @@ def load_llama2c(
     weights = _to_hf(arrays, config)
     if tokenizer is None:
         tokenizer = load_llama2c_tokenizer(_find_tokenizer(path, config.vocab_size), config.vocab_size)
-    return LoadedModel(config, finalize_weights(weights, config, path, device, dtype), tokenizer, str(path))
+    plan = shard_plan(config, shard, path)
+    return LoadedModel(config, finalize_weights(weights, config, path, device, dtype, plan=plan), tokenizer,
+                       str(path), shard=plan)
 
 
 def load_llama2c_tokenizer(path: Path, vocab_size: int | None = None) -> BPEVocabTokenizer:

@@ -96,7 +96,9 @@ class ConcatLinear(Linear):
 
 
 def describe(layer: Linear) -> tuple[str, int]:
-    """(kernel name, weight bytes) of a layer, side-by-side parts included."""
+    """(kernel name, weight bytes) of a layer, side-by-side parts included; a wrapper that adds a
+    collective to a layer (kvgen.distributed.layers) is described by the layer it wraps."""
+    layer = getattr(layer, "inner", layer)
     if isinstance(layer, ConcatLinear):
         parts = [describe(p) for p in layer.parts]
         return " + ".join(sorted({k for k, _ in parts})), sum(size for _, size in parts)

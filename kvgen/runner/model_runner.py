@@ -90,7 +90,11 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], all_logits: set[int] = frozenset()) -> torch.Tensor:
         """Runs one step; returns fp32 logits in the order of `chunks`: every row of a chunk whose
         seq_id is in `all_logits`, else one row per chunk that completes its sequence."""
-        inputs = self.prepare(chunks, all_logits)
+        return self.run(self.prepare(chunks, all_logits))
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass over a prepared step (tensor-parallel workers get theirs from rank 0)."""
         attention = PagedAttention(self.cache, inputs.meta, self.decode_kernel)
         with blas_owns_the_cores(self.model.device, self.model.dtype, gemv_only=len(inputs.token_ids) == 1):
             hidden = self.model.forward(inputs.token_ids, inputs.positions, attention)

@@ -59,6 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvgen.cli import build_engine_from_args
+    from kvgen.distributed.engine import TensorParallelEngine
     from kvgen.server.app import create_app
 
     if args.model_arg:
@@ -71,7 +72,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(engine, model_name=args.served_model_name or _model_name(args.model),
                      api_key=args.api_key, max_request_bytes=args.max_request_bytes, limits=limits,
                      max_queued_requests=args.max_queued_requests, dashboard=not args.no_dashboard)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    tensor_parallel = isinstance(engine, TensorParallelEngine)
+    if tensor_parallel:  # a broken group ends the server, gracefully: the failed requests' answers go out first
+        engine.on_failure = lambda _: setattr(server, "should_exit", True)
+    server.run()
+    if tensor_parallel and engine.failure:
+        raise KVGenError(engine.failure)
     return 0
 
 

@@ -1,0 +1,12 @@
+"""Tensor parallelism on torch.distributed (Megatron layout): one model across processes, GPUs and
+machines. See docs/tensor_parallel.md.
+
+    shard.py     which slice of each weight a rank holds (ShardPlan)
+    layers.py    the collectives of a sharded model (row-parallel all-reduce, vocab-parallel layers)
+    group.py     the process group, its collectives and timeouts (DistributedError)
+    messages.py  a step's tensors, sent from rank 0 with a fixed header
+    engine.py    rank 0's engine (TensorParallelEngine)
+    worker.py    a worker rank's loop
+    liveness.py  who watches whom
+    launch.py    spawning the workers, or joining torchrun's group
+"""
