@@ -15,7 +15,8 @@ from pathlib import Path
 
 from kvgen.cache.sizing import KV_ELEMENT_BYTES, KV_SCALE_BYTES, format_bytes, kv_bytes_per_token, parse_bytes
 from kvgen.config import (
-    ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, QUANTIZATION_MODES, EngineConfig, ModelConfig,
+    ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, MAX_SPECULATIVE_TOKENS, QUANTIZATION_MODES,
+    SPECULATIVE_METHODS, EngineConfig, ModelConfig,
 )
 from kvgen.engine.base import Engine
 from kvgen.engine.sampling_params import SamplingParams
@@ -50,6 +51,18 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="paged decode attention: native (compiled CPU kernel, reads blocks in place), "
                         "sdpa (gathered copy + torch SDPA), auto (native where it builds; default)")
+    s = parser.add_argument_group("speculative decoding (docs/speculative.md)")
+    s.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
+                   help="ngram: prompt lookup; draft: a smaller model sharing the tokenizer (--draft-model)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help=f"tokens proposed and verified per step, 1..{MAX_SPECULATIVE_TOKENS} (default: 4)")
+    s.add_argument("--draft-model", help="the draft checkpoint (the target's own file for self-speculation)")
+    s.add_argument("--draft-quantization", choices=QUANTIZATION_MODES, default="auto",
+                   help="how the draft's weights are kept (int4: a 4-bit copy of a float checkpoint)")
+    s.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram prompt lookup matches")
+    s.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram prompt lookup matches")
+    s.add_argument("--no-adaptive-speculation", action="store_true",
+                   help="speculate at every batch size (default: skip it where it measures slower)")
 
 
 def _byte_size(text: str) -> int:
@@ -66,7 +79,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-        quantization=args.quantization,
+        quantization=args.quantization, speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
+        draft_quantization=args.draft_quantization, prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max, adaptive_speculation=not args.no_adaptive_speculation,
     )
 
 

@@ -8,11 +8,16 @@ than the remaining budget is split across steps (chunked prefill), so decodes ke
 When the block pool runs dry the newest running sequence is preempted: its blocks go back to the
 pool (full ones stay in the prefix cache) and it waits to be recomputed. Requests that could never
 fit are refused by the engine at admission, so this loop cannot livelock.
+
+Speculative decoding: a running decode that the engine's `lookahead` gives K > 0 costs K + 1 tokens
+of the budget and K + 1 slots (its last token plus K proposed ones, verified together); the engine
+proposes the tokens after scheduling and takes back the slots of those rejected.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgen.cache.kv_manager import KVCacheManager
@@ -31,6 +36,8 @@ class ScheduledChunk:
 
     seq: Sequence
     num_tokens: int
+    num_lookahead: int = 0  # slots reserved past the sequence's end for speculative tokens
+    draft: list[int] = field(default_factory=list)  # proposed tokens verified in this chunk (after its last)
 
     @property
     def start(self) -> int:
@@ -39,7 +46,15 @@ class ScheduledChunk:
     @property
     def completes_sequence(self) -> bool:
         """True when this chunk reaches the newest token, so a next token will be sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens == self.seq.num_tokens + len(self.draft)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this chunk computes: the sequence's from `start`, then its draft."""
+        start = self.start
+        if not self.draft:
+            return self.seq.token_ids[start : start + self.num_tokens]
+        return (self.seq.token_ids[start:] + self.draft)[: self.num_tokens]
 
 
 @dataclass
@@ -55,9 +70,11 @@ class SchedulerOutput:
 class Scheduler:
     """Holds the waiting queue and the running list; the KV cache manager holds their blocks."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 lookahead: Callable[[Sequence], int] | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.lookahead = lookahead  # speculative tokens to reserve for a running decode (None: no speculation)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -85,15 +102,22 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_tokens = self._chunk_size(seq, seq.num_computed_tokens, budget)
-            if self._allocate_or_preempt(seq, num_tokens, out):
-                out.chunks.append(ScheduledChunk(seq, num_tokens))
-                budget -= num_tokens
+            lookahead = self._lookahead(seq, budget)
+            if self._allocate_or_preempt(seq, num_tokens + lookahead, out, lookahead):
+                out.chunks.append(ScheduledChunk(seq, num_tokens + lookahead, lookahead))
+                budget -= num_tokens + lookahead
                 i += 1
         return budget
 
-    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+    def _lookahead(self, seq: Sequence, budget: int) -> int:
+        """Speculative slots for a decode (its one uncomputed token is the last), within the budget."""
+        if self.lookahead is None or seq.num_computed_tokens != seq.num_tokens - 1:
+            return 0
+        return max(0, min(self.lookahead(seq), budget - 1))
+
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput, lookahead: int = 0) -> bool:
         """Finds blocks for `seq`, preempting the newest running sequences; False if `seq` itself went."""
-        while not self.kv.allocate(seq.seq_id, seq.token_ids, num_tokens):
+        while not self.kv.allocate(seq.seq_id, seq.token_ids, num_tokens, num_lookahead=lookahead):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)

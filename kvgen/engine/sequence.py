@@ -38,6 +38,8 @@ class RequestMetrics:
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
+    spec_proposed: int = 0  # speculative tokens verified for the request
+    spec_accepted: int = 0  # of which kept
 
     @property
     def ttft(self) -> float | None:
