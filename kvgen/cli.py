@@ -124,7 +124,9 @@ def result_json(out: RequestOutput) -> dict:
     decode_time = m.token_times[-1] - m.token_times[0] if len(m.token_times) > 1 else 0.0
     decode_tps = (len(m.token_times) - 1) / decode_time if decode_time > 0 else None
     return {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
-            "finish_reason": out.finish_reason, "ttft_s": m.ttft, "decode_tokens_per_s": decode_tps}
+            "finish_reason": out.finish_reason, "ttft_s": m.ttft, "decode_tokens_per_s": decode_tps,
+            "speculative": {"proposed": m.spec_proposed, "accepted": m.spec_accepted,
+                            "mean_accepted_length": m.spec_mean_accepted_length}}
 
 
 # -- commands -----------------------------------------------------------------------------------

@@ -521,3 +521,41 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 TestKVCacheMachine = KVCacheMachine.TestCase
 TestKVCacheMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+# -- speculative decoding: lookahead slots and truncate ------------------------------------------
+
+
+def test_lookahead_slots_past_the_tokens_and_truncate_gives_the_rejected_ones_back():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(6))
+    prefill(mgr, 0, tokens[:5])
+    tokens = tokens[:6]  # a decode: token 5 plus 7 speculative ones, slots 5..12 (blocks 1..3)
+    with pytest.raises(ValueError, match="only 6 tokens"):
+        mgr.allocate(0, tokens, 8)
+    assert mgr.allocate(0, tokens, 8, num_lookahead=7)
+    assert mgr.num_slots(0) == 13 and mgr.num_live_blocks(0) == 4
+    free_before = mgr.num_free_blocks
+    assert mgr.truncate(0, 7) == 2  # two drafts accepted: tokens 0..6 computed, blocks 2 and 3 go back
+    assert mgr.num_slots(0) == 7 and mgr.block_table(0)[:2] == mgr.block_table(0) and len(mgr.block_table(0)) == 2
+    assert mgr.num_free_blocks == free_before + 2
+    mgr.check_invariants()
+    assert mgr.allocate(0, tokens + [6, 7], 1)  # the next decode extends from the new end
+    assert mgr.num_slots(0) == 8
+    mgr.free(0)
+    mgr.check_invariants()
+
+
+def test_truncate_never_cuts_hashed_blocks_and_rejected_tokens_are_never_cached():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(9))
+    prefill(mgr, 0, tokens)  # blocks 0 and 1 full and hashed
+    assert mgr.allocate(0, tokens + [9], 4, num_lookahead=3)  # token 9 + drafts at slots 10..12
+    with pytest.raises(ValueError, match="cannot truncate"):
+        mgr.truncate(0, 7)
+    mgr.truncate(0, 10)  # every draft rejected
+    mgr.cache_full_blocks(0, tokens + [9], 10)
+    assert mgr.pool.num_cached_free == 0 and len(mgr.pool.hashed_block_ids()) == 2
+    mgr.free(0)
+    mgr.check_invariants()
+    assert len(mgr.find_cached_prefix(tokens + [9, 10, 11, 12])) == 2  # only the verified blocks

@@ -115,6 +115,7 @@ class Speculator:
         metrics = chunk.seq.request.metrics
         metrics.spec_proposed += len(chunk.draft)
         metrics.spec_accepted += verdict.num_accepted
+        metrics.spec_verify_steps += 1
         return verdict
 
     def end_step(self, decode_only: bool, tokens: int, seconds: float) -> None:
