@@ -43,7 +43,7 @@ def ragged_requests(count: int, seed: int = 0) -> list[tuple[str, SamplingParams
     for i, text in enumerate(prompts(count, seed=seed, longest=60)):
         extra = [{}, {"speculative": False}, {"kv_policy": "window:24"}, {"n": 2}, {"logprobs": 2},
                  {"repetition_penalty": 1.3}][i % 6]
-        requests.append((text if i % 4 else STORY, SamplingParams(temperature=0, max_tokens=rng.randint(4, 48),
+        requests.append((text if i % 4 else STORY, SamplingParams(temperature=0, max_tokens=rng.randint(4, 32),
                                                                   **extra)))
     return requests
 
@@ -66,8 +66,9 @@ def test_greedy_alone_equals_plain(loaded, stories_bin, method, k):
     assert eng.stats().spec_accepted > 0 or method == "ngram"
 
 
-@pytest.mark.parametrize("k", [1, 3, 8])
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method, k", [("ngram", 1), ("ngram", 3), ("ngram", 8), ("draft", 3),
+                                       pytest.param("draft", 1, marks=pytest.mark.slow),
+                                       pytest.param("draft", 8, marks=pytest.mark.slow)])
 def test_greedy_ragged_batch_of_32_equals_plain(loaded, stories_bin, method, k):
     requests = ragged_requests(32)
     want = finished_outputs(engine(loaded, max_num_batched_tokens=64), requests)
@@ -137,14 +138,15 @@ def _homogeneous(a: list[int], b: list[int]) -> float:
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_sampling_keeps_the_target_distribution(loaded, stories_bin, method):
     """The first token comes from the prompt's pass; the second and third are the first ones verified
-    (the draft proposes 2 each time). Against plain sampling, over 1500 seeds: a chi-square test of
+    (the draft proposes 2 each time). Against plain sampling, over 1000 seeds: a chi-square test of
     homogeneity at significance 0.001, with temperature, top-k, top-p, min-p and a penalty."""
+    seeds = 1000
     params = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, repetition_penalty=1.1)
     options = dict(max_num_seqs=256, max_num_batched_tokens=1024)
-    plain = _second_and_third_tokens(engine(loaded, **options), params, 1500)
+    plain = _second_and_third_tokens(engine(loaded, **options), params, seeds)
     eng = engine(loaded, **options, **spec_options(method, 2, stories_bin))
-    spec = _second_and_third_tokens(eng, params, 1500)
-    assert eng.speculator.counters.accepted > 100
+    spec = _second_and_third_tokens(eng, params, seeds)
+    assert eng.speculator.counters.accepted > 50
     assert eng.speculator.counters.accepted < eng.speculator.counters.proposed  # rejections happened too
     for want, got in zip(plain, spec):
         assert _homogeneous(want, got) > ALPHA
