@@ -41,10 +41,20 @@ def check(smollm, smollm_gguf, smollm_llm, method, k, requests, **options) -> LL
     return eng
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_greedy_batch_equals_plain(smollm, smollm_gguf, smollm_llm, method):
-    requests = [(p, SamplingParams(temperature=0, max_tokens=24)) for p in PROMPTS]
-    eng = check(smollm, smollm_gguf, smollm_llm, method, 3, requests)
+BATCH = [(p, SamplingParams(temperature=0, max_tokens=20)) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def batch_plain(smollm_llm) -> list[list[int]]:
+    return plain(smollm_llm, BATCH)
+
+
+@pytest.mark.parametrize("method", ["ngram", pytest.param("draft", marks=pytest.mark.slow)])
+def test_greedy_batch_equals_plain(smollm, smollm_gguf, batch_plain, method):
+    eng = spec_engine(smollm, smollm_gguf, method, 3)
+    assert run_all(eng, BATCH) == batch_plain
+    eng.kv.check_invariants()
+    assert eng.kv.num_used_blocks == 0 and eng.speculator.counters.accepted > 0
     if method == "ngram":  # the repeated passage is found in the prompt
         assert eng.speculator.counters.acceptance_rate > 0.3
 
