@@ -182,7 +182,8 @@ class EngineConfig:
                 raise ValueError("draft_model needs speculative_method 'draft'")
             return
         if self.speculative_method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}")
+            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {self.speculative_method!r}")
         if self.kv_cache != "paged":
             raise ValueError("speculative decoding needs the paged KV cache (--kv-cache paged)")
         k = self.num_speculative_tokens

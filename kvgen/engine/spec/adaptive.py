@@ -61,5 +61,8 @@ class AdaptiveSwitch:
 
     def table(self) -> dict[str, dict[str, float]]:
         """Batch-size bucket -> measured tokens/s of each arm (for logs and the docs' examples)."""
-        return {f"{1 << (b - 1)}-{(1 << b) - 1}": {"speculate": bucket.arms[True].rate, "plain": bucket.arms[False].rate}
-                for b, bucket in sorted(self._buckets.items())}
+        table = {}
+        for bits, bucket in sorted(self._buckets.items()):
+            arms = bucket.arms
+            table[f"{1 << (bits - 1)}-{(1 << bits) - 1}"] = {"speculate": arms[True].rate, "plain": arms[False].rate}
+        return table
