@@ -71,7 +71,7 @@ class Speculator:
         if policy.kind in UNSPECULATED_POLICIES and params.speculative is not False:
             raise InvalidRequestError(f"kv_policy {policy.spec} does not compose with speculative decoding "
                                       "(rejected tokens would stay in its ranks or scores); send speculative: "
-                                      "false with it")
+                                      "false with it, or run without speculative decoding")
 
     # -- scheduling -----------------------------------------------------------------------------
 
