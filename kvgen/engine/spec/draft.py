@@ -6,7 +6,8 @@ ids as the target, through the target's KVCacheManager, so its cache lives and d
 target's (allocation, preemption, rollback, copy-on-write). Per sequence it remembers how many
 tokens it has computed. Proposing K tokens for a decode of a sequence of N tokens:
 
-    pass 0      catch up: tokens [computed, N) (all of the prompt the first time) -> d_1
+    prefill     the target's prompt chunks are computed by the draft in the same step
+    pass 0      catch up: tokens [computed, N) (the last token, when in step)     -> d_1
     pass j      d_j at position N + j - 1                                          -> d_{j+1}
     after       the target verified m drafts: tokens [0, N + m) are right, so
                 computed = min(N + K - 1, N + m)
@@ -98,12 +99,24 @@ class DraftProposer(Proposer):
         return [Proposal(d, torch.stack(q) if q and not c.seq.params.greedy else None)
                 for d, q, c in zip(drafts, probs, chunks)]
 
+    def prefill(self, chunks: list[ScheduledChunk]) -> None:
+        """Computes the draft's K/V of the target's prompt chunks (and whatever it lacks before them)."""
+        passes = [DraftChunk(c.seq, start, c.seq.token_ids[start : c.start + c.num_tokens]) for c in chunks
+                  if (start := self._first_missing(c.seq)) < c.start + c.num_tokens]
+        if passes:
+            self.runner.execute(passes)
+            self.computed.update((p.seq.seq_id, p.start + p.num_tokens) for p in passes)
+
     def _catch_up(self, seq: Sequence) -> DraftChunk:
         """The pass computing every token the draft lacks, up to the sequence's last."""
+        start = min(self._first_missing(seq), seq.num_tokens - 1)
+        return DraftChunk(seq, start, seq.token_ids[start:])
+
+    def _first_missing(self, seq: Sequence) -> int:
+        """The first token whose draft K/V are not in the pools (never one in a block the policy dropped)."""
         live = self.kv.live_blocks(seq.seq_id)
         first_live = live[0][0] * self.kv.block_size if live else 0
-        start = min(max(self.computed.get(seq.seq_id, 0), first_live), seq.num_tokens - 1)
-        return DraftChunk(seq, start, seq.token_ids[start:])
+        return max(self.computed.get(seq.seq_id, 0), first_live)
 
     @staticmethod
     def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None] | None]:

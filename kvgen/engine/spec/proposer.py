@@ -34,6 +34,10 @@ class Proposer(ABC):
     def propose(self, chunks: list[ScheduledChunk]) -> list[Proposal]:
         """One proposal per chunk, of at most `chunk.num_lookahead` tokens each."""
 
+    def prefill(self, chunks: list[ScheduledChunk]) -> None:
+        """The target computes these prompt chunks this step; a proposer with its own cache computes
+        them too (so that its first proposal does not wait on a whole prompt)."""
+
     def rollback(self, seq: Sequence) -> None:
         """`seq` has been verified: its computed tokens now end at `seq.num_computed_tokens`."""
 

@@ -96,7 +96,12 @@ class Speculator:
     # -- the step -------------------------------------------------------------------------------
 
     def propose(self, chunks: list[ScheduledChunk]) -> None:
-        """Fills the draft of every chunk that reserved slots; its num_tokens becomes 1 + len(draft)."""
+        """Fills the draft of every chunk that reserved slots; its num_tokens becomes 1 + len(draft).
+        Prompt chunks of sequences that will speculate are shown to the proposer as well."""
+        prompts = [c for c in chunks if not c.num_lookahead and self.eligible(c.seq)
+                   and (c.num_tokens > 1 or c.start < len(c.seq.prompt_token_ids))]
+        if prompts:
+            self.proposer.prefill(prompts)
         reserved = [c for c in chunks if c.num_lookahead]
         self._probs = {}
         if not reserved:
