@@ -12,7 +12,8 @@ import pytest
 
 from kvgen.cli import main
 
-JSON_FIELDS = {"text", "token_ids", "prompt_token_ids", "finish_reason", "ttft_s", "decode_tokens_per_s"}
+JSON_FIELDS = {"text", "token_ids", "prompt_token_ids", "finish_reason", "ttft_s", "decode_tokens_per_s",
+               "speculative"}
 
 LLAMA2_70B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,

@@ -10,8 +10,9 @@ pool (full ones stay in the prefix cache) and it waits to be recomputed. Request
 fit are refused by the engine at admission, so this loop cannot livelock.
 
 Speculative decoding: a running decode that the engine's `lookahead` gives K > 0 costs K + 1 tokens
-of the budget and K + 1 slots (its last token plus K proposed ones, verified together); the engine
-proposes the tokens after scheduling and takes back the slots of those rejected.
+of the budget and K + 1 slots (its last token plus K proposed ones, verified together), if the pool
+has them without preempting anyone; the engine proposes the tokens after scheduling and takes back
+the slots of those rejected.
 """
 
 from __future__ import annotations
@@ -102,22 +103,27 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_tokens = self._chunk_size(seq, seq.num_computed_tokens, budget)
-            lookahead = self._lookahead(seq, budget)
-            if self._allocate_or_preempt(seq, num_tokens + lookahead, out, lookahead):
+            lookahead = self._allocate_lookahead(seq, budget)
+            if lookahead or self._allocate_or_preempt(seq, num_tokens, out):
                 out.chunks.append(ScheduledChunk(seq, num_tokens + lookahead, lookahead))
                 budget -= num_tokens + lookahead
                 i += 1
         return budget
 
-    def _lookahead(self, seq: Sequence, budget: int) -> int:
-        """Speculative slots for a decode (its one uncomputed token is the last), within the budget."""
+    def _allocate_lookahead(self, seq: Sequence, budget: int) -> int:
+        """Allocates a decode's token plus its speculative slots (within the budget); returns how many
+        slots past its end it got: 0 when it does not speculate or the pool has no room for them
+        (speculation never preempts anyone; the decode then goes plainly)."""
         if self.lookahead is None or seq.num_computed_tokens != seq.num_tokens - 1:
             return 0
-        return max(0, min(self.lookahead(seq), budget - 1))
+        lookahead = max(0, min(self.lookahead(seq), budget - 1))
+        if lookahead and self.kv.allocate(seq.seq_id, seq.token_ids, 1 + lookahead, num_lookahead=lookahead):
+            return lookahead
+        return 0
 
-    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput, lookahead: int = 0) -> bool:
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Finds blocks for `seq`, preempting the newest running sequences; False if `seq` itself went."""
-        while not self.kv.allocate(seq.seq_id, seq.token_ids, num_tokens, num_lookahead=lookahead):
+        while not self.kv.allocate(seq.seq_id, seq.token_ids, num_tokens):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
