@@ -374,9 +374,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert block != NULL_BLOCK
         return block * bs + t % bs
 
-    def try_allocate(self, seq_id, tokens, num_new, prefix=None) -> bool:
+    def try_allocate(self, seq_id, tokens, num_new, prefix=None, num_lookahead=0) -> bool:
         before = snapshot(self.mgr, self.seqs)
-        ok = self.mgr.allocate(seq_id, tokens, num_new, prefix)
+        ok = self.mgr.allocate(seq_id, tokens, num_new, prefix, num_lookahead=num_lookahead)
         if not ok:
             event("allocation failed")
             assert snapshot(self.mgr, self.seqs) == before
@@ -445,6 +445,33 @@ class KVCacheMachine(RuleBasedStateMachine):
             seq.computed += seq.scheduled
             seq.scheduled = 0
             self.mgr.cache_full_blocks(seq_id, seq.tokens, seq.computed)
+
+    @rule(data=st.data(), token=TOKENS, draft=st.lists(TOKENS, min_size=1, max_size=6), bonus=TOKENS)
+    def speculate(self, data, token, draft, bonus):
+        """A speculative decode: the new token and a draft get slots and K/V; `m` drafts are accepted,
+        the rest taken back (truncate), then the target's own next token is appended."""
+        seq_id = self.pick(data, unscheduled_only=True)
+        if seq_id is None or self.seqs[seq_id].computed != len(self.seqs[seq_id].tokens):
+            return
+        seq = self.seqs[seq_id]
+        seq.tokens.append(token)
+        if not self.try_allocate(seq_id, seq.tokens, 1 + len(draft), num_lookahead=len(draft)):
+            seq.tokens.pop()
+            return
+        self.forward()  # computes nothing for seq: its table is written here, the drafts included
+        proposed = seq.tokens + draft
+        for t in range(seq.computed, seq.computed + 1 + len(draft)):
+            slot = self.slot(seq_id, t)
+            assert self.mgr.pool.blocks[slot // self.mgr.block_size].ref_count == 1, "write into a shared block"
+            self.kv[slot] = tuple(proposed[:t + 1])
+        accepted = data.draw(st.integers(0, len(draft)))
+        seq.tokens += draft[:accepted]
+        seq.computed = len(seq.tokens)
+        freed = self.mgr.truncate(seq_id, seq.computed)
+        if freed:
+            event("truncate freed blocks")
+        self.mgr.cache_full_blocks(seq_id, seq.tokens, seq.computed)
+        seq.tokens.append(bonus)  # sampled, not yet computed: the next schedule computes it
 
     @rule(data=st.data(), tokens=st.lists(TOKENS, min_size=2, max_size=2), step=st.booleans())
     def fork(self, data, tokens, step):
