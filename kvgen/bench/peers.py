@@ -5,7 +5,8 @@ exactly the tokens asked for (`make_requests` draws the workload). Two operation
 
     generate_timed(prompt, n)  one request alone -> when each output token became available
     run_batch(requests)        requests run together (kvgen: all submitted at once, continuous
-                               batching; HF / CTranslate2: one static batch; llama.cpp: one by one)
+                               batching; HF / CTranslate2: one static batch; llama.cpp: one by one;
+                               llama-server: all sent at once to its slots)
 
 Peers import lazily: a missing package becomes `PeerUnavailable` with the pip command to fix it.
 """
@@ -16,7 +17,7 @@ import itertools
 import json
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -67,6 +68,8 @@ class System(ABC):
     batched: bool = True
     #: static batches are cut from the requests sorted by prompt length, as the peer's own batching does
     sorts_by_length: bool = False
+    #: what a batch size means to run_at, for the report
+    batch_kind: str = "static batch"
 
     @abstractmethod
     def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
@@ -75,6 +78,15 @@ class System(ABC):
     @abstractmethod
     def run_batch(self, requests: Sequence[BenchRequest]) -> None:
         """Runs the requests together to completion."""
+
+    def run_at(self, requests: Sequence[BenchRequest], size: int) -> None:
+        """Runs every request at batch size `size`: consecutive static batches, each to completion
+        (in arrival order, or by prompt length where the peer's own batching sorts). A server peer
+        instead serves them all at once on `size` slots."""
+        if self.sorts_by_length:
+            requests = sorted(requests, key=lambda r: len(r.prompt))
+        for i in range(0, len(requests), size):
+            self.run_batch(requests[i:i + size])
 
 
 class KvgenSystem(System):
@@ -112,7 +124,7 @@ def load_peer(name: str, model: BenchModel, dtype: str, max_len: int, device: st
     """The named peer on `model` in `dtype` ("float32", "float16", "bfloat16") on `device`, able to hold
     `max_len` tokens. Raises PeerUnavailable when it is not installed or cannot read the model."""
     system, module, pip_name = _PEERS[name]
-    if device != "cpu" and not issubclass(system, HFSystem):
+    if device != "cpu" and system not in (HFSystem, HFLookupSystem):
         raise PeerUnavailable(f"{name}: runs on the CPU only in kvgen bench (not {device})")
     try:
         return system(model, dtype, max_len, device)
@@ -269,6 +281,12 @@ def _ct2_vocabulary(directory: Path) -> list[str]:
     return (directory / "vocabulary.txt").read_text().splitlines()
 
 
+def _llama_server(model: BenchModel, dtype: str, max_len: int, device: str) -> System:
+    from kvgen.bench.llama_server import LlamaServerSystem  # here: it builds on this module's System
+
+    return LlamaServerSystem(model, dtype, max_len, device)
+
+
 # -- prompt lookup decoding in the peers (compared with kvgen --speculative-method ngram) -----------
 
 PEER_LOOKUP_TOKENS = 10  # tokens proposed per step: the default of both HF and llama-cpp-python
@@ -306,9 +324,10 @@ class LlamaCppLookupSystem(LlamaCppSystem):
 
 
 # name -> (system, the module it needs, the pip package that provides it)
-_PEERS: dict[str, tuple[type[System], str, str]] = {
+_PEERS: dict[str, tuple[Callable[[BenchModel, str, int, str], System], str, str]] = {
     "hf": (HFSystem, "transformers", "transformers"),
     "llama.cpp": (LlamaCppSystem, "llama_cpp", "llama-cpp-python"),
+    "llama-server": (_llama_server, "kvgen", "llama.cpp's llama-server"),
     "ct2": (CTranslate2System, "ctranslate2", "ctranslate2"),
     "hf-lookup": (HFLookupSystem, "transformers", "transformers"),
     "llama.cpp-lookup": (LlamaCppLookupSystem, "llama_cpp", "llama-cpp-python"),

@@ -4,8 +4,9 @@ kvgen gets every request submitted together (continuous batching); `--sequential
 requests one at a time through the same engine. Static-batching peers (HF, CTranslate2) try each
 batch size and keep their fastest; their padding costs them time but only the requested output
 tokens count. HF's batches are cut in arrival order; CTranslate2's from the requests sorted by
-prompt length, as its own `max_batch_size` batching does. EOS is ignored everywhere, so every
-system produces the same number of tokens.
+prompt length, as its own `max_batch_size` batching does. llama-server gets every request at once,
+like kvgen, with each batch size as its slot count (`--parallel`), and keeps its fastest. EOS is
+ignored everywhere, so every system produces the same number of tokens.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ def run(args: argparse.Namespace, vocab_size: int, kvgen: KvgenSystem, peers: Se
         variant.run_batch(warmup)
         results[variant.name] = rates(requests, timed(lambda v=variant: v.run_batch(requests), device))
     if args.sequential:
-        results["kvgen-sequential"] = rates(requests, timed(lambda: run_in_batches(kvgen, requests, 1), device))
+        results["kvgen-sequential"] = rates(requests, timed(lambda: kvgen.run_at(requests, 1), device))
     notes = []
     for peer in peers:
         peer.run_batch(warmup)
         sizes = sorted({min(b, len(requests)) for b in args.batch_sizes}) if peer.batched else [1]
-        results[peer.name] = best_static_batch(peer, requests, sizes, device)
-        notes.append(f"{peer.name}: " + (f"best static batch {results[peer.name]['batch_size']} of {sizes}"
+        results[peer.name] = best_batch_size(peer, requests, sizes, device)
+        notes.append(f"{peer.name}: " + (f"best {peer.batch_kind} {results[peer.name]['batch_size']} of {sizes}"
                                          if peer.batched else "one request at a time (no batched generate)"))
     title = (f"throughput: {settings['model']}, {settings['dtype']}, {len(requests)} requests, prompts "
              f"{args.prompt_len_range[0]}-{args.prompt_len_range[1]}, outputs "
@@ -56,12 +57,13 @@ def run(args: argparse.Namespace, vocab_size: int, kvgen: KvgenSystem, peers: Se
     return Report("throughput", data, [table], notes)
 
 
-def best_static_batch(peer: System, requests: Sequence[BenchRequest], sizes: Sequence[int],
-                      device: torch.device) -> dict:
-    """Runs every request in static batches of each size; keeps the fastest size."""
-    elapsed = {size: timed(lambda: run_in_batches(peer, requests, size), device) for size in sizes}
+def best_batch_size(peer: System, requests: Sequence[BenchRequest], sizes: Sequence[int],
+                    device: torch.device) -> dict:
+    """Runs every request at each batch size (System.run_at); keeps the fastest size."""
+    elapsed = {size: timed(lambda: peer.run_at(requests, size), device) for size in sizes}
     best = min(elapsed, key=elapsed.get)
     return rates(requests, elapsed[best]) | {"batch_size": best, "elapsed_s_by_batch_size": elapsed}
+
 
 
 def rates(requests: Sequence[BenchRequest], elapsed: float) -> dict:
@@ -70,12 +72,3 @@ def rates(requests: Sequence[BenchRequest], elapsed: float) -> dict:
     prompt = sum(len(r.prompt) for r in requests)
     return {"elapsed_s": elapsed, "requests_per_s": len(requests) / elapsed, "output_tokens_per_s": output / elapsed,
             "total_tokens_per_s": (prompt + output) / elapsed, "output_tokens": output, "prompt_tokens": prompt}
-
-
-def run_in_batches(system: System, requests: Sequence[BenchRequest], size: int) -> None:
-    """Consecutive batches of `size` requests, each run to completion before the next: in arrival
-    order, or by prompt length for a peer whose own batching sorts (System.sorts_by_length)."""
-    if system.sorts_by_length:
-        requests = sorted(requests, key=lambda r: len(r.prompt))
-    for i in range(0, len(requests), size):
-        system.run_batch(requests[i:i + size])

@@ -3,9 +3,13 @@
     BlasLinear    fp32 on the CPU, through OpenBLAS (numpy, on the same memory): its GEMV (one row)
                   reads the weights near memory bandwidth, about twice as fast as MKL's (torch's
                   default) one-row path, and its GEMM handles many rows at compute speed.
-    OneDnnLinear  bf16 on a CPU with native bf16 dot products: the weights are reordered once into
-                  oneDNN's blocked layout, which one-row decode reads about 1.5x faster than the
-                  plain layout `F.linear` gets.
+    Bf16Linear    bf16 on a CPU with AVX-512 BF16: kvgen's own kernel (kernels/bf16_matmul.c) on
+                  weights packed once into tiles of 4 rows. At decode's few rows it reads the
+                  weights 1.3-2.5x faster than oneDNN's GEMV, which at one row is slower than fp32
+                  OpenBLAS on the mid-size matrices; at prefill's hundreds of rows it runs ~20%
+                  slower than oneDNN's GEMM (BENCHMARKS.md), a trade for one copy of the weights.
+    OneDnnLinear  bf16 where the CPU has native bf16 but not that kernel's features: the weights
+                  are reordered once into oneDNN's blocked layout.
     TorchLinear   everything else (CUDA, fp16...): `F.linear`.
 
 By default a step's rows go through one BLAS call: GEMV for one row, GEMM for more, the fastest
@@ -32,6 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvgen.model.kernels.bf16 import Bf16Matmul, bf16_kernel
+from kvgen.model.kernels.bf16 import pack as pack_bf16
 from kvgen.threads import WORKERS_SLEEP
 
 # Many GEMV rows over a large matrix (an LM head) go tile by tile so each tile is read from memory
@@ -114,6 +120,17 @@ class OneDnnLinear(Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class Bf16Linear(Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Bf16Matmul) -> None:
+        super().__init__(weight, bias)
+        self.packed = pack_bf16(weight)  # [ceil(out/4), ceil(in/32), 4, 32]
+        self._matmul = kernel
+
+    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        out = self._matmul(x.contiguous(), self.packed, self.out_features)
+        return out if self.bias is None else out.add_(self.bias)
+
+
 class TorchLinear(Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
@@ -127,8 +144,11 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linea
     """The fastest kernel for the weight's device and dtype (see the module docstring)."""
     if uses_blas(weight.device, weight.dtype):
         return BlasLinear(weight, bias)
-    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_bf16():
-        return OneDnnLinear(weight, bias)
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+        if (kernel := bf16_kernel()) is not None:
+            return Bf16Linear(weight, bias, kernel)
+        if _onednn_bf16():
+            return OneDnnLinear(weight, bias)
     return TorchLinear(weight, bias)
 
 

@@ -18,17 +18,22 @@ from __future__ import annotations
 import torch
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
+from kvgen.model.kernels.bf16 import Bf16Tiles
 from kvgen.model.linear import Linear, RowKernels, make_linear
 from kvgen.model.quant.float_weights import GROUP
 from kvgen.model.quant.formats import PackedWeight, concat_rows, dequantize_rows
 from kvgen.model.quant.gguf_blocks import convert
 from kvgen.model.quant.linear import describe as describe_layer
-from kvgen.model.quant.linear import packed_linear, quantize_linear
+from kvgen.model.quant.linear import ManyRows, packed_linear, quantize_linear
 
 Weight = torch.Tensor | GGUFWeight
 # How the packed kernels quantize activations: two int8 parts per 32 (~15 bits), which keeps top-1
 # agreement with the fp32 model at 100% on the real Q4_1 file where one part gives 97.8% (BENCHMARKS.md).
 ACTIVATIONS = "int8x2"
+# From this many rows of x on (prefill chunks, large decode batches) a packed layer dequantizes its
+# weight to bf16 per call and runs x in bf16 where the CPU can (kvgen.model.quant.linear): 1.3-1.9x
+# faster than the integer kernel at 16 rows, 2.5-3.4x at 64-512, and slower below ~8 (BENCHMARKS.md).
+BF16_FROM_ROWS = 16
 
 
 class LayerBuilder:
@@ -38,6 +43,7 @@ class LayerBuilder:
     def __init__(self, device: torch.device, dtype: torch.dtype, quantization: str = "none") -> None:
         self.device, self.dtype, self.quantization = device, dtype, quantization
         self._conversions: dict[str, PackedWeight | None] = {}
+        self._many_rows = ManyRows(BF16_FROM_ROWS, Bf16Tiles())  # one buffer for every layer's tiles
         self._floats: dict[int, tuple[Weight, torch.Tensor]] = {}
 
     def packed(self, weight: GGUFWeight) -> PackedWeight | None:
@@ -54,7 +60,7 @@ class LayerBuilder:
                 return self._packed(packed, bias)
         weight = torch.cat([self.float(p) for p in parts]) if len(parts) > 1 else self.float(parts[0])
         if self.quantization in ("int8", "int4") and weight.shape[1] % GROUP == 0:
-            return quantize_linear(weight, self.quantization, bias, ACTIVATIONS)
+            return quantize_linear(weight, self.quantization, bias, ACTIVATIONS, self._many_rows)
         return make_linear(weight, bias)
 
     def float(self, weight: Weight) -> torch.Tensor:
@@ -71,9 +77,9 @@ class LayerBuilder:
             stacked = concat_rows(packed) if len(packed) > 1 else packed[0]
         except ValueError:  # formats that do not stack: one layer each, outputs side by side
             biases = [None] * len(packed) if bias is None else bias.split([p.shape[0] for p in packed])
-            return ConcatLinear([packed_linear(p, b, self.device, self.dtype, ACTIVATIONS)
+            return ConcatLinear([packed_linear(p, b, self.device, self.dtype, ACTIVATIONS, self._many_rows)
                                  for p, b in zip(packed, biases)])
-        return packed_linear(stacked, bias, self.device, self.dtype, ACTIVATIONS)
+        return packed_linear(stacked, bias, self.device, self.dtype, ACTIVATIONS, self._many_rows)
 
 
 class ConcatLinear(Linear):

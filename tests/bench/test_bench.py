@@ -21,7 +21,6 @@ from kvgen.bench.peers import BenchRequest, PeerUnavailable, System, load_peer, 
 from kvgen.bench.report import Metric, comparison_table, distribution, loglog_slope
 from kvgen.bench.scaling import SPEEDUP_AT, positions, total_times
 from kvgen.bench.serve import arrival_offsets
-from kvgen.bench.throughput import run_in_batches
 from kvgen.cli import main
 
 TINY = ["--model", "stories260k", "--threads", "1"]
@@ -171,6 +170,31 @@ def test_missing_peer_says_how_to_install(peer, module, pip_name):
         load_peer(peer, models.resolve("stories260k"), "float32", 64)
 
 
+def test_missing_llama_server_says_how_to_build_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVGEN_LLAMA_SERVER", str(tmp_path / "absent"))
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(PeerUnavailable, match=r"^llama-server: no binary \(build llama.cpp with -DLLAMA_BUILD_SERVER"):
+        load_peer("llama-server", models.resolve("stories260k"), "float32", 64)
+
+
+def test_throughput_against_llama_server_at_each_slot_count(tmp_path, capsys):
+    """The real llama-server (where one is built here: see kvgen/bench/llama_server.py), started per
+    slot count on the stories260K GGUF, answering every request with its tokens."""
+    from kvgen.bench.llama_server import find_binary
+
+    try:
+        find_binary()
+    except PeerUnavailable as e:
+        pytest.skip(str(e))
+    data = bench(tmp_path, "throughput", *TINY, "--num-requests", "6", "--prompt-len-range", "8", "32",
+                 "--output-len-range", "4", "16", "--compare", "llama-server", "--batch-sizes", "1,4")
+    result = data["results"]["llama-server"]
+    assert result["output_tokens"] == sum(r["output_len"] for r in data["requests"])
+    assert set(result["elapsed_s_by_batch_size"]) == {"1", "4"} and positive(result["output_tokens_per_s"])
+    assert "llama-server: best slot count" in capsys.readouterr().out
+
+
 # -- models -----------------------------------------------------------------------------------------
 
 
@@ -268,7 +292,7 @@ class _BatchLog(System):
 def test_static_batches_follow_arrival_or_prompt_length(sorts, expected):
     requests = [BenchRequest([0] * n, 1) for n in (5, 1, 4, 2, 3)]
     system = _BatchLog(sorts)
-    run_in_batches(system, requests, 2)
+    system.run_at(requests, 2)
     assert system.batches == expected
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvgen.model.linear import BlasLinear, OneDnnLinear, RowKernels, TorchLinear, make_linear
+from kvgen.model.kernels.bf16 import bf16_kernel
+from kvgen.model.linear import BlasLinear, Bf16Linear, OneDnnLinear, RowKernels, TorchLinear, make_linear
 
 torch.manual_seed(0)
 WEIGHT, BIAS = torch.randn(96, 64), torch.randn(96)
@@ -18,12 +19,12 @@ def test_fp32_on_the_cpu_goes_through_blas_and_matches_f_linear():
         torch.testing.assert_close(linear(x), F.linear(x, WEIGHT, BIAS), rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_on_the_cpu_uses_packed_onednn_weights_and_matches_f_linear():
+def test_bf16_on_the_cpu_uses_packed_weights_and_matches_f_linear():
     linear = make_linear(WEIGHT.bfloat16(), BIAS.bfloat16())
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         assert isinstance(linear, TorchLinear)
         pytest.skip("this CPU has no native bf16: F.linear is used")
-    assert isinstance(linear, OneDnnLinear)
+    assert isinstance(linear, Bf16Linear if bf16_kernel() is not None else OneDnnLinear)
     for rows in (1, 3, 64):
         x = torch.randn(rows, 64).bfloat16()
         torch.testing.assert_close(linear(x).float(), F.linear(x, WEIGHT.bfloat16(), BIAS.bfloat16()).float(),
@@ -45,3 +46,12 @@ def test_role_kernels_give_a_row_the_same_bits_whatever_runs_beside_it():
     assert torch.equal(small[2], large[8])  # the generated row: one GEMV either way
     padded = linear(x[:1], RowKernels.split(1))  # a lone prompt row is padded to a 2-row GEMM
     assert torch.equal(padded[0], small[0])
+
+
+def test_onednn_bf16_where_the_kernel_cannot_run_matches_f_linear():
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no native bf16")
+    linear = OneDnnLinear(WEIGHT.bfloat16(), BIAS.bfloat16())
+    x = torch.randn(3, 64).bfloat16()
+    torch.testing.assert_close(linear(x).float(), F.linear(x, WEIGHT.bfloat16(), BIAS.bfloat16()).float(),
+                               rtol=1e-2, atol=1e-2)

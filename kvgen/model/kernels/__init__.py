@@ -5,6 +5,8 @@
                      reads the KV cache three times (gather read, gather write, SDPA read) and pads
                      every sequence to the longest; this reads each allowed key once. At batch 64
                      of the throughput bench it takes a third of the time of gather + SDPA.
+    bf16_matmul.c    bf16 linear layers on CPUs with AVX-512 BF16 (kernels/bf16.py); the quantized
+                     layers' kernel lives with its formats in kvgen/model/quant.
 
 The source is compiled with the system's C compiler (`$CC`, else `cc`) for this CPU
 (-march=native) and OpenMP, into `$KVGEN_CACHE_DIR/kernels/` (default ~/.cache/kvgen), keyed by the
@@ -144,6 +146,17 @@ def build_library(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
         os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
     log.info("built %s", target)
     return target
+
+
+def cpu_has(features: tuple[str, ...]) -> bool:
+    """Whether /proc/cpuinfo lists every one of `features` (False where it cannot be read): kernels
+    built with explicit ISA flags load only where the CPU reports them."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    present = set(flags.split(":", 1)[1].split())
+    return all(feature in present for feature in features)
 
 
 def _cpu_identity() -> str:

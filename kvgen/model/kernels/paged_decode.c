@@ -130,13 +130,21 @@ static inline __attribute__((always_inline)) void attend(const struct paged_deco
     }
 }
 
+/* Below this many multiply-adds of scores (queries x keys x head_dim), one thread: waking OpenMP's
+ * sleeping second thread (kvgen/threads.py) costs ~35 us here, more than a batch-1 decode of up to
+ * ~1,000 keys takes on one thread (BENCHMARKS.md). */
+#ifndef PARALLEL_WORK
+#define PARALLEL_WORK (1 << 20)
+#endif
+
 /* Returns 0, or 1 if a thread could not allocate its scratch space (then `out` is incomplete). */
 static int paged_decode(const struct paged_decode_args *a, const enum element kind) {
     const int64_t items = a->batch * a->kv_heads, length = a->blocks_per_seq * a->block_size;
+    const int threads = items * a->group * length * a->head_dim >= PARALLEL_WORK ? a->num_threads : 1;
     int failed = 0;
     if (kind == FP8 && fp8_values[1] == 0.f) /* the smallest subnormal is nonzero once filled */
         fill_fp8_values();
-#pragma omp parallel num_threads(a->num_threads)
+#pragma omp parallel num_threads(threads)
     {
         void *scratch = malloc(length * (sizeof(int64_t) + a->group * sizeof(float)));
         if (!scratch) {

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels import build_library
+from kvgen.model.kernels import build_library, cpu_has
+from kvgen.model.kernels.bf16 import Bf16Tiles
 from kvgen.model.quant.formats import PackedWeight
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
 _P = ctypes.c_void_p
 _ARGTYPES = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int32, ctypes.c_int64, _P, ctypes.c_int32,
              ctypes.c_int32]
+_DEQUANTIZE_ARGTYPES = [_P, _P, _P, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int32]
 # How x is quantized: one int8 part per span (as ggml), or two (the second quantizes the first's
 # rounding error: ~15 bits, for one more row of x per token in the kernel).
 ACTIVATION_PARTS = {"int8": 1, "int8x2": 2}
@@ -49,7 +51,9 @@ class VnniKernel:
         says (a key of ACTIVATION_PARTS); AttributeError if qmatmul.c has no such variant."""
         function = getattr(self._library, kernel_name(w))
         function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
-        return BoundKernel(function, w, ACTIVATION_PARTS[activations])
+        dequantize = getattr(self._library, kernel_name(w) + "_bf16")
+        dequantize.argtypes, dequantize.restype = _DEQUANTIZE_ARGTYPES, None
+        return BoundKernel(function, dequantize, w, ACTIVATION_PARTS[activations])
 
     def quantize_activations(self, x: torch.Tensor, activations: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
         """x fp32 [T, in] -> (q int8 [parts, T, in], scale fp32 [parts, T, in/32]), exactly as the
@@ -66,11 +70,22 @@ class VnniKernel:
 class BoundKernel:
     """One packed weight's kernel call: only x, its row count and the output change per call."""
 
-    def __init__(self, function: ctypes._CFuncPtr, w: PackedWeight, parts: int) -> None:
-        self._function, self._weight, self._parts = function, w, parts  # w's tensors stay alive while bound
+    def __init__(self, function: ctypes._CFuncPtr, dequantize: ctypes._CFuncPtr, w: PackedWeight,
+                 parts: int) -> None:
+        self._function, self._dequantize = function, dequantize
+        self._weight, self._parts = w, parts  # w's tensors stay alive while bound
         self._out_features, self._in_features = w.shape
         minimum = 0 if w.min is None else w.min.data_ptr()
         self._weight_args = (w.codes.data_ptr(), w.scale.data_ptr(), minimum, w.offset, w.shape[0])
+
+    def dequantize_bf16(self, tiles: Bf16Tiles | None = None) -> torch.Tensor:
+        """W^ rounded to bf16 in kvgen.model.kernels.bf16's layout [ceil(out/4), in/32, 4, 32] (for
+        the bf16 kernel at many rows), in `tiles`' buffer if given."""
+        shape = (-(-self._out_features // 4), self._in_features // 32, 4, 32)
+        out = tiles.take(shape) if tiles is not None else torch.empty(shape, dtype=torch.bfloat16)
+        self._dequantize(*self._weight_args[:3], self._weight.offset, self._out_features, self._in_features,
+                         out.data_ptr(), torch.get_num_threads())
+        return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [T, in], contiguous, on the CPU -> fp32 [T, out]."""
@@ -84,20 +99,11 @@ class BoundKernel:
         return out
 
 
-def cpu_supports_vnni() -> bool:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    present = set(flags.split(":", 1)[1].split())
-    return all(feature in present for feature in CPU_FEATURES)
-
-
 @functools.cache
 def vnni_kernel() -> VnniKernel | None:
     """The kernel, built once per machine, or None where this CPU lacks its features or it cannot be
     built (then the layers use torch)."""
-    if not cpu_supports_vnni():
+    if not cpu_has(CPU_FEATURES):
         return None
     try:
         return VnniKernel(ctypes.CDLL(str(build_library(SOURCE, FLAGS))))

@@ -1,12 +1,17 @@
 """Linear layers over weights that stay quantized in memory (kvgen.model.quant.formats).
 
-    VnniQuantLinear   CPU with AVX-512 VNNI: the compiled kernel (qmatmul.c) for every row count;
-                      x is quantized inside the call, per group of 32: to int8 (`activations="int8"`,
-                      as ggml), or to two int8 parts, the second quantizing the first's rounding
-                      error (`"int8x2"`, ~15 bits; on the real Q4_1 file top-1 agreement with the
-                      fp32 model is 97.8% with int8 and 100% with int8x2, see BENCHMARKS.md). Against fp32 BLAS on
-                      the dequantized weights it is faster at 1, 16 and 64 rows and no slower at 512
-                      (BENCHMARKS.md), so no row count goes back to BLAS.
+    VnniQuantLinear   CPU with AVX-512 VNNI: the compiled kernel (qmatmul.c); x is quantized inside
+                      the call, per group of 32: to int8 (`activations="int8"`, as ggml), or to two
+                      int8 parts, the second quantizing the first's rounding error (`"int8x2"`, ~15
+                      bits; on the real Q4_1 file top-1 agreement with the fp32 model is 97.8% with
+                      int8 and 100% with int8x2, see BENCHMARKS.md). Against fp32 BLAS on the
+                      dequantized weights it is faster at 1, 16 and 64 rows and no slower at 512.
+                      From `many_rows.from_rows` rows on (prefill), where the CPU has AVX-512 BF16, the
+                      weight is instead dequantized per call to bf16 (qmatmul.c, in C) and x runs
+                      in bf16 through kvgen.model.kernels.bf16: there the integer kernel is
+                      compute-bound and its two parts of x cost it twice the work, while bf16 dot
+                      products do 32 multiply-adds an instruction (top-1 agreement with the fp32
+                      model on the real Q4_1 file: 99.2%; BENCHMARKS.md).
     TorchQuantLinear  CUDA and other devices: dequantizes on each call and runs F.linear, so the
                       weights stay packed in memory; also the kernel's CPU twin in the tests.
 
@@ -18,12 +23,15 @@ values, fp32 bytes): dequantizing every matrix on every call would cost more tha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
 from kvgen.model.linear import Linear, RowKernels, make_linear
 from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
 from kvgen.model.quant.formats import PackedWeight, dequantize
@@ -50,18 +58,35 @@ class QuantLinear(Linear):
         return self.packed.nbytes
 
 
+@dataclass(frozen=True)
+class ManyRows:
+    """From `from_rows` rows of x on, a packed layer runs in bf16 (see VnniQuantLinear), dequantizing
+    its weight into `tiles`."""
+
+    from_rows: int
+    tiles: Bf16Tiles
+
+
 class VnniQuantLinear(QuantLinear):
-    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None, activations: str = "int8") -> None:
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None, activations: str = "int8",
+                 many_rows: ManyRows | None = None) -> None:
         super().__init__(weight, bias)
         kernel = vnni_kernel()
         assert kernel is not None, "VnniQuantLinear needs the VNNI kernel (see vnni_kernel())"
-        self.kernel = f"{kernel_name(weight)} (x {activations})"
         self._matmul = kernel.bind(weight, activations)
+        self._bf16 = bf16_kernel() if many_rows is not None else None
+        self.many_rows = many_rows if self._bf16 is not None else None
+        many = f"; from {self.many_rows.from_rows} rows bf16_matmul" if self.many_rows is not None else ""
+        self.kernel = f"{kernel_name(weight)} (x {activations}{many})"
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
-        whatever rows run with it."""
-        out = self._matmul(x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous())
+        whatever rows run with it, for a given side of `many_rows.from_rows`."""
+        if self.many_rows is not None and x.shape[0] >= self.many_rows.from_rows:
+            tiles = self._matmul.dequantize_bf16(self.many_rows.tiles)
+            out = self._bf16(x.to(torch.bfloat16).contiguous(), tiles, self.out_features, torch.float32)
+        else:
+            out = self._matmul(x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous())
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if self.bias is None else out.add_(self.bias)
 
@@ -75,15 +100,18 @@ class TorchQuantLinear(QuantLinear):
 
 
 def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None, device: torch.device = CPU,
-                  dtype: torch.dtype = torch.float32, activations: str = "int8") -> Linear:
+                  dtype: torch.dtype = torch.float32, activations: str = "int8",
+                  many_rows: ManyRows | None = None) -> Linear:
     """The layer for a packed weight on `device` (see the module docstring). `dtype` is the float
-    layer's where a CPU lacks the kernel's features; `activations` how the kernel quantizes x."""
+    layer's where a CPU lacks the kernel's features; `activations` how the kernel quantizes x;
+    `many_rows` (None: never) from how many rows of x on, where the CPU has AVX-512 BF16, the weight
+    is dequantized to bf16 per call and x runs in bf16 (see VnniQuantLinear)."""
     if activations not in ACTIVATION_PARTS:
         raise ValueError(f"activations {activations!r}: expected one of {', '.join(ACTIVATION_PARTS)}")
     if device.type != "cpu":
         return TorchQuantLinear(weight.to(device), None if bias is None else bias.to(device))
     if vnni_kernel() is not None:
-        return VnniQuantLinear(weight, bias, activations)
+        return VnniQuantLinear(weight, bias, activations, many_rows)
     return make_linear(dequantize(weight).to(dtype), bias)
 
 
@@ -93,7 +121,7 @@ def describe(layer: Linear) -> tuple[str, int]:
     if isinstance(layer, QuantLinear):
         return layer.kernel, layer.weight_bytes
     weight = getattr(layer, "weight", None)
-    if weight is None:  # OneDnnLinear keeps only its reordered bf16 copy
+    if weight is None:  # Bf16Linear and OneDnnLinear keep only their reordered bf16 copy
         return type(layer).__name__, layer.out_features * layer.in_features * 2
     return type(layer).__name__, weight.numel() * weight.element_size()
 
@@ -112,9 +140,10 @@ def make_quantized_linear(ggml_type: GGMLQuantizationType, raw: np.ndarray, shap
 
 
 def quantize_linear(weight: torch.Tensor, method: str, bias: torch.Tensor | None = None,
-                    activations: str = "int8") -> Linear:
+                    activations: str = "int8", many_rows: ManyRows | None = None) -> Linear:
     """A float weight [out, in] quantized by `method` ("int8" or "int4", see float_weights), on its
     device."""
     if method not in FLOAT_QUANTIZERS:
         raise ValueError(f"quantization {method!r}: expected one of {', '.join(FLOAT_QUANTIZERS)}")
-    return packed_linear(FLOAT_QUANTIZERS[method](weight), bias, weight.device, weight.dtype, activations)
+    return packed_linear(FLOAT_QUANTIZERS[method](weight), bias, weight.device, weight.dtype, activations,
+                         many_rows)

@@ -304,6 +304,79 @@ KERNEL(qmatmul_u8_g32_f16, 8, 32, 1)
 KERNEL(qmatmul_u8_g32_f32, 8, 32, 0)
 KERNEL(qmatmul_u8_g16_f32, 8, 16, 0)
 
+/* -- dequantizing to bf16, for many rows of x ------------------------------------------------------
+ * At prefill's hundreds of rows the integer kernel is compute-bound, and two parts of x cost it twice
+ * the work. There W^ is dequantized once per call into bf16_matmul.c's layout (tiles of 4 rows, span
+ * by span: the same tiling as the codes, so tile w span j goes to out[(w * spans + j) * 128]) and x
+ * runs in bf16 through AVX-512 BF16 dot products (kvgen/model/quant/linear.py). Values are rounded to
+ * the nearest bf16 (ties to even) from w = s * (u - o) + m in fp32. */
+
+static inline __attribute__((always_inline)) __m256i bf16_of(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+static inline __attribute__((always_inline)) float value_at(const void *p, int64_t at, const int f16) {
+    return f16 ? _cvtsh_ss(((const uint16_t *)p)[at]) : ((const float *)p)[at];
+}
+
+/* 16 codes (bytes) of one row -> 16 bf16 values s * (u - o) + m. */
+static inline __attribute__((always_inline)) __m256i dequantize16(__m128i codes, int32_t offset, float s, float m) {
+    __m512 u = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(codes), _mm512_set1_epi32(offset)));
+    return bf16_of(_mm512_fmadd_ps(_mm512_set1_ps(s), u, _mm512_set1_ps(m)));
+}
+
+#define DEQUANTIZE_ROW(i)                                                                                     \
+    {                                                                                                         \
+        const int64_t ga = first_group * TILE + i, gb = (first_group + (group == 32 ? 0 : 1)) * TILE + i;      \
+        const float sa = value_at(scale, ga, f16), sb = value_at(scale, gb, f16);                             \
+        const float ma = min ? value_at(min, ga, f16) : 0.0f, mb = min ? value_at(min, gb, f16) : 0.0f;       \
+        _mm256_storeu_si256((__m256i *)(o + 32 * i), dequantize16(_mm512_extracti32x4_epi32(a, i), offset, sa, ma)); \
+        _mm256_storeu_si256((__m256i *)(o + 32 * i + 16), dequantize16(_mm512_extracti32x4_epi32(b, i), offset, sb, mb)); \
+    }
+
+/* Tile w of W^ (every span) into `out`, the bf16 layout's tile w. */
+static inline __attribute__((always_inline)) void dequantize_tile(const uint8_t *codes, const void *scale,
+                                                                  const void *min, int32_t offset, int64_t w,
+                                                                  int64_t K, uint16_t *out, const int bits,
+                                                                  const int group, const int f16) {
+    const int64_t spans = K / 32, groups = K / group, span_bytes = 16 * bits;
+    for (int64_t j = 0; j < spans; j++) {
+        const uint8_t *p = codes + (w * spans + j) * span_bytes;
+        const int64_t first_group = w * groups + j * (32 / group);
+        uint16_t *o = out + (w * spans + j) * TILE * 32;
+        __m512i a, b;
+        if (bits == 4) {
+            __m512i v = _mm512_loadu_si512(p);
+            a = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+            b = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+        } else {
+            a = _mm512_loadu_si512(p);
+            b = _mm512_loadu_si512(p + 64);
+        }
+        DEQUANTIZE_ROW(0) DEQUANTIZE_ROW(1) DEQUANTIZE_ROW(2) DEQUANTIZE_ROW(3)
+    }
+}
+
+/* One exported function per format, as for the kernels (OpenMP's outlined body per format). */
+#define DEQUANTIZE(name, bits, group, f16)                                                                    \
+    void name(const uint8_t *codes, const void *scale, const void *min, int32_t offset, int64_t N, int64_t K,  \
+              uint16_t *out, int32_t num_threads) {                                                           \
+        const int64_t num_tiles = (N + TILE - 1) / TILE;                                                      \
+        const int threads = num_threads > 1 && num_tiles * TILE * K * bits / 8 >= PARALLEL_BYTES ? num_threads : 1; \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")                    \
+        for (int64_t w = 0; w < num_tiles; w++)                                                               \
+            dequantize_tile(codes, scale, min, offset, w, K, out, bits, group, f16);                          \
+    }
+
+DEQUANTIZE(qmatmul_u4_g32_f16_bf16, 4, 32, 1)
+DEQUANTIZE(qmatmul_u4_g32_f32_bf16, 4, 32, 0)
+DEQUANTIZE(qmatmul_u8_g32_f16_bf16, 8, 32, 1)
+DEQUANTIZE(qmatmul_u8_g32_f32_bf16, 8, 32, 0)
+DEQUANTIZE(qmatmul_u8_g16_f32_bf16, 8, 16, 0)
+
 /* x as the kernels quantize it, `parts` rows per row of x: x^ = sum over parts of scale * q (tests). */
 int quantize_activations(const float *x, int64_t T, int64_t K, int32_t parts, int8_t *q, float *scale) {
     struct xq xq;

@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
-from kvgen.model.quant.formats import PackedWeight
+from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
+from kvgen.model.quant.formats import PackedWeight, dequantize
 from kvgen.model.quant.gguf_blocks import convert
 from kvgen.model.quant.kernel import vnni_kernel
+from kvgen.model.quant.linear import ManyRows, VnniQuantLinear
+from tests.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix
 
@@ -91,3 +94,45 @@ def test_x_of_the_wrong_shape_or_dtype_is_refused():
         kernel(torch.randn(2, 32))
     with pytest.raises(ValueError, match="float64"):
         kernel(torch.randn(2, 64, dtype=torch.float64))
+
+
+# -- many rows: the weight dequantized to bf16 --------------------------------------------------------
+
+BF16_UNIT_ROUNDOFF = 2.0**-8
+
+
+def bf16_tiles_to_rows(tiles: torch.Tensor, out: int) -> torch.Tensor:
+    """kvgen.model.kernels.bf16's layout [tiles, spans, 4, 32] -> [out, in]."""
+    n_tiles, spans = tiles.shape[:2]
+    return tiles.transpose(1, 2).reshape(n_tiles * 4, spans * 32)[:out]
+
+
+@pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
+def test_dequantized_bf16_tiles_are_the_weights_rounded_to_bf16(ggml_type):
+    """Each value is s * (u - o) + m from one fp32 FMA, then rounded to the nearest bf16: the exact
+    dequantized value, rounded, or (where the FMA's rounding crosses a tie) its bf16 neighbour."""
+    w = gguf_weight(ggml_type, out=13)
+    got = bf16_tiles_to_rows(vnni_kernel().bind(w).dequantize_bf16(), 13).float()
+    exact = dequantize(w)
+    assert torch.equal(got, exact.bfloat16().float()) or (
+        (got - exact).abs() <= BF16_UNIT_ROUNDOFF * exact.abs() * (1 + 2**-15)).all()
+    assert (got == exact.bfloat16().float()).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("rows", [16, 70])
+@pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
+def test_many_rows_run_in_bf16_within_its_rounding(ggml_type, rows):
+    """x and W^ each rounded to bf16 (relative 2^-8), products exact in fp32, summed in fp32:
+    |y - x W^T| <= ((1 + u)^2 - 1 + gamma(K) (1 + u)^2) sum |x| |W^|, u = 2^-8."""
+    if bf16_kernel() is None:
+        pytest.skip("this CPU has no AVX-512 BF16")
+    w = gguf_weight(ggml_type, out=13)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    layer = VnniQuantLinear(w, None, "int8x2", ManyRows(16, Bf16Tiles()))
+    dense = dequantize(w).double()
+    u = BF16_UNIT_ROUNDOFF
+    bound = ((1 + u) ** 2 - 1 + gamma(512) * (1 + u) ** 2) * (x.double().abs() @ dense.abs().T)
+    assert ((layer(x).double() - x.double() @ dense.T).abs() <= bound).all()
+    assert "from 16 rows bf16_matmul" in layer.kernel
+    below = layer(x[:15])  # the integer kernel, as without the bf16 path
+    assert torch.equal(below, vnni_kernel().bind(w, "int8x2")(x[:15]))
