@@ -178,7 +178,7 @@ class LLMEngine(Engine):
         for chunk in schedule.chunks:
             if chunk.draft:
                 rows = logits[row : row + chunk.num_tokens]  # [1 + k, vocab]
-                finite = bool(torch.isfinite(rows).all())
+                finite = bool(torch.isfinite(rows.sum(dim=-1)).all())  # as sample_and_record checks
                 verdicts[chunk.seq.seq_id] = (chunk.seq, self.speculator.verify(chunk, rows) if finite else None)
                 row += chunk.num_tokens
             elif chunk.completes_sequence:

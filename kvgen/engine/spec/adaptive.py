@@ -7,8 +7,9 @@ enough are accepted. Which side of that line a batch is on depends on the machin
 proposer and the text, so it is measured rather than modelled:
 
     bucket    batch sizes 1, 2-3, 4-7, 8-15, ... (by bit length)
-    arms      speculate / not, each with an EMA of tokens emitted per second of step time (the
-              draft's proposing included), measured on decode-only steps
+    arms      speculate / not, each with the median of its last WINDOW rates in tokens emitted per
+              second of step time (the draft's proposing included), measured on decode-only steps
+              (a median: on a shared machine a step now and then takes many times its usual time)
     choice    each arm is tried MIN_SAMPLES times, then the faster one is taken; every
               PROBE_EVERY-th step of a bucket takes the other one, so a change in acceptance (a text
               that stops repeating its input) is noticed
@@ -16,20 +17,26 @@ proposer and the text, so it is measured rather than modelled:
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 MIN_SAMPLES = 3
 PROBE_EVERY = 32
-SMOOTHING = 0.2  # weight of the newest step in an arm's EMA
+WINDOW = 9  # rates an arm remembers
 
 
 @dataclass
 class _Arm:
     samples: int = 0
-    rate: float = 0.0  # tokens emitted per second, EMA
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # tokens emitted per second
+
+    @property
+    def rate(self) -> float:
+        return statistics.median(self.recent) if self.recent else 0.0
 
     def add(self, rate: float) -> None:
-        self.rate = rate if self.samples == 0 else (1 - SMOOTHING) * self.rate + SMOOTHING * rate
+        self.recent.append(rate)
         self.samples += 1
 
 
