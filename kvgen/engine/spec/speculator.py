@@ -56,6 +56,8 @@ class SpecCounters:
 
 
 class Speculator:
+    """One engine's speculative decoding: its proposer, K, the adaptive switch and the counters."""
+
     def __init__(self, proposer: Proposer, num_tokens: int, adaptive: bool) -> None:
         self.proposer = proposer
         self.k = num_tokens
