@@ -105,8 +105,8 @@ class BlasLinear(Linear):
         xn, on = x.numpy(), out.numpy()
         if rows is None and xn.shape[0] > 1:
             # W @ x^T, the weights as OpenBLAS's A operand: it then packs the few rows of x instead of
-            # the whole matrix, 2-15x faster for 2-128 rows (a speculative verify chunk) and ~1.1-3x
-            # up to 512 rows on a 2-core machine (measured in docs/speculative.md).
+            # the whole matrix: 2x faster for a few rows (a speculative verify chunk) on one thread,
+            # far more on two, 1.1-6x at 256-512 rows (measured in docs/speculative.md).
             on[:] = np.matmul(self._wt.T, xn.T).T
         elif rows is None:
             np.matmul(xn, self._wt, out=on)
