@@ -82,8 +82,10 @@ class Speculator:
         self.active = batch_size > 0 and (self.switch is None or self.switch.decide(batch_size))
 
     def lookahead(self, seq: Sequence) -> int:
-        """Slots to reserve past `seq`'s last token this step (0: it decodes plainly)."""
-        if not self.active or not self.eligible(seq):
+        """Slots to reserve past `seq`'s last token this step (0: it decodes plainly). The first token
+        is always sampled plainly, after the whole prompt (an n > 1 request forks there), even when
+        chunked prefill leaves the last prompt token alone in a step."""
+        if not self.active or not seq.output_token_ids or not self.eligible(seq):
             return 0
         remaining = seq.params.max_tokens - len(seq.output_token_ids) - 1  # the bonus token is the last
         k = min(self.k, remaining)

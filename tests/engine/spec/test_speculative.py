@@ -231,3 +231,23 @@ def test_adaptive_engine_is_still_exact(loaded):
     eng = engine(loaded, speculative_method="ngram", num_speculative_tokens=4)
     assert run_all(eng, requests) == run_all(engine(loaded), requests)
     assert eng.speculator.switch.table()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_last_prompt_token_left_alone_by_chunking_is_sampled_plainly(loaded, stories_bin, method):
+    """Chunked prefill can leave the last prompt token alone in a step, which looks like a decode: it
+    must not be speculated (the first token forks an n = 2 request and ends prompt scoring)."""
+    eng = engine(loaded, **spec_options(method, 4, stories_bin))
+    num_prompt = len(eng.encode_prompt(STORY))
+    options = dict(max_num_batched_tokens=num_prompt - 1, **spec_options(method, 4, stories_bin))
+    params = SamplingParams(temperature=0, max_tokens=12, n=2, prompt_logprobs=1)
+    want = finished_outputs(engine(loaded, max_num_batched_tokens=num_prompt - 1), [(STORY, params)])[0]
+    eng = engine(loaded, **options)
+    eng.add_request("0", STORY, params)
+    got = None
+    for _ in range(200):  # a sequence that never forked would leave the request unfinished forever
+        got = next((o for o in eng.step() if o.finished), got)
+    assert got is not None and not eng.has_unfinished()
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    assert len(got.prompt_logprobs) == num_prompt and eng.speculator.counters.verify_steps > 0
+    assert_clean(eng)
