@@ -15,8 +15,8 @@ from pathlib import Path
 
 from kvgen.cache.sizing import KV_ELEMENT_BYTES, KV_SCALE_BYTES, format_bytes, kv_bytes_per_token, parse_bytes
 from kvgen.config import (
-    ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, QUANTIZATION_MODES,
-    EngineConfig, ModelConfig,
+    ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, MAX_SPECULATIVE_TOKENS,
+    QUANTIZATION_MODES, SPECULATIVE_METHODS, EngineConfig, ModelConfig,
 )
 from kvgen.engine.base import Engine
 from kvgen.engine.sampling_params import SamplingParams
@@ -58,6 +58,18 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                    help="torch.distributed backend: auto (gloo on the CPU, nccl on CUDA; default)")
     g.add_argument("--distributed-timeout", type=float, default=30.0,
                    help="seconds a collective waits for a peer before the run fails (default: 30)")
+    s = parser.add_argument_group("speculative decoding (docs/speculative.md)")
+    s.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
+                   help="ngram: prompt lookup; draft: a smaller model sharing the tokenizer (--draft-model)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help=f"tokens proposed and verified per step, 1..{MAX_SPECULATIVE_TOKENS} (default: 4)")
+    s.add_argument("--draft-model", help="the draft checkpoint (the target's own file for self-speculation)")
+    s.add_argument("--draft-quantization", choices=QUANTIZATION_MODES, default="auto",
+                   help="how the draft's weights are kept (int4: a 4-bit copy of a float checkpoint)")
+    s.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram prompt lookup matches")
+    s.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram prompt lookup matches")
+    s.add_argument("--no-adaptive-speculation", action="store_true",
+                   help="speculate at every batch size (default: skip it where it measures slower)")
 
 
 def _byte_size(text: str) -> int:
@@ -76,6 +88,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
         distributed_backend=args.distributed_backend, distributed_timeout=args.distributed_timeout,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
+        draft_quantization=args.draft_quantization, prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max, adaptive_speculation=not args.no_adaptive_speculation,
     )
 
 
@@ -117,7 +133,9 @@ def result_json(out: RequestOutput) -> dict:
     decode_time = m.token_times[-1] - m.token_times[0] if len(m.token_times) > 1 else 0.0
     decode_tps = (len(m.token_times) - 1) / decode_time if decode_time > 0 else None
     return {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
-            "finish_reason": out.finish_reason, "ttft_s": m.ttft, "decode_tokens_per_s": decode_tps}
+            "finish_reason": out.finish_reason, "ttft_s": m.ttft, "decode_tokens_per_s": decode_tps,
+            "speculative": {"proposed": m.spec_proposed, "accepted": m.spec_accepted,
+                            "mean_accepted_length": m.spec_mean_accepted_length}}
 
 
 # -- commands -----------------------------------------------------------------------------------

@@ -126,6 +126,10 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 # torch.distributed backends for tensor parallelism: "auto" is gloo on the CPU, NCCL on CUDA.
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
+# Speculative decoding (kvgen.engine.spec): "ngram" looks the next tokens up in the prompt and output
+# so far, "draft" asks a smaller model sharing the tokenizer; K tokens are verified per target pass.
+SPECULATIVE_METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_backend: str = "auto"
     distributed_timeout: float = 30.0
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    draft_quantization: str = "auto"
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    adaptive_speculation: bool = True  # skip speculating a step where it measures slower (docs/speculative.md)
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
@@ -177,6 +188,31 @@ class EngineConfig:
             raise ValueError("distributed_timeout must be positive")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_method is None:
+            if self.draft_model is not None:
+                raise ValueError("draft_model needs speculative_method 'draft'")
+            return
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {self.speculative_method!r}")
+        if self.kv_cache != "paged":
+            raise ValueError("speculative decoding needs the paged KV cache (--kv-cache paged)")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        if self.speculative_method == "draft" and self.draft_model is None:
+            raise ValueError("speculative_method 'draft' needs a draft_model (a checkpoint sharing the tokenizer)")
+        if self.speculative_method == "draft" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_method 'draft' runs in one process; with tensor_parallel_size > 1 use "
+                             "'ngram'")
+        if self.draft_quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"draft_quantization must be one of {QUANTIZATION_MODES}, got {self.draft_quantization!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max need 1 <= min <= max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
 
     @property
     def torch_dtype(self):  # -> torch.dtype (imported lazily: this module stays torch-free)

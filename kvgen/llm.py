@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from collections.abc import Sequence
@@ -38,12 +39,18 @@ def default_model_path() -> Path:
 def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     """The paged continuous-batching engine, or the one-at-a-time reference for contiguous / none;
     across processes with tensor_parallel_size > 1 (a torchrun worker rank serves its part of every
-    step inside this call and exits the process when rank 0 stops)."""
+    step inside this call and exits the process when rank 0 stops). A draft model for speculative
+    decoding is loaded here, its quantization being draft_quantization."""
     if config.tensor_parallel_size > 1:
         from kvgen.distributed.launch import build_tensor_parallel_engine
 
         return build_tensor_parallel_engine(loaded, config)
-    return LLMEngine(loaded, config) if config.kv_cache == "paged" else SequentialEngine(loaded, config)
+    if config.kv_cache != "paged":
+        return SequentialEngine(loaded, config)
+    draft = None
+    if config.speculative_method == "draft":
+        draft = load(config.draft_model, dataclasses.replace(config, quantization=config.draft_quantization))
+    return LLMEngine(loaded, config, draft)
 
 
 def load(model: str | Path | None, config: EngineConfig, tokenizer: str | Path | None = None,

@@ -12,7 +12,8 @@ import pytest
 
 from kvgen.cli import main
 
-JSON_FIELDS = {"text", "token_ids", "prompt_token_ids", "finish_reason", "ttft_s", "decode_tokens_per_s"}
+JSON_FIELDS = {"text", "token_ids", "prompt_token_ids", "finish_reason", "ttft_s", "decode_tokens_per_s",
+               "speculative"}
 
 LLAMA2_70B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
@@ -327,3 +328,36 @@ def test_bad_kv_cache_memory(capsys):
     # a size too small for one block
     code, _, err = run(capsys, "generate", "--kv-cache-memory", "1KB")
     assert_user_error(code, err, "KV")
+
+
+# -- speculative decoding -----------------------------------------------------------------------
+
+
+def test_generate_json_with_speculation_reports_its_counters_and_the_same_tokens(capsys, stories_bin):
+    prompt = ["--prompt", "Lily and Tom went to the park. Lily and Tom", "--max-tokens", "40"]
+    plain = gen_json(capsys, *prompt)
+    spec = gen_json(capsys, *prompt, "--speculative-method", "draft", "--draft-model", stories_bin,
+                    "--draft-quantization", "int4", "--num-speculative-tokens", "3", "--no-adaptive-speculation")
+    assert spec["token_ids"] == plain["token_ids"]
+    assert plain["speculative"] == {"proposed": 0, "accepted": 0, "mean_accepted_length": None}
+    assert spec["speculative"]["proposed"] >= spec["speculative"]["accepted"] > 0
+    assert spec["speculative"]["mean_accepted_length"] > 1
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "0"], "num_speculative_tokens must be"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "99"], "num_speculative_tokens must be"),
+    (["--speculative-method", "draft"], "needs a draft_model"),
+    (["--speculative-method", "ngram", "--kv-policy", "sinks:4,60"], "does not compose with speculative"),
+])
+def test_bad_speculative_options(capsys, args, needle):
+    code, _, err = run(capsys, "generate", "--max-tokens", "4", *args)
+    assert code == 2 and needle in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("kvgen: error:")]) == 1
+
+
+def test_a_draft_with_another_vocabulary_exits_2(capsys, hf_model):
+    path, _ = hf_model("llama-gqa")
+    code, _, err = run(capsys, "generate", "--max-tokens", "4", "--speculative-method", "draft",
+                       "--draft-model", path)
+    assert code == 2 and f"{path}: the draft model's vocabulary has 320 tokens, the target's 512" in err

@@ -21,6 +21,7 @@ from kvgen.bench import latency, memory, scaling, throughput
 from kvgen.bench.models import BenchModel, resolve
 from kvgen.bench.peers import PEERS, KvgenSystem, PeerUnavailable, System, load_peer
 from kvgen.bench.report import PLOTS, Report, emit
+from kvgen.bench.tasks import MIN_PASSAGE_TOKENS, TASKS
 from kvgen.cache.sizing import parse_bytes
 from kvgen.cli import _config_only, engine_config
 from kvgen.config import DTYPES
@@ -40,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction, add_engine_options: Callabl
     p.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up (median reported)")
     p.add_argument("--bandwidth-size", type=parse_bytes, default="1GiB",
                    help="bytes copied to measure memory bandwidth (default: 1GiB)")
+    p.add_argument("--task", choices=TASKS, default="random",
+                   help="random prompt ids (default); repeat: repeat a 300+ token passage (input-grounded); "
+                        "free: a new story after the passage")
     _add_compare(p)
 
     p = _mode(modes, "throughput", "many requests at once: requests/s and tokens/s", add_engine_options)
@@ -95,6 +99,8 @@ def _add_workload(parser: argparse.ArgumentParser) -> None:
 def _add_compare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="append", default=[], choices=PEERS,
                         help="also run this peer on the same model and requests (repeatable)")
+    parser.add_argument("--compare-speculation", action="store_true",
+                        help="with --speculative-method: also run kvgen without speculation (kvgen-plain)")
 
 
 def _int_list(text: str) -> list[int]:
@@ -122,17 +128,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _latency(args: argparse.Namespace) -> Report:
     model, kvgen, settings = _setup(args)
-    peers, unavailable = _peers(args, model, settings["dtype"], args.prompt_len + args.gen_len)
+    plain = _plain_kvgen(args)
+    longest = max(args.prompt_len, MIN_PASSAGE_TOKENS + 128 if args.task != "random" else 0) + args.gen_len
+    peers, unavailable = _peers(args, model, settings["dtype"], longest)
     weights = sum(size for _, size in kvgen.engine.model.kernels().values())
-    return _noting(latency.run(args, kvgen.engine.model_config, [kvgen, *peers], settings, weights), unavailable)
+    report = latency.run(args, kvgen.engine.model_config, [kvgen, *plain, *peers], settings, weights,
+                         kvgen.engine.tokenizer)
+    return _with_speculation(_noting(report, unavailable), kvgen)
 
 
 def _throughput(args: argparse.Namespace) -> Report:
     model, kvgen, settings = _setup(args)
+    plain = _plain_kvgen(args)
     longest = args.prompt_len_range[1] + args.output_len_range[1]
     peers, unavailable = _peers(args, model, settings["dtype"], longest)
     vocab_size = kvgen.engine.model_config.vocab_size
-    return _noting(throughput.run(args, vocab_size, kvgen, peers, settings), unavailable)
+    report = throughput.run(args, vocab_size, kvgen, peers, settings, variants=plain)
+    return _with_speculation(_noting(report, unavailable), kvgen)
+
+
+def _plain_kvgen(args: argparse.Namespace) -> list[KvgenSystem]:
+    """kvgen without speculative decoding, for --compare-speculation (its ratio: kvgen/kvgen-plain)."""
+    if not args.compare_speculation:
+        return []
+    if args.speculative_method is None:
+        raise ValueError("--compare-speculation compares against --speculative-method, which is not given")
+    _, plain, _ = _setup(args, speculative_method=None, draft_model=None)
+    plain.name = "kvgen-plain"
+    return [plain]
+
+
+def _with_speculation(report: Report, kvgen: KvgenSystem) -> Report:
+    """kvgen's speculative counters (proposed, accepted, mean accepted length) in the notes and JSON."""
+    speculator = getattr(kvgen.engine, "speculator", None)
+    if speculator is None:
+        return report
+    counters = speculator.counters.as_dict()
+    report.data["speculative"] = counters | {"adaptive": speculator.switch.table() if speculator.switch else None}
+    report.notes.append(f"kvgen speculative ({kvgen.engine.config.speculative_method}, K = {speculator.k}): "
+                        f"{counters['proposed']} proposed, {counters['accepted']} accepted "
+                        f"({counters['acceptance_rate']:.0%}), mean accepted length "
+                        f"{counters['mean_accepted_length']:.2f} tokens per verifying step")
+    return report
 
 
 def _scaling(args: argparse.Namespace) -> Report:

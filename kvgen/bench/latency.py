@@ -13,10 +13,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvgen.bench.peers import System, TokenTimes, random_prompt
+from kvgen.bench.peers import System, TokenTimes
+from kvgen.bench.tasks import task_prompts
 from kvgen.bench.report import Metric, Report, comparison_table, median, timed
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token
 from kvgen.config import ModelConfig
+from kvgen.tokenizer import Tokenizer
 
 METRICS = (
     Metric("ttft_s", "time to first token (ms)", 1e3),
@@ -29,24 +31,27 @@ BANDWIDTH_REPEATS = 5
 
 
 def run(args: argparse.Namespace, config: ModelConfig, systems: Sequence[System], settings: dict,
-        weights: int) -> Report:
-    """`weights`: the bytes of the matrices kvgen's decode step reads once each (packed or float)."""
+        weights: int, tokenizer: Tokenizer | None = None) -> Report:
+    """`weights`: the bytes of the matrices kvgen's decode step reads once each (packed or float);
+    `tokenizer` renders the prompts of a text task (`--task`, kvgen.bench.tasks)."""
     rng = np.random.default_rng(args.seed)
     # A fresh prompt per run: a repeated one would be served from kvgen's prefix cache.
-    prompts = [random_prompt(rng, config.vocab_size, args.prompt_len) for _ in range(args.repeats + 1)]
+    task = getattr(args, "task", "random")
+    prompts = task_prompts(task, tokenizer, config.vocab_size, args.repeats + 1, args.prompt_len, rng)
+    prompt_len = round(median([len(p) for p in prompts[1:]]))
     runs = measure(systems, prompts, args.gen_len)
     bandwidth = memory_bandwidth(args.bandwidth_size, torch.device(args.device))
     element = torch.tensor([], dtype=getattr(torch, settings["dtype"])).element_size()
-    kv = average_kv_bytes(config, element, args.prompt_len, args.gen_len)
+    kv = average_kv_bytes(config, element, prompt_len, args.gen_len)
     results = {name: summarize(system_runs, weights + kv, bandwidth) for name, system_runs in runs.items()}
-    title = (f"latency: {settings['model']}, {settings['dtype']}, batch 1, prompt {args.prompt_len}, "
+    title = (f"latency: {settings['model']}, {settings['dtype']}, batch 1, {task} prompt {prompt_len}, "
              f"{args.gen_len} new tokens, median of {args.repeats}")
     table, ratios = comparison_table(title, METRICS, results)
     copied = format_bytes(args.bandwidth_size, binary=True)
     notes = [f"{args.device} memory bandwidth: {bandwidth / 1e9:.2f} GB/s (copy of {copied}, read + written, best of "
              f"{BANDWIDTH_REPEATS}); a decode step reads {format_bytes(weights)} of weights + {format_bytes(kv)} "
              "of KV on average"]
-    settings = settings | {"prompt_len": args.prompt_len, "gen_len": args.gen_len, "repeats": args.repeats}
+    settings = settings | {"prompt_len": prompt_len, "gen_len": args.gen_len, "repeats": args.repeats, "task": task}
     data = {"settings": settings, "memory_bandwidth_bytes_per_s": bandwidth,
             "decode_bytes_per_token": {"weights": weights, "kv_average": kv}, "results": results, "runs": runs,
             "ratios": ratios}

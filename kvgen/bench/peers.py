@@ -124,7 +124,7 @@ def load_peer(name: str, model: BenchModel, dtype: str, max_len: int, device: st
     """The named peer on `model` in `dtype` ("float32", "float16", "bfloat16") on `device`, able to hold
     `max_len` tokens. Raises PeerUnavailable when it is not installed or cannot read the model."""
     system, module, pip_name = _PEERS[name]
-    if device != "cpu" and system is not HFSystem:
+    if device != "cpu" and system not in (HFSystem, HFLookupSystem):
         raise PeerUnavailable(f"{name}: runs on the CPU only in kvgen bench (not {device})")
     try:
         return system(model, dtype, max_len, device)
@@ -181,7 +181,7 @@ class _TimingStreamer:
 
     def put(self, value: torch.Tensor) -> None:
         if self._prompt_seen:  # transformers puts tokens already copied to the CPU: the step is done
-            self.times.append(time.monotonic())
+            self.times.extend([time.monotonic()] * value.numel())  # several at once when speculating
         self._prompt_seen = True
 
     def end(self) -> None:
@@ -287,11 +287,49 @@ def _llama_server(model: BenchModel, dtype: str, max_len: int, device: str) -> S
     return LlamaServerSystem(model, dtype, max_len, device)
 
 
+# -- prompt lookup decoding in the peers (compared with kvgen --speculative-method ngram) -----------
+
+PEER_LOOKUP_TOKENS = 10  # tokens proposed per step: the default of both HF and llama-cpp-python
+
+
+class HFLookupSystem(HFSystem):
+    """transformers `generate(prompt_lookup_num_tokens=...)`: HF's prompt lookup decoding (batch 1 only)."""
+
+    name = "hf-lookup"
+    batched = False
+
+    def run_batch(self, requests: Sequence[BenchRequest]) -> None:
+        for r in requests:
+            self.generate_timed(r.prompt, r.output_len)
+
+    def _generate(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, streamer=None) -> None:
+        self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                            streamer=streamer, prompt_lookup_num_tokens=PEER_LOOKUP_TOKENS)
+
+
+class LlamaCppLookupSystem(LlamaCppSystem):
+    """llama-cpp-python with `LlamaPromptLookupDecoding` as its draft model (its defaults: bigrams)."""
+
+    name = "llama.cpp-lookup"
+
+    def __init__(self, model: BenchModel, dtype: str, max_len: int, device: str) -> None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        threads = torch.get_num_threads()
+        self.llm = Llama(model_path=str(gguf_for(model, dtype)), n_ctx=max_len, n_batch=512, n_threads=threads,
+                         n_threads_batch=threads, verbose=False,
+                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PEER_LOOKUP_TOKENS))
+
+
 # name -> (system, the module it needs, the pip package that provides it)
 _PEERS: dict[str, tuple[Callable[[BenchModel, str, int, str], System], str, str]] = {
     "hf": (HFSystem, "transformers", "transformers"),
     "llama.cpp": (LlamaCppSystem, "llama_cpp", "llama-cpp-python"),
     "llama-server": (_llama_server, "kvgen", "llama.cpp's llama-server"),
     "ct2": (CTranslate2System, "ctranslate2", "ctranslate2"),
+    "hf-lookup": (HFLookupSystem, "transformers", "transformers"),
+    "llama.cpp-lookup": (LlamaCppLookupSystem, "llama_cpp", "llama-cpp-python"),
 }
 PEERS = tuple(_PEERS)

@@ -27,12 +27,16 @@ METRICS = (
 
 
 def run(args: argparse.Namespace, vocab_size: int, kvgen: KvgenSystem, peers: Sequence[System],
-        settings: dict) -> Report:
+        settings: dict, variants: Sequence[KvgenSystem] = ()) -> Report:
+    """`variants`: other kvgen engines run like kvgen (such as kvgen-plain, without speculation)."""
     requests = make_requests(args.num_requests, args.prompt_len_range, args.output_len_range, vocab_size, args.seed)
     warmup = make_requests(1, args.prompt_len_range, (8, 8), vocab_size, args.seed + 1)
     kvgen.run_batch(warmup)
     device = kvgen.engine.model.device
     results = {"kvgen": rates(requests, timed(lambda: kvgen.run_batch(requests), device))}
+    for variant in variants:
+        variant.run_batch(warmup)
+        results[variant.name] = rates(requests, timed(lambda v=variant: v.run_batch(requests), device))
     if args.sequential:
         results["kvgen-sequential"] = rates(requests, timed(lambda: kvgen.run_at(requests, 1), device))
     notes = []

@@ -209,8 +209,11 @@ class KVCacheManager:
     # -- mutations --------------------------------------------------------------------------
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
-                 cached_prefix: list[Block] | None = None) -> bool:
+                 cached_prefix: list[Block] | None = None, num_lookahead: int = 0) -> bool:
         """Extends the sequence's table to cover `num_slots + num_new_tokens` slots.
+
+        `num_lookahead` of the new slots may lie past the sequence's tokens: they hold speculative
+        tokens being verified, and `truncate` takes back those that are rejected.
 
         The first call for a sequence creates it and may pass `cached_prefix` (from
         `find_cached_prefix`): those blocks join the table as already computed, and
@@ -226,7 +229,7 @@ class KVCacheManager:
         if not is_new and prefix:
             raise ValueError(f"sequence {seq_id}: cached_prefix is only allowed on its first allocate")
         state = state or _SeqState()
-        self._check_allocate_args(state, token_ids, num_new_tokens, prefix)
+        self._check_allocate_args(state, len(token_ids) + num_lookahead, token_ids, num_new_tokens, prefix)
         start = state.num_slots + len(prefix) * self.block_size
         end = start + num_new_tokens
         num_fresh = self.num_blocks_needed(end) - state.num_entries - len(prefix)
@@ -284,6 +287,26 @@ class KVCacheManager:
             self.pool.release(self.pool.blocks[block_id])
         self._drop_dead_copies()
 
+    def truncate(self, seq_id: int, num_slots: int) -> int:
+        """Shrinks the table to cover `num_slots` slots (the K/V of rejected speculative tokens are
+        taken back): blocks past the new end return to the pool. Returns how many went back.
+
+        Hashed blocks hold verified tokens only, so the new end may not cut into them."""
+        state = self._state(seq_id)
+        if not state.num_hashed * self.block_size <= num_slots <= state.num_slots:
+            raise ValueError(f"sequence {seq_id}: cannot truncate to {num_slots} slots (it covers "
+                             f"{state.num_slots}, {state.num_hashed} blocks hashed)")
+        keep = self.num_blocks_needed(num_slots)
+        released = 0
+        for i in range(state.num_entries - 1, keep - 1, -1):  # tail first: the tail is evicted first
+            block_id = state.blocks.pop(i, None)
+            if block_id is not None:
+                self.pool.release(self.pool.blocks[block_id])
+                released += 1
+        state.num_entries, state.num_slots = keep, num_slots
+        self._drop_dead_copies()
+        return released
+
     def free_blocks_before(self, seq_id: int, num_tokens: int) -> int:
         """Sliding window: releases the blocks wholly before token `num_tokens`; returns how many.
 
@@ -316,8 +339,8 @@ class KVCacheManager:
         except KeyError:
             raise KeyError(f"unknown sequence {seq_id}") from None
 
-    def _check_allocate_args(self, state: _SeqState, token_ids: Sequence[int], num_new_tokens: int,
-                             prefix: list[Block]) -> None:
+    def _check_allocate_args(self, state: _SeqState, num_tokens: int, token_ids: Sequence[int],
+                             num_new_tokens: int, prefix: list[Block]) -> None:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if prefix and len(prefix) * self.block_size > len(token_ids) - 1:
@@ -326,8 +349,8 @@ class KVCacheManager:
         if any(b.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]) for i, b in enumerate(prefix)):
             raise ValueError("cached_prefix does not match the tokens (evicted since find_cached_prefix?)")
         end = state.num_slots + len(prefix) * bs + num_new_tokens
-        if end > len(token_ids):
-            raise ValueError(f"allocating up to slot {end} but the sequence has only {len(token_ids)} tokens")
+        if end > num_tokens:
+            raise ValueError(f"allocating up to slot {end} but the sequence has only {num_tokens} tokens")
 
     def _shares_partial_block(self, state: _SeqState) -> bool:
         """Whether the next write lands in a partially filled block that another table shares."""

@@ -35,6 +35,9 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # of which served from cache
     num_preemptions: int = 0
+    spec_proposed: int = 0  # speculative tokens verified
+    spec_accepted: int = 0  # of which kept
+    spec_verify_steps: int = 0  # sequence-steps that verified a draft
 
 
 class Engine(ABC):
@@ -134,6 +137,7 @@ class Engine(ABC):
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Refuses a request that could never be served (raises InvalidRequestError)."""
         self._check_token_ids(params)
+        self.check_speculative(params)
         policy = self.resolve_policy(params)
         total = num_prompt_tokens + params.max_tokens
         if policy.uses_cache_positions:
@@ -145,6 +149,12 @@ class Engine(ABC):
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds the model's context of {self.max_model_len} tokens"
                 + ("" if policy.kind != "full" else "; a bounded kv_policy such as sinks:4,508 can run longer"))
+
+    def check_speculative(self, params: SamplingParams) -> None:
+        """Refuses a request that insists on speculative decoding where the engine has none."""
+        if params.speculative:
+            raise InvalidRequestError("speculative is set, but this engine runs without speculative decoding "
+                                      "(start it with --speculative-method ngram or draft)")
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Fields that name tokens, or count them, stay inside the vocabulary."""
@@ -159,32 +169,41 @@ class Engine(ABC):
 
     # -- shared bookkeeping ---------------------------------------------------------------------
 
-    def sample_and_record(self, rows: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
-        """logits [len(rows), vocab] -> a token per row, recorded. A request whose logits are not finite
-        (a model whose activations overflow) fails on its own; the other rows go on."""
+    def sample_and_record(self, rows: list[Sequence], logits: torch.Tensor,
+                          verified: SamplerOutput | None = None, verified_rows: list[Sequence] = (),
+                          broken: Iterable[Request] = ()) -> list[RequestOutput]:
+        """logits [len(rows), vocab] -> a token per row, recorded, then the tokens speculative decoding
+        verified (`verified.token_ids[i]` for `verified_rows[i]`, several per sequence). A request
+        whose logits are not finite (a model whose activations overflow) fails on its own, as do
+        `broken` ones; the other rows go on."""
         # A row's sum is NaN or infinite iff one of its logits is, or they are so large (~1e34) that
         # it overflows, which is as broken; and it is 7-20x cheaper than isfinite().all() (4 ms a
         # step at 64 rows of a 49k vocabulary).
         finite = torch.isfinite(logits.sum(dim=-1)).tolist()
-        broken = {seq.request for seq, ok in zip(rows, finite) if not ok}
-        if not broken:
-            return self.record(rows, self.sampler(logits, rows))
-        failed = self.fail(broken, "the model produced NaN or infinite logits")
+        broken = set(broken) | {seq.request for seq, ok in zip(rows, finite) if not ok}
+        failed = self.fail(broken, "the model produced NaN or infinite logits") if broken else []
         keep = [i for i, seq in enumerate(rows) if seq.request not in broken]
-        if not keep:
-            return failed
-        kept = logits[torch.tensor(keep, device=logits.device)]
-        rows = [rows[i] for i in keep]
-        return self.record(rows, self.sampler(kept, rows)) + failed
+        if len(keep) < len(rows):
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            rows = [rows[i] for i in keep]
+        sampled = self.sampler(logits, rows) if rows else SamplerOutput([], [])
+        if verified is not None:
+            rows = rows + list(verified_rows)
+            sampled = SamplerOutput(sampled.token_ids + verified.token_ids, sampled.logprobs + verified.logprobs)
+        return (self.record(rows, sampled) if rows else []) + failed
 
     def record(self, rows: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
         """Appends the sampled tokens, frees finished sequences, returns the changed requests."""
         now = time.monotonic()
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         for seq, token_id, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):
+            if seq.is_finished:  # stopped at an earlier token of its speculative run, or failed
+                continue
             text = seq.append_token(token_id, logprobs)
             seq.request.record_token_time(now)
-            deltas.setdefault(seq.request.request_id, {})[seq.index] = (text, [token_id])
+            request_deltas = deltas.setdefault(seq.request.request_id, {})
+            old_text, old_ids = request_deltas.get(seq.index, ("", []))
+            request_deltas[seq.index] = (old_text + text, old_ids + [token_id])
             if seq.is_finished:
                 self._release(seq)
         outputs = []

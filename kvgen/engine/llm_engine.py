@@ -1,6 +1,7 @@
 """The continuous-batching engine over the paged KV cache.
 
-    step = schedule -> run the model on the batch -> sample -> record tokens, free finished
+    step = schedule -> propose (speculative decoding) -> run the model on the batch
+           -> verify / sample -> record tokens, free finished -> take back rejected tokens' slots
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvgen.engine.base import Engine, EngineStats
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvgen.engine.sequence import Request, RequestOutput, Sequence
+from kvgen.engine.spec.speculator import Speculator, build_speculator
 from kvgen.engine.step_log import StepLog, split_tokens
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
@@ -25,8 +27,9 @@ from kvgen.model.attention import PagedKVCache
 from kvgen.model.kernels import paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
 from kvgen.model.llama import LlamaModel
+from kvgen.rejection_sampler import Verdict
 from kvgen.runner.model_runner import BlockTables, ModelRunner
-from kvgen.sampler import logprobs_of
+from kvgen.sampler import SamplerOutput, logprobs_of
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +37,17 @@ log = logging.getLogger(__name__)
 class LLMEngine(Engine):
     """Many requests at once: one forward pass per step over every scheduled sequence."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None = None) -> None:
+        """`draft`: the draft model of speculative_method 'draft' (loaded by kvgen.llm.build_engine)."""
         super().__init__(loaded, config)
         cfg = loaded.config
         self.bytes_per_token = kv_bytes_per_token_of(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_dtype)
         num_blocks = self._num_blocks()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = self._build_runner(num_blocks)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.speculator: Speculator | None = build_speculator(config, loaded.config, self.kv, draft)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv,
+                                   self.speculator.lookahead if self.speculator is not None else None)
         self.step_log = StepLog()
         log.info("%s", self.capacity_report())
 
@@ -53,9 +59,11 @@ class LLMEngine(Engine):
         return self.kv.num_blocks * self.kv.block_size
 
     def capacity_report(self) -> str:
-        return (f"KV cache: {self.kv.num_blocks} blocks x {self.kv.block_size} tokens = {self.capacity_tokens} tokens, "
-                f"{format_bytes(self.capacity_tokens * self.bytes_per_token)} "
-                f"({self.bytes_per_token} bytes/token, {self.config.kv_dtype})")
+        report = (f"KV cache: {self.kv.num_blocks} blocks x {self.kv.block_size} tokens = {self.capacity_tokens} "
+                  f"tokens, {format_bytes(self.capacity_tokens * self.bytes_per_token)} "
+                  f"({self.bytes_per_token} bytes/token, {self.config.kv_dtype})")
+        extra = self.speculator.capacity_report() if self.speculator is not None else None
+        return report if extra is None else f"{report}; {extra}"
 
     def _num_blocks(self) -> int:
         cfg = self.config
@@ -79,13 +87,26 @@ class LLMEngine(Engine):
                     if peak == total else f"kv_policy {params.kv_policy} holds up to {peak} tokens at once, which")
             raise InvalidRequestError(f"{need} exceeds the KV cache capacity of {self.capacity_tokens} tokens")
 
+    def check_speculative(self, params: SamplingParams) -> None:
+        if self.speculator is None:
+            super().check_speculative(params)
+        else:
+            self.speculator.check_request(params, self.resolve_policy(params))
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks,
             kv_blocks_cached_free=self.kv.num_cached_free_blocks, prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, int]:
+        if self.speculator is None:
+            return {}
+        c = self.speculator.counters
+        return {"spec_proposed": c.proposed, "spec_accepted": c.accepted, "spec_verify_steps": c.verify_steps}
 
     def _peak_tokens(self, total: int, params: SamplingParams) -> int:
         """Most KV slots one sequence can hold at once: all its tokens, or what its policy keeps plus
@@ -101,41 +122,88 @@ class LLMEngine(Engine):
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.begin_step(len(self.scheduler.running))
         schedule = self.scheduler.schedule()
         for seq in schedule.preempted:
-            self.runner.forget(seq.seq_id)
+            self._forget(seq.seq_id)
         if not schedule.chunks:
             return []
         tokens, released = split_tokens(schedule.chunks), []
         try:
+            tokens = self._propose(schedule)
             outputs = self._run(schedule, released)
         except Exception as error:  # noqa: BLE001 - a fault fails the step's requests, not the engine
             log.exception("engine step failed")
             outputs = self.fail({chunk.seq.request for chunk in schedule.chunks}, f"internal error: {error!r}")
-        self.step_log.add(tokens, len(schedule.chunks), len(schedule.preempted), time.perf_counter() - started,
-                          released)
+        seconds = time.perf_counter() - started
+        self.step_log.add(tokens, len(schedule.chunks), len(schedule.preempted), seconds, released)
+        if self.speculator is not None:
+            emitted = sum(len(c.new_token_ids) for out in outputs for c in out.outputs)
+            self.speculator.end_step(tokens[0] == 0, emitted, seconds)
         return outputs
 
-    def _run(self, schedule: SchedulerOutput, released: list[int]) -> list[RequestOutput]:
-        self.runner.cache.copy_blocks(self.kv.take_pending_copies())
-        scoring = self._scoring_prompts(schedule)
-        logits = self.runner.execute(schedule.chunks, scoring)
-        logits = self._record_prompt_logprobs(schedule, scoring, logits)
-        sampling = [chunk.seq for chunk in schedule.chunks if chunk.completes_sequence]
-        self._mark_computed(schedule, released)
-        rows, logits = self._sampling_rows(sampling, logits)
-        return self.sample_and_record(rows, logits) if rows else []
+    def _propose(self, schedule: SchedulerOutput) -> tuple[int, int]:
+        """Applies pending copy-on-write copies (to the draft's pools too), fills the drafts; returns
+        the step's (prefill, decode) tokens, read before the step advances the sequences."""
+        copies = self.kv.take_pending_copies()
+        self.runner.cache.copy_blocks(copies)
+        if self.speculator is not None:
+            self.speculator.copy_blocks(copies)
+            self.speculator.propose(schedule.chunks)
+        return split_tokens(schedule.chunks)
 
-    def _mark_computed(self, schedule: SchedulerOutput, released: list[int]) -> None:
-        """Advances each sequence, offers its new full blocks to the prefix cache, drops dead ones
-        (appending their block ids to `released`)."""
+    def _run(self, schedule: SchedulerOutput, released: list[int]) -> list[RequestOutput]:
+        scoring = self._scoring_prompts(schedule)
+        verifying = {chunk.seq.seq_id for chunk in schedule.chunks if chunk.draft}
+        logits = self.runner.execute(schedule.chunks, scoring | verifying)
+        logits = self._record_prompt_logprobs(schedule, scoring, logits)
+        logits, verdicts = self._verify(schedule, logits)
+        sampling = [chunk.seq for chunk in schedule.chunks if chunk.completes_sequence and not chunk.draft]
+        self._mark_computed(schedule, released, verdicts)
+        rows, logits = self._sampling_rows(sampling, logits)
+        verified_rows = [seq for seq, v in verdicts.values() if v is not None for _ in v.token_ids]
+        verified = SamplerOutput([t for _, v in verdicts.values() if v is not None for t in v.token_ids],
+                                 [lp for _, v in verdicts.values() if v is not None for lp in v.logprobs])
+        broken = [seq.request for seq, v in verdicts.values() if v is None]
+        return self.sample_and_record(rows, logits, verified, verified_rows, broken)
+
+    def _verify(self, schedule: SchedulerOutput, logits: torch.Tensor
+                ) -> tuple[torch.Tensor, dict[int, tuple[Sequence, Verdict | None]]]:
+        """Splits the rows: 1 + k of each speculative chunk are verified (None where not finite), the
+        one row of every other completing chunk is returned for sampling."""
+        verdicts: dict[int, tuple[Sequence, Verdict | None]] = {}
+        if self.speculator is None or not any(chunk.draft for chunk in schedule.chunks):
+            return logits, verdicts
+        keep, row = [], 0
+        for chunk in schedule.chunks:
+            if chunk.draft:
+                rows = logits[row : row + chunk.num_tokens]  # [1 + k, vocab]
+                finite = bool(torch.isfinite(rows.sum(dim=-1)).all())  # as sample_and_record checks
+                verdicts[chunk.seq.seq_id] = (chunk.seq, self.speculator.verify(chunk, rows) if finite else None)
+                row += chunk.num_tokens
+            elif chunk.completes_sequence:
+                keep.append(row)
+                row += 1
+        return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)], verdicts
+
+    def _mark_computed(self, schedule: SchedulerOutput, released: list[int],
+                       verdicts: dict[int, tuple[Sequence, Verdict | None]]) -> None:
+        """Advances each sequence (a speculative one by its verified tokens only, giving the rejected
+        ones' slots back), offers its new full blocks to the prefix cache, drops dead ones (appending
+        their block ids to `released`)."""
         now = time.monotonic()
         for chunk in schedule.chunks:
             seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_tokens
-            if seq.policy.shares_prefixes:
-                self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
-                                          extra_key=seq.policy.prefix_key)
+            verdict = verdicts.get(seq.seq_id, (seq, None))[1]
+            accepted = chunk.draft[: verdict.num_accepted] if verdict is not None else []
+            seq.num_computed_tokens += chunk.num_tokens - len(chunk.draft) + len(accepted)
+            if chunk.num_lookahead:
+                self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+                self.speculator.rollback(seq)
+            if seq.policy.shares_prefixes:  # verified tokens only: the accepted drafts are not appended yet
+                self.kv.cache_full_blocks(seq.seq_id, seq.token_ids + accepted if accepted else seq.token_ids,
+                                          seq.num_computed_tokens, extra_key=seq.policy.prefix_key)
             dead = self._dead_blocks(seq)
             released.extend(b for i in dead if (b := self.kv.block_id(seq.seq_id, i)) != NULL_BLOCK)
             self.kv.release_blocks(seq.seq_id, dead)
@@ -159,14 +227,15 @@ class LLMEngine(Engine):
     def _record_prompt_logprobs(self, schedule: SchedulerOutput, scoring: set[int],
                                 logits: torch.Tensor) -> torch.Tensor:
         """Takes the prompt rows out of `logits` (recording each next prompt token's log-probability)
-        and returns one row per chunk that completes its sequence, as sampling expects."""
+        and returns one row per chunk that completes its sequence (1 + k per speculative one)."""
         if not scoring:
             return logits
         keep, row = [], 0
         for chunk in schedule.chunks:
-            if chunk.seq.seq_id not in scoring:
-                row += chunk.completes_sequence
-                keep.extend([row - 1] if chunk.completes_sequence else [])
+            if chunk.seq.seq_id not in scoring:  # a speculative chunk keeps its 1 + k rows for verifying
+                num_rows = chunk.num_tokens if chunk.draft else int(chunk.completes_sequence)
+                keep.extend(range(row, row + num_rows))
+                row += num_rows
                 continue
             seq, recorded = chunk.seq, chunk.seq.request.prompt_logprobs
             targets = seq.prompt_token_ids[chunk.start + 1 : chunk.start + chunk.num_tokens + 1]
@@ -212,7 +281,13 @@ class LLMEngine(Engine):
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        self.runner.forget(seq.seq_id)
+        self._forget(seq.seq_id)
+
+    def _forget(self, seq_id: int) -> None:
+        """Drops the tensor state of a sequence that gave its blocks back (finished or preempted)."""
+        self.runner.forget(seq_id)
+        if self.speculator is not None:
+            self.speculator.forget(seq_id)
 
 
 def build_runner(model: LlamaModel, config: EngineConfig, num_blocks: int, block_tables: BlockTables | None,

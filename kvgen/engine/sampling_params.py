@@ -37,6 +37,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     kv_policy: str = "full"
     grammar: GrammarSpec | None = None  # structured output: what the completion must match
+    # Speculative decoding on an engine that has it: None follows the engine, False opts out,
+    # True insists (refused by an engine without speculation).
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +86,8 @@ class SamplingParams:
         CachePolicy.parse(self.kv_policy)
         _check(self.grammar is None or isinstance(self.grammar, GrammarSpec),
                f"grammar must be a GrammarSpec, got {self.grammar!r}")
+        _check(self.speculative is None or isinstance(self.speculative, bool),
+               f"speculative must be true, false or null, got {self.speculative!r}")
 
     @property
     def greedy(self) -> bool:

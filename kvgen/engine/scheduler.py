@@ -8,11 +8,17 @@ than the remaining budget is split across steps (chunked prefill), so decodes ke
 When the block pool runs dry the newest running sequence is preempted: its blocks go back to the
 pool (full ones stay in the prefix cache) and it waits to be recomputed. Requests that could never
 fit are refused by the engine at admission, so this loop cannot livelock.
+
+Speculative decoding: a running decode that the engine's `lookahead` gives K > 0 costs K + 1 tokens
+of the budget and K + 1 slots (its last token plus K proposed ones, verified together), if the pool
+has them without preempting anyone; the engine proposes the tokens after scheduling and takes back
+the slots of those rejected.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgen.cache.kv_manager import KVCacheManager
@@ -31,6 +37,8 @@ class ScheduledChunk:
 
     seq: Sequence
     num_tokens: int
+    num_lookahead: int = 0  # slots reserved past the sequence's end for speculative tokens
+    draft: list[int] = field(default_factory=list)  # proposed tokens verified in this chunk (after its last)
 
     @property
     def start(self) -> int:
@@ -39,7 +47,15 @@ class ScheduledChunk:
     @property
     def completes_sequence(self) -> bool:
         """True when this chunk reaches the newest token, so a next token will be sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens == self.seq.num_tokens + len(self.draft)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this chunk computes: the sequence's from `start`, then its draft."""
+        start = self.start
+        if not self.draft:
+            return self.seq.token_ids[start : start + self.num_tokens]
+        return (self.seq.token_ids[start:] + self.draft)[: self.num_tokens]
 
 
 @dataclass
@@ -55,9 +71,11 @@ class SchedulerOutput:
 class Scheduler:
     """Holds the waiting queue and the running list; the KV cache manager holds their blocks."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 lookahead: Callable[[Sequence], int] | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.lookahead = lookahead  # speculative tokens to reserve for a running decode (None: no speculation)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -85,11 +103,23 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_tokens = self._chunk_size(seq, seq.num_computed_tokens, budget)
-            if self._allocate_or_preempt(seq, num_tokens, out):
-                out.chunks.append(ScheduledChunk(seq, num_tokens))
-                budget -= num_tokens
+            lookahead = self._allocate_lookahead(seq, budget)
+            if lookahead or self._allocate_or_preempt(seq, num_tokens, out):
+                out.chunks.append(ScheduledChunk(seq, num_tokens + lookahead, lookahead))
+                budget -= num_tokens + lookahead
                 i += 1
         return budget
+
+    def _allocate_lookahead(self, seq: Sequence, budget: int) -> int:
+        """Allocates a decode's token plus its speculative slots (within the budget); returns how many
+        slots past its end it got: 0 when it does not speculate or the pool has no room for them
+        (speculation never preempts anyone; the decode then goes plainly)."""
+        if self.lookahead is None or seq.num_computed_tokens != seq.num_tokens - 1:
+            return 0
+        lookahead = max(0, min(self.lookahead(seq), budget - 1))
+        if lookahead and self.kv.allocate(seq.seq_id, seq.token_ids, 1 + lookahead, num_lookahead=lookahead):
+            return lookahead
+        return 0
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Finds blocks for `seq`, preempting the newest running sequences; False if `seq` itself went."""

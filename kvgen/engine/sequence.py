@@ -38,6 +38,14 @@ class RequestMetrics:
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
+    spec_proposed: int = 0  # speculative tokens verified for the request
+    spec_accepted: int = 0  # of which kept
+    spec_verify_steps: int = 0  # steps that verified speculative tokens for it
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verifying step (accepted + the target's own), None if never speculated."""
+        return (self.spec_accepted + self.spec_verify_steps) / self.spec_verify_steps if self.spec_verify_steps else None
 
     @property
     def ttft(self) -> float | None:

@@ -1,6 +1,7 @@
 """What each engine step did, for the dashboard: a bounded ring of the last steps, owned by the engine.
 
-A chunk is decode work when it computes one newly generated token; everything else (prompts, and
+A chunk is decode work when it computes one newly generated token (and the speculative tokens
+verified with it); everything else (prompts, and
 prompts plus outputs recomputed after a preemption) is prefill work.
 """
 
@@ -37,8 +38,8 @@ def split_tokens(chunks: Iterable[ScheduledChunk]) -> tuple[int, int]:
     """(prefill, decode) tokens of a schedule; read before the step runs (it advances the sequences)."""
     prefill = decode = 0
     for chunk in chunks:
-        if chunk.num_tokens == 1 and chunk.completes_sequence and chunk.seq.output_token_ids:
-            decode += 1
+        if chunk.num_tokens == 1 + len(chunk.draft) and chunk.completes_sequence and chunk.seq.output_token_ids:
+            decode += chunk.num_tokens  # a decode, with the speculative tokens it verifies
         else:
             prefill += chunk.num_tokens
     return prefill, decode

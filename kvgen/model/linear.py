@@ -103,7 +103,12 @@ class BlasLinear(Linear):
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         xn, on = x.numpy(), out.numpy()
-        if rows is None:
+        if rows is None and xn.shape[0] > 1:
+            # W @ x^T, the weights as OpenBLAS's A operand: it then packs the few rows of x instead of
+            # the whole matrix: 2x faster for a few rows (a speculative verify chunk) on one thread,
+            # far more on two, 1.1-6x at 256-512 rows (measured in docs/speculative.md).
+            on[:] = np.matmul(self._wt.T, xn.T).T
+        elif rows is None:
             np.matmul(xn, self._wt, out=on)
         else:
             _gemv(xn, self._wt, on, rows.gemv)

@@ -109,7 +109,8 @@ class ModelRunner:
         reads = {c.seq.seq_id: self._blocks_read(c) for c in chunks}
         decodes = [c for c in chunks if c.num_tokens == 1]
         chunk_groups = [*similar_lengths(decodes, lambda c: len(reads[c.seq.seq_id])),
-                        *([c] for c in chunks if c.num_tokens > 1)]
+                        *self._verify_groups([c for c in chunks if c.num_tokens > 1 and c.draft], reads),
+                        *([c] for c in chunks if c.num_tokens > 1 and not c.draft)]
         ordered = [c for group in chunk_groups for c in group]
         groups: list[PagedGroup] = []
         score_targets: list[ScoreTarget] = []
@@ -122,7 +123,7 @@ class ModelRunner:
                 score_targets.append(target)
             positions.append(group_pos)
             first_row += group_pos.numel()
-        token_ids = [t for c in ordered for t in c.seq.token_ids[c.start : c.start + c.num_tokens]]
+        token_ids = [t for c in ordered for t in c.token_ids]
         slots = [s for c in ordered for s in self._write_slots(c)]
         meta = PagedMetadata(slot_mapping=torch.tensor(slots, device=self.device), groups=groups)
         return StepInputs(
@@ -132,6 +133,16 @@ class ModelRunner:
             logit_rows=torch.tensor(_logit_rows(chunks, ordered, all_logits), dtype=torch.long, device=self.device),
             score_targets=score_targets,
         )
+
+    @staticmethod
+    def _verify_groups(chunks: list[ScheduledChunk], reads: dict[int, list[tuple[int, int]]]
+                       ) -> list[list[ScheduledChunk]]:
+        """Speculative chunks (a decode plus its draft) of the same length attend together, like decodes."""
+        by_length: dict[int, list[ScheduledChunk]] = {}
+        for c in chunks:
+            by_length.setdefault(c.num_tokens, []).append(c)
+        return [group for same in by_length.values()
+                for group in similar_lengths(same, lambda c: len(reads[c.seq.seq_id]))]
 
     def _group(self, chunks: list[ScheduledChunk], reads: dict[int, list[tuple[int, int]]],
                first_row: int) -> tuple[PagedGroup, torch.Tensor, ScoreTarget | None]:

@@ -36,6 +36,15 @@ def stats_families(stats: EngineStats) -> Iterator[Metric]:
                               stats.prefix_cache_queries)
     yield CounterMetricFamily("kvgen_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                               stats.prefix_cache_hits)
+    yield CounterMetricFamily("kvgen_spec_decode_num_draft_tokens", "Speculative tokens proposed and verified.",
+                              stats.spec_proposed)
+    yield CounterMetricFamily("kvgen_spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
+                              stats.spec_accepted)
+    yield CounterMetricFamily("kvgen_spec_decode_num_verify_steps",
+                              "Sequence-steps that verified speculative tokens.", stats.spec_verify_steps)
+    mean = (stats.spec_accepted + stats.spec_verify_steps) / stats.spec_verify_steps if stats.spec_verify_steps else 0.0
+    yield GaugeMetricFamily("kvgen_spec_decode_mean_accepted_length",
+                            "Tokens emitted per verifying sequence-step (accepted + the target's own).", mean)
 
 
 class EngineStatsCollector(Collector):

@@ -22,7 +22,8 @@ from kvgen.server.tools import Tool, ToolCall, ToolCallDelta, ToolChoice, tool_g
 
 # Request fields copied into SamplingParams under the same name, when the client sent them.
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "ignore_eos", "stop_token_ids", "kv_policy")
+                    "frequency_penalty", "repetition_penalty", "ignore_eos", "stop_token_ids", "kv_policy",
+                    "speculative")
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -84,6 +85,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     kv_policy: str | None = None
+    speculative: bool | None = None  # false: opt out of the server's speculative decoding
     logit_bias: dict[str, float] | None = None
     # structured outputs: OpenAI's response_format, or one of vLLM's guided_* fields
     response_format: ResponseFormat | None = None

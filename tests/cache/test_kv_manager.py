@@ -374,9 +374,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert block != NULL_BLOCK
         return block * bs + t % bs
 
-    def try_allocate(self, seq_id, tokens, num_new, prefix=None) -> bool:
+    def try_allocate(self, seq_id, tokens, num_new, prefix=None, num_lookahead=0) -> bool:
         before = snapshot(self.mgr, self.seqs)
-        ok = self.mgr.allocate(seq_id, tokens, num_new, prefix)
+        ok = self.mgr.allocate(seq_id, tokens, num_new, prefix, num_lookahead=num_lookahead)
         if not ok:
             event("allocation failed")
             assert snapshot(self.mgr, self.seqs) == before
@@ -445,6 +445,33 @@ class KVCacheMachine(RuleBasedStateMachine):
             seq.computed += seq.scheduled
             seq.scheduled = 0
             self.mgr.cache_full_blocks(seq_id, seq.tokens, seq.computed)
+
+    @rule(data=st.data(), token=TOKENS, draft=st.lists(TOKENS, min_size=1, max_size=6), bonus=TOKENS)
+    def speculate(self, data, token, draft, bonus):
+        """A speculative decode: the new token and a draft get slots and K/V; `m` drafts are accepted,
+        the rest taken back (truncate), then the target's own next token is appended."""
+        seq_id = self.pick(data, unscheduled_only=True)
+        if seq_id is None or self.seqs[seq_id].computed != len(self.seqs[seq_id].tokens):
+            return
+        seq = self.seqs[seq_id]
+        seq.tokens.append(token)
+        if not self.try_allocate(seq_id, seq.tokens, 1 + len(draft), num_lookahead=len(draft)):
+            seq.tokens.pop()
+            return
+        self.forward()  # computes nothing for seq: its table is written here, the drafts included
+        proposed = seq.tokens + draft
+        for t in range(seq.computed, seq.computed + 1 + len(draft)):
+            slot = self.slot(seq_id, t)
+            assert self.mgr.pool.blocks[slot // self.mgr.block_size].ref_count == 1, "write into a shared block"
+            self.kv[slot] = tuple(proposed[:t + 1])
+        accepted = data.draw(st.integers(0, len(draft)))
+        seq.tokens += draft[:accepted]
+        seq.computed = len(seq.tokens)
+        freed = self.mgr.truncate(seq_id, seq.computed)
+        if freed:
+            event("truncate freed blocks")
+        self.mgr.cache_full_blocks(seq_id, seq.tokens, seq.computed)
+        seq.tokens.append(bonus)  # sampled, not yet computed: the next schedule computes it
 
     @rule(data=st.data(), tokens=st.lists(TOKENS, min_size=2, max_size=2), step=st.booleans())
     def fork(self, data, tokens, step):
@@ -521,3 +548,41 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 TestKVCacheMachine = KVCacheMachine.TestCase
 TestKVCacheMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+# -- speculative decoding: lookahead slots and truncate ------------------------------------------
+
+
+def test_lookahead_slots_past_the_tokens_and_truncate_gives_the_rejected_ones_back():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(6))
+    prefill(mgr, 0, tokens[:5])
+    tokens = tokens[:6]  # a decode: token 5 plus 7 speculative ones, slots 5..12 (blocks 1..3)
+    with pytest.raises(ValueError, match="only 6 tokens"):
+        mgr.allocate(0, tokens, 8)
+    assert mgr.allocate(0, tokens, 8, num_lookahead=7)
+    assert mgr.num_slots(0) == 13 and mgr.num_live_blocks(0) == 4
+    free_before = mgr.num_free_blocks
+    assert mgr.truncate(0, 7) == 2  # two drafts accepted: tokens 0..6 computed, blocks 2 and 3 go back
+    assert mgr.num_slots(0) == 7 and mgr.block_table(0)[:2] == mgr.block_table(0) and len(mgr.block_table(0)) == 2
+    assert mgr.num_free_blocks == free_before + 2
+    mgr.check_invariants()
+    assert mgr.allocate(0, tokens + [6, 7], 1)  # the next decode extends from the new end
+    assert mgr.num_slots(0) == 8
+    mgr.free(0)
+    mgr.check_invariants()
+
+
+def test_truncate_never_cuts_hashed_blocks_and_rejected_tokens_are_never_cached():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(9))
+    prefill(mgr, 0, tokens)  # blocks 0 and 1 full and hashed
+    assert mgr.allocate(0, tokens + [9], 4, num_lookahead=3)  # token 9 + drafts at slots 10..12
+    with pytest.raises(ValueError, match="cannot truncate"):
+        mgr.truncate(0, 7)
+    mgr.truncate(0, 10)  # every draft rejected
+    mgr.cache_full_blocks(0, tokens + [9], 10)
+    assert mgr.pool.num_cached_free == 0 and len(mgr.pool.hashed_block_ids()) == 2
+    mgr.free(0)
+    mgr.check_invariants()
+    assert len(mgr.find_cached_prefix(tokens + [9, 10, 11, 12])) == 2  # only the verified blocks

@@ -1,0 +1,8 @@
+"""Speculative decoding: cheap proposals verified by one target pass (see docs/speculative.md).
+
+    proposer.py    what every proposer offers the engine
+    ngram.py       prompt lookup: the tokens that followed the last n-gram's latest earlier occurrence
+    draft.py       a smaller model (or a quantized copy of the target) over the target's block tables
+    adaptive.py    when the batch is large enough that speculating stops paying
+    speculator.py  the engine's side: who speculates, reserving, proposing, verifying, counters
+"""

@@ -1,0 +1,75 @@
+"""When to speculate: measured, per batch size.
+
+At batch 1 a step reads every weight once whatever number of tokens it verifies, so K + 1 tokens cost
+about as much as one and every accepted token is nearly free. As the batch grows the step becomes
+compute-bound: verifying K + 1 tokens per sequence costs up to K + 1 times as much, and only pays if
+enough are accepted. Which side of that line a batch is on depends on the machine, the model, the
+proposer and the text, so it is measured rather than modelled:
+
+    bucket    batch sizes 1, 2-3, 4-7, 8-15, ... (by bit length)
+    arms      speculate / not, each with the median of its last WINDOW rates in tokens emitted per
+              second of step time (the draft's proposing included), measured on decode-only steps
+              (a median: on a shared machine a step now and then takes many times its usual time)
+    choice    each arm is tried MIN_SAMPLES times, then the faster one is taken; every
+              PROBE_EVERY-th step of a bucket takes the other one, so a change in acceptance (a text
+              that stops repeating its input) is noticed
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+MIN_SAMPLES = 3
+PROBE_EVERY = 32
+WINDOW = 9  # rates an arm remembers
+
+
+@dataclass
+class _Arm:
+    samples: int = 0
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # tokens emitted per second
+
+    @property
+    def rate(self) -> float:
+        return statistics.median(self.recent) if self.recent else 0.0
+
+    def add(self, rate: float) -> None:
+        self.recent.append(rate)
+        self.samples += 1
+
+
+@dataclass
+class _Bucket:
+    arms: dict[bool, _Arm] = field(default_factory=lambda: {True: _Arm(), False: _Arm()})
+    decisions: int = 0
+
+
+class AdaptiveSwitch:
+    """Per step: speculate or not, for a step with `batch_size` running sequences."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, _Bucket] = {}
+
+    def decide(self, batch_size: int) -> bool:
+        bucket = self._buckets.setdefault(batch_size.bit_length(), _Bucket())
+        bucket.decisions += 1
+        on, off = bucket.arms[True], bucket.arms[False]
+        if min(on.samples, off.samples) < MIN_SAMPLES:
+            return on.samples <= off.samples
+        best = on.rate >= off.rate
+        return (not best) if bucket.decisions % PROBE_EVERY == 0 else best
+
+    def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step of `batch_size` sequences emitted `tokens` in `seconds`."""
+        if seconds > 0:
+            self._buckets.setdefault(batch_size.bit_length(), _Bucket()).arms[speculated].add(tokens / seconds)
+
+    def table(self) -> dict[str, dict[str, float]]:
+        """Batch-size bucket -> measured tokens/s of each arm (for logs and the docs' examples)."""
+        table = {}
+        for bits, bucket in sorted(self._buckets.items()):
+            arms = bucket.arms
+            table[f"{1 << (bits - 1)}-{(1 << bits) - 1}"] = {"speculate": arms[True].rate, "plain": arms[False].rate}
+        return table

@@ -1,0 +1,63 @@
+"""`kvgen bench` with speculative decoding: the repeat task, --compare-speculation, the lookup peers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kvgen.bench.tasks import MIN_PASSAGE_TOKENS, task_prompts
+from kvgen.cli import main
+from kvgen.llm import DEFAULT_MODEL
+from kvgen.loaders import load_model
+
+TINY = ["--model", "stories260k", "--threads", "1"]
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def bench(tmp_path, *argv: str) -> dict:
+    assert main(["bench", *argv, "--output-dir", str(tmp_path)]) == 0
+    return json.loads((tmp_path / f"{argv[0]}.json").read_text())
+
+
+def test_text_tasks_hold_a_passage_and_differ_per_run():
+    tokenizer = load_model(DEFAULT_MODEL).tokenizer
+    for task in ("repeat", "free"):
+        prompts = task_prompts(task, tokenizer, 512, 3, 16, np.random.default_rng(0))
+        assert all(len(p) >= MIN_PASSAGE_TOKENS for p in prompts)
+        assert len({tuple(p) for p in prompts}) == 3
+
+
+def test_latency_compare_speculation_on_the_repeat_task(tmp_path, capsys):
+    peers = ["--compare", "hf-lookup"]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        peers += ["--compare", "llama.cpp-lookup"]
+    data = bench(tmp_path, "latency", *TINY, "--task", "repeat", "--gen-len", "8", "--repeats", "1",
+                 "--bandwidth-size", "1MiB", "--speculative-method", "ngram", "--compare-speculation", *peers)
+    present = set(data["results"]) - {u.split(":")[0] for u in data["unavailable"]}
+    assert {"kvgen", "kvgen-plain", "hf-lookup"} <= present
+    assert "kvgen/kvgen-plain" in data["ratios"] and data["settings"]["task"] == "repeat"
+    assert data["settings"]["prompt_len"] >= MIN_PASSAGE_TOKENS
+    assert data["speculative"]["verify_steps"] > 0
+    assert [run["output_tokens"] for runs in data["runs"].values() for run in runs] == [8] * len(data["runs"])
+    assert "mean accepted length" in capsys.readouterr().out
+
+
+def test_throughput_compare_speculation(tmp_path):
+    data = bench(tmp_path, "throughput", *TINY, "--num-requests", "6", "--prompt-len-range", "8", "32",
+                 "--output-len-range", "4", "16", "--speculative-method", "ngram", "--compare-speculation")
+    assert set(data["results"]) == {"kvgen", "kvgen-plain"} and "kvgen/kvgen-plain" in data["ratios"]
+    assert "adaptive" in data["speculative"]
+
+
+def test_compare_speculation_needs_a_method(tmp_path):
+    assert main(["bench", "latency", *TINY, "--compare-speculation", "--output-dir", str(tmp_path)]) == 2
