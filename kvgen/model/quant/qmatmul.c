@@ -115,6 +115,19 @@ static inline __attribute__((always_inline)) __m512i bcast16(const void *p) {
     return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
 }
 
+/* One tile's span of codes: elements 0-15 of the 4 rows (A) and 16-31 (B), a byte each: the low and
+ * high nibbles of one load for 4-bit codes, two loads for 8-bit. */
+static inline __attribute__((always_inline)) void load_codes(const uint8_t *p, const int bits, __m512i *a, __m512i *b) {
+    if (bits == 4) {
+        const __m512i v = _mm512_loadu_si512(p);
+        *a = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+        *b = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+    } else {
+        *a = _mm512_loadu_si512(p);
+        *b = _mm512_loadu_si512(p + 64);
+    }
+}
+
 /* out[t0 .. t0+RX-1, 4w .. 4w+3]: RX rows of x by weight tile w. Groups go four at a time: their
  * 16 products s_w * s_x (lane 4q+i: group q, row i) are one vector multiply per row of x, and each
  * span picks its own out of them with a permute. */
@@ -156,14 +169,7 @@ static inline __attribute__((always_inline)) void tile(const struct xq *x, int64
                     _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, PREFETCH_HINT);
             }
             __m512i a, b;
-            if (bits == 4) {
-                __m512i v = _mm512_loadu_si512(p);
-                a = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-                b = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-            } else {
-                a = _mm512_loadu_si512(p);
-                b = _mm512_loadu_si512(p + 64);
-            }
+            load_codes(p, bits, &a, &b);
             for (int r = 0; r < RX; r++) {
                 const int64_t span = (t0 + r) * spans + span0 + j;
                 __m512i xa = bcast16(x->q + 32 * span), xb = bcast16(x->q + 32 * span + 16);
@@ -348,14 +354,7 @@ static inline __attribute__((always_inline)) void dequantize_tile(const uint8_t 
         const int64_t first_group = w * groups + j * (32 / group);
         uint16_t *o = out + (w * spans + j) * TILE * 32;
         __m512i a, b;
-        if (bits == 4) {
-            __m512i v = _mm512_loadu_si512(p);
-            a = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-            b = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-        } else {
-            a = _mm512_loadu_si512(p);
-            b = _mm512_loadu_si512(p + 64);
-        }
+        load_codes(p, bits, &a, &b);
         DEQUANTIZE_ROW(0) DEQUANTIZE_ROW(1) DEQUANTIZE_ROW(2) DEQUANTIZE_ROW(3)
     }
 }
