@@ -40,6 +40,13 @@ class EngineStats:
     spec_verify_steps: int = 0  # sequence-steps that verified a draft
 
 
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, vocab] -> bool [N]: whether each row is usable. A row's sum is NaN or infinite iff
+    one of its logits is, or they are so large (~1e34) that it overflows, which is as broken; and it
+    is 7-20x cheaper than isfinite().all() (4 ms a step at 64 rows of a 49k vocabulary)."""
+    return torch.isfinite(logits.sum(dim=-1))
+
+
 class Engine(ABC):
     """add_request -> step ... step -> finished outputs. Subclasses decide who runs each step."""
 
@@ -176,10 +183,7 @@ class Engine(ABC):
         verified (`verified.token_ids[i]` for `verified_rows[i]`, several per sequence). A request
         whose logits are not finite (a model whose activations overflow) fails on its own, as do
         `broken` ones; the other rows go on."""
-        # A row's sum is NaN or infinite iff one of its logits is, or they are so large (~1e34) that
-        # it overflows, which is as broken; and it is 7-20x cheaper than isfinite().all() (4 ms a
-        # step at 64 rows of a 49k vocabulary).
-        finite = torch.isfinite(logits.sum(dim=-1)).tolist()
+        finite = finite_rows(logits).tolist()
         broken = set(broken) | {seq.request for seq, ok in zip(rows, finite) if not ok}
         failed = self.fail(broken, "the model produced NaN or infinite logits") if broken else []
         keep = [i for i, seq in enumerate(rows) if seq.request not in broken]

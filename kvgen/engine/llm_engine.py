@@ -15,7 +15,7 @@ import torch
 from kvgen.cache.kv_manager import NULL_BLOCK, KVCacheManager
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of, num_blocks_for_budget
 from kvgen.config import DEFAULT_KV_MEMORY, EngineConfig
-from kvgen.engine.base import Engine, EngineStats
+from kvgen.engine.base import Engine, EngineStats, finite_rows
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvgen.engine.sequence import Request, RequestOutput, Sequence
@@ -179,7 +179,7 @@ class LLMEngine(Engine):
         for chunk in schedule.chunks:
             if chunk.draft:
                 rows = logits[row : row + chunk.num_tokens]  # [1 + k, vocab]
-                finite = bool(torch.isfinite(rows.sum(dim=-1)).all())  # as sample_and_record checks
+                finite = bool(finite_rows(rows).all())
                 verdicts[chunk.seq.seq_id] = (chunk.seq, self.speculator.verify(chunk, rows) if finite else None)
                 row += chunk.num_tokens
             elif chunk.completes_sequence:
