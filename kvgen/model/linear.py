@@ -1,6 +1,12 @@
 """Linear layers whose kernel is chosen once, when the weights load, for their device and dtype.
 
-    BlasLinear    fp32 on the CPU, through OpenBLAS (numpy, on the same memory): its GEMV (one row)
+    F32Linear     fp32 on a CPU with AVX-512: kvgen's own kernel (kernels/f32_matmul.c) on the
+                  weights as loaded. At one row it reads them ~20% faster than OpenBLAS's GEMV, at
+                  2-16 rows (a speculative verify chunk) it costs 1.1-1.6x one row where OpenBLAS
+                  costs 1.6-2.2x, and at prefill's hundreds of rows it is within a few percent of
+                  OpenBLAS's GEMM (BENCHMARKS.md). Every row goes through the same operations
+                  whatever the row count, so a row's bits never depend on the rows beside it.
+    BlasLinear    fp32 on other CPUs, through OpenBLAS (numpy, on the same memory): its GEMV (one row)
                   reads the weights near memory bandwidth, about twice as fast as MKL's (torch's
                   default) one-row path, and its GEMM handles many rows at compute speed.
     Bf16Linear    bf16 on a CPU with AVX-512 BF16: kvgen's own kernel (kernels/bf16_matmul.c) on
@@ -12,9 +18,9 @@
                   are reordered once into oneDNN's blocked layout.
     TorchLinear   everything else (CUDA, fp16...): `F.linear`.
 
-By default a step's rows go through one BLAS call: GEMV for one row, GEMM for more, the fastest
+On BlasLinear, by default a step's rows go through one BLAS call: GEMV for one row, GEMM for more, the fastest
 choice (the engine's batches), and a row's low bits then depend on how many rows ran with it. A
-`RowKernels` argument (fp32 CPU only) instead fixes each row's kernel by the token's role, so a
+`RowKernels` argument instead fixes each row's kernel by the token's role, so a
 row's bits do not depend on the rows beside it; `kvgen.phases` uses it so that recomputing the
 whole sequence (`none`) gives exactly what the contiguous cache gives:
 
@@ -38,6 +44,7 @@ import torch.nn.functional as F
 
 from kvgen.model.kernels.bf16 import Bf16Matmul, bf16_kernel
 from kvgen.model.kernels.bf16 import pack as pack_bf16
+from kvgen.model.kernels.f32 import F32Matmul, f32_kernel
 from kvgen.threads import WORKERS_SLEEP
 
 # Many GEMV rows over a large matrix (an LM head) go tile by tile so each tile is read from memory
@@ -46,7 +53,8 @@ GEMV_TILE_BYTES = 4 << 20
 
 
 def uses_blas(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32
+    """Whether linear layers of this device and dtype run on OpenBLAS (BlasLinear)."""
+    return device.type == "cpu" and dtype == torch.float32 and f32_kernel() is None
 
 
 @contextmanager
@@ -90,7 +98,8 @@ class Linear(ABC):
 
     @abstractmethod
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
-        """x [T, in] -> [T, out]. `rows` fixes each row's kernel (BlasLinear only; see the module)."""
+        """x [T, in] -> [T, out]. `rows` fixes each row's kernel (BlasLinear; the others' rows never
+        depend on the rows beside them)."""
 
 
 class BlasLinear(Linear):
@@ -113,6 +122,17 @@ class BlasLinear(Linear):
         else:
             _gemv(xn, self._wt, on, rows.gemv)
             _gemm(xn, self._wt, on, rows.gemm)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class F32Linear(Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: F32Matmul) -> None:
+        super().__init__(weight, bias)
+        self.weight = weight.contiguous()
+        self._matmul = kernel
+
+    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        out = self._matmul(x.contiguous(), self.weight)
         return out if self.bias is None else out.add_(self.bias)
 
 
@@ -147,7 +167,9 @@ class TorchLinear(Linear):
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
     """The fastest kernel for the weight's device and dtype (see the module docstring)."""
-    if uses_blas(weight.device, weight.dtype):
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        if (f32 := f32_kernel()) is not None:
+            return F32Linear(weight, bias, f32)
         return BlasLinear(weight, bias)
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
         if (kernel := bf16_kernel()) is not None:

@@ -5,18 +5,25 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.model.kernels.bf16 import bf16_kernel
-from kvgen.model.linear import BlasLinear, Bf16Linear, OneDnnLinear, RowKernels, TorchLinear, make_linear
+from kvgen.model.kernels.f32 import f32_kernel
+from kvgen.model.linear import BlasLinear, Bf16Linear, F32Linear, OneDnnLinear, RowKernels, TorchLinear, make_linear
 
 torch.manual_seed(0)
 WEIGHT, BIAS = torch.randn(96, 64), torch.randn(96)
 
 
-def test_fp32_on_the_cpu_goes_through_blas_and_matches_f_linear():
-    linear = make_linear(WEIGHT, BIAS)
-    assert isinstance(linear, BlasLinear)
+@pytest.mark.parametrize("kind", [BlasLinear, F32Linear])
+def test_fp32_on_the_cpu_matches_f_linear(kind):
+    if kind is F32Linear and f32_kernel() is None:
+        pytest.skip("this CPU has no AVX-512")
+    linear = BlasLinear(WEIGHT, BIAS) if kind is BlasLinear else F32Linear(WEIGHT, BIAS, f32_kernel())
     for rows in (1, 2, 7, 64):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(linear(x), F.linear(x, WEIGHT, BIAS), rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_on_the_cpu_takes_the_kernel_where_it_runs():
+    assert isinstance(make_linear(WEIGHT, BIAS), F32Linear if f32_kernel() is not None else BlasLinear)
 
 
 def test_bf16_on_the_cpu_uses_packed_weights_and_matches_f_linear():
@@ -37,8 +44,9 @@ def test_other_dtypes_use_f_linear():
 
 def test_role_kernels_give_a_row_the_same_bits_whatever_runs_beside_it():
     """What `none` == `contiguous` rests on: a prompt row (GEMM) and a generated row (GEMV) come out
-    bit-identical in a batch of 2 or of 9 rows."""
-    linear = make_linear(WEIGHT)
+    bit-identical in a batch of 2 or of 9 rows on OpenBLAS (F32Linear's rows never depend on the
+    batch: tests/model/test_f32_kernel.py)."""
+    linear = BlasLinear(WEIGHT, None)
     x = torch.randn(9, 64)
     small = linear(torch.cat((x[:2], x[8:])), RowKernels.split(3, num_gemv_last=1))
     large = linear(x, RowKernels.split(9, num_gemv_last=1))

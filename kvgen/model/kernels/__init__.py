@@ -5,8 +5,10 @@
                      reads the KV cache three times (gather read, gather write, SDPA read) and pads
                      every sequence to the longest; this reads each allowed key once. At batch 64
                      of the throughput bench it takes a third of the time of gather + SDPA.
-    bf16_matmul.c    bf16 linear layers on CPUs with AVX-512 BF16 (kernels/bf16.py); the quantized
-                     layers' kernel lives with its formats in kvgen/model/quant.
+    bf16_matmul.c    bf16 linear layers on CPUs with AVX-512 BF16 (kernels/bf16.py)
+    f32_matmul.c     fp32 linear layers at a few rows, on CPUs with AVX-512 (kernels/f32.py); both
+                     matmuls run the loop of few_rows.h. The quantized layers' kernel lives with its
+                     formats in kvgen/model/quant.
 
 The source is compiled with the system's C compiler (`$CC`, else `cc`) for this CPU
 (-march=native) and OpenMP, into `$KVGEN_CACHE_DIR/kernels/` (default ~/.cache/kvgen), keyed by the
@@ -124,10 +126,11 @@ def load_paged_decode() -> PagedDecode:
 
 
 def build_library(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
-    """Compiles `source` into a shared library in the cache (once per source, flags and CPU); OSError
-    if it cannot."""
+    """Compiles `source` into a shared library in the cache (once per source, the headers beside it,
+    flags and CPU); OSError if it cannot."""
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, *flags, _cpu_identity()]).encode()).hexdigest()
+    texts = [source.read_text(), *(h.read_text() for h in sorted(source.parent.glob("*.h")))]
+    key = hashlib.sha256("\0".join([*texts, compiler, *flags, _cpu_identity()]).encode()).hexdigest()
     target = cache_root() / "kernels" / f"{source.stem}-{key[:16]}.so"
     if target.exists():
         return target

@@ -1,0 +1,122 @@
+/* The loop of kvgen's few-row matmul kernels, y = x @ W^T, shared by bf16_matmul.c and f32_matmul.c.
+ *
+ * Made for decode's few rows of x (a speculative verify chunk: up to ~16): each 64-byte load of a
+ * weight row feeds up to 4 rows of x (x stays in cache), so the weights stream from memory once per
+ * call, with software prefetch ahead in each stream. Work: OpenMP over blocks of 4 weight rows; one
+ * thread below PARALLEL_BYTES of work (the weights' bytes, and a share more for each 4 rows of x).
+ * Every output goes through the same operations whatever T is, so a row's result does not depend on
+ * the rows beside it. Each product is accumulated in fp32 over 16 lanes, the lanes are summed, and
+ * the sum is stored as fp32 or rounded once to bf16 (nearest even), as oneDNN and torch round a bf16
+ * matmul's fp32 accumulator.
+ *
+ * The including file defines, before #include:
+ *   ELEM                 a weight's (and x's) element type
+ *   SPAN, MASK           elements per 64-byte span, and the mask type of one span
+ *   VEC, LOAD(m, p)      the vector of a span, and a masked load of one
+ *   DOT(acc, x, w)       acc (16 fp32 lanes) += the products of spans x and w
+ *   ROW_STRIDE(K)        elements from one row of a 4-row weight block to the next
+ *   SPAN_STEP            elements from one span of a block's row to the next
+ *   BLOCK_START(b, K)    the element where block b (rows 4b..4b+3) starts
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define WROWS 4 /* weight rows per block */
+#define XROWS 4 /* rows of x per pass over a block */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 1024
+#endif
+/* Below this much work, one thread: waking the second costs more than it saves
+ * (OpenMP's workers sleep between calls, see kvgen/threads.py). */
+#ifndef PARALLEL_BYTES
+#define PARALLEL_BYTES (1 << 20)
+#endif
+
+static inline uint16_t round_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) /* NaN stays NaN */
+        return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* y[at] = sum, as fp32 or rounded to bf16. */
+static inline void store(void *y, int64_t at, int f32, float sum) {
+    if (f32)
+        ((float *)y)[at] = sum;
+    else
+        ((uint16_t *)y)[at] = round_to_bf16(sum);
+}
+
+/* One pass of XR rows of x (t0...) over the 4 weight rows at w0..w3 (a block at the end of W repeats
+ * its last row, and `rows` says how many to store). The accumulators are named variables, not an
+ * array: gcc keeps an array of vectors on the stack. */
+#define ACC(t) __m512 a##t##0 = _mm512_setzero_ps(), a##t##1 = a##t##0, a##t##2 = a##t##0, a##t##3 = a##t##0;
+#define DOTS_OF(t)                                                                                        \
+    {                                                                                                     \
+        const VEC xv = LOAD(m, x + (t0 + t) * K + k);                                                     \
+        a##t##0 = DOT(a##t##0, xv, v0);                                                                   \
+        a##t##1 = DOT(a##t##1, xv, v1);                                                                   \
+        a##t##2 = DOT(a##t##2, xv, v2);                                                                   \
+        a##t##3 = DOT(a##t##3, xv, v3);                                                                   \
+    }
+#define STORE(t)                                                                                          \
+    {                                                                                                     \
+        const int64_t at = (t0 + t) * N + n0;                                                             \
+        store(y, at, f32, _mm512_reduce_add_ps(a##t##0));                                                 \
+        if (rows > 1) store(y, at + 1, f32, _mm512_reduce_add_ps(a##t##1));                               \
+        if (rows > 2) store(y, at + 2, f32, _mm512_reduce_add_ps(a##t##2));                               \
+        if (rows > 3) store(y, at + 3, f32, _mm512_reduce_add_ps(a##t##3));                               \
+    }
+#define PREFETCH(p) _mm_prefetch((const char *)(p) + PREFETCH_BYTES, _MM_HINT_T0)
+#define BLOCK(XR, ACCS, DOTS, STORES)                                                                     \
+    static void block_x##XR(const ELEM *x, int64_t t0, int64_t K, const ELEM *w0, int64_t n0, int rows,  \
+                            int64_t N, void *y, int f32) {                                                \
+        ACCS                                                                                              \
+        const int64_t stride = ROW_STRIDE(K), full = K / SPAN * SPAN, end = K % SPAN ? full + SPAN : full; \
+        const MASK tail = (MASK)((1ull << (K % SPAN)) - 1u);                                              \
+        const ELEM *w1 = w0 + (rows > 1) * stride, *w2 = w0 + (rows > 2) * 2 * stride;                    \
+        const ELEM *w3 = w0 + (rows > 3) * 3 * stride;                                                    \
+        for (int64_t k = 0; k < end; k += SPAN, w0 += SPAN_STEP, w1 += SPAN_STEP, w2 += SPAN_STEP,       \
+                     w3 += SPAN_STEP) {                                                                   \
+            const MASK m = k < full ? (MASK)~(MASK)0 : tail;                                              \
+            PREFETCH(w0); PREFETCH(w1); PREFETCH(w2); PREFETCH(w3);                                       \
+            const VEC v0 = LOAD(m, w0), v1 = LOAD(m, w1), v2 = LOAD(m, w2), v3 = LOAD(m, w3);             \
+            DOTS                                                                                          \
+        }                                                                                                 \
+        STORES                                                                                            \
+    }
+BLOCK(1, ACC(0), DOTS_OF(0), STORE(0))
+BLOCK(2, ACC(0) ACC(1), DOTS_OF(0) DOTS_OF(1), STORE(0) STORE(1))
+BLOCK(3, ACC(0) ACC(1) ACC(2), DOTS_OF(0) DOTS_OF(1) DOTS_OF(2), STORE(0) STORE(1) STORE(2))
+BLOCK(4, ACC(0) ACC(1) ACC(2) ACC(3), DOTS_OF(0) DOTS_OF(1) DOTS_OF(2) DOTS_OF(3), STORE(0) STORE(1) STORE(2) STORE(3))
+
+static void weight_block(const ELEM *x, int64_t T, int64_t K, const ELEM *w, int64_t b, int64_t N, void *y,
+                         int f32) {
+    const int64_t n0 = b * WROWS;
+    const int rows = N - n0 < WROWS ? (int)(N - n0) : WROWS;
+    const ELEM *block = w + BLOCK_START(b, K);
+    for (int64_t t0 = 0; t0 < T; t0 += XROWS) {
+        switch (T - t0 < XROWS ? T - t0 : XROWS) {
+        case 1: block_x1(x, t0, K, block, n0, rows, N, y, f32); break;
+        case 2: block_x2(x, t0, K, block, n0, rows, N, y, f32); break;
+        case 3: block_x3(x, t0, K, block, n0, rows, N, y, f32); break;
+        default: block_x4(x, t0, K, block, n0, rows, N, y, f32); break;
+        }
+    }
+}
+
+/* x [T, K], W [N, K] in the including file's layout, y [T, N] as fp32 (f32 set) or bf16. */
+static void few_rows_matmul(const ELEM *x, int64_t T, int64_t K, const ELEM *w, int64_t N, void *y, int f32,
+                            int num_threads) {
+    const int64_t blocks = (N + WROWS - 1) / WROWS;
+    const int64_t work = N * K * (int64_t)sizeof(ELEM) * (1 + T / XROWS);
+    const int threads = num_threads > 1 && work >= PARALLEL_BYTES ? num_threads : 1;
+    if (threads == 1) { /* no parallel region at all: entering even a serial one costs time */
+        for (int64_t b = 0; b < blocks; b++)
+            weight_block(x, T, K, w, b, N, y, f32);
+        return;
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        weight_block(x, T, K, w, b, N, y, f32);
+}
