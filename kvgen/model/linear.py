@@ -2,8 +2,8 @@
 
     F32Linear     fp32 on a CPU with AVX-512: kvgen's own kernel (kernels/f32_matmul.c) on the
                   weights as loaded. At one row it reads them ~20% faster than OpenBLAS's GEMV, at
-                  2-16 rows (a speculative verify chunk) it costs 1.1-1.6x one row where OpenBLAS
-                  costs 1.6-2.2x, and at prefill's hundreds of rows it is within a few percent of
+                  2-16 rows (a speculative verify chunk) it costs 1.1-1.8x one row where OpenBLAS
+                  costs 1.5-2.2x, and at prefill's hundreds of rows it is within a few percent of
                   OpenBLAS's GEMM (BENCHMARKS.md). Every row goes through the same operations
                   whatever the row count, so a row's bits never depend on the rows beside it.
     BlasLinear    fp32 on other CPUs, through OpenBLAS (numpy, on the same memory): its GEMV (one row)

@@ -10,25 +10,30 @@ from tests.tolerances import assert_same_logprobs
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play in the park with her dog"
 TEXTS = [" ".join(STORY.split()[:n]) for n in (1, 4, 9, 17)]
 QUANTIZED = ["int8", "fp8"]
+# Half a step of the pool's format, relative: int8 keeps 7 bits below its scale, e4m3 3 mantissa bits.
+KV_ROUNDING = {"int8": 2.0**-8, "fp8": 2.0**-4}
 
 
 def greedy(max_tokens: int = 40, **extra) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3, **extra)
 
 
-def same(got, want, llm: LLM) -> None:
+def same(got, want, llm: LLM, relative_floor: float = 0.0) -> None:
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for g, w in zip(got, want, strict=True):
-        assert_same_logprobs(g, w, llm.engine.model_config)
+        assert_same_logprobs(g, w, llm.engine.model_config, relative_floor)
 
 
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)
 @pytest.mark.parametrize("policy", ["full", "window:24", "h2o:8,24"])
 def test_kernel_and_gather_agree_on_quantized_pools(kv_dtype, policy):
+    """The two attention paths differ by fp32 rounding. Where a K/V value that the next layer writes
+    lies that close to a rounding midpoint of the pool's format, its quantized code flips, and later
+    logprobs move by up to the pool's own rounding (KV_ROUNDING) rather than fp32's."""
     native = LLM(block_size=4, kv_cache_dtype=kv_dtype, attention_backend="native")
     sdpa = LLM(block_size=4, kv_cache_dtype=kv_dtype, attention_backend="sdpa")
     params = greedy(kv_policy=policy)
-    same(native.generate(TEXTS, params), sdpa.generate(TEXTS, params), native)
+    same(native.generate(TEXTS, params), sdpa.generate(TEXTS, params), native, KV_ROUNDING[kv_dtype])
 
 
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)

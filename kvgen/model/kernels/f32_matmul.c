@@ -9,7 +9,7 @@
  * x [T, K] fp32, y [T, N] fp32. The loop is few_rows.h's.
  *
  * Why not OpenBLAS's GEMV/GEMM: at one row its GEMV reads a small model's weights at ~19 GB/s here
- * where this reads them at ~23; at 2-16 rows its GEMM costs 1.6-2.2x its GEMV, this 1.1-1.9x
+ * where this reads them at ~23; at 2-16 rows its GEMM costs 1.5-2.2x its GEMV, this 1.1-1.8x
  * (BENCHMARKS.md), which is what a speculative verify chunk needs.
  */
 #define ELEM float
