@@ -226,6 +226,25 @@ def test_adaptive_switch_takes_the_faster_arm_per_batch_size_and_probes_the_othe
         assert 0 < settled.count(not faster) <= len(settled) // PROBE_EVERY + 1  # the probes
 
 
+def test_adaptive_switch_ranks_arms_by_throughput_not_by_a_typical_step():
+    """Speculation yielding 9 tokens in some 50 ms steps and 1 in most others still emits ~2x plain's
+    25 tok/s; a median of per-step rates (20 tok/s) would switch it off."""
+    switch = AdaptiveSwitch()
+    for step in range(40):
+        on = switch.decide(1)
+        tokens = (9 if step % 3 == 0 else 1) if on else 1
+        switch.record(1, on, tokens, 0.05 if on else 0.04)
+    assert switch.table()["1-1"]["speculate"] > switch.table()["1-1"]["plain"]
+    assert switch.decide(1) or switch.decide(1)  # on, but for a probe of plain
+
+
+def test_adaptive_switch_leaves_out_a_stalled_step():
+    switch = AdaptiveSwitch()
+    for seconds in (0.04, 0.04, 4.0, 0.04):
+        switch.record(1, False, 1, seconds)
+    assert switch.table()["1-1"]["plain"] == pytest.approx(25.0)
+
+
 def test_adaptive_engine_is_still_exact(loaded):
     requests = ragged_requests(16, seed=4)
     eng = engine(loaded, speculative_method="ngram", num_speculative_tokens=4)
