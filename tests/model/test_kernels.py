@@ -14,11 +14,12 @@ from tests.tolerances import fp32_gap
 CPU = torch.device("cpu")
 
 
-def ragged_batch(dtype: torch.dtype, kv_heads: int, group: int, block_size: int, window: int | None, seed: int = 0):
+def ragged_batch(dtype: torch.dtype, kv_heads: int, group: int, block_size: int, window: int | None, seed: int = 0,
+                 head_dim: int = 32):
     """A pool holding 6 sequences of 1..70 keys in shuffled blocks; returns (cache, q [B, heads, D],
     block_ids [B, N] padded with the scratch block, mask [B, L]: the keys each query may read)."""
     gen = torch.Generator().manual_seed(seed)
-    head_dim, num_blocks = 32, 160
+    num_blocks = 160
     lengths = [1, 70, 17, block_size, block_size + 1, 33]
     cache = PagedKVCache(1, num_blocks, block_size, kv_heads, head_dim, CPU, dtype)
     cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
@@ -46,8 +47,9 @@ def gather_and_sdpa(cache, q, block_ids, mask):
 @pytest.mark.parametrize("kv_heads, group", [(1, 1), (2, 3), (3, 4)])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_decode_equals_gather_and_sdpa(dtype, kv_heads, group, block_size, window):
-    cache, q, block_ids, mask = ragged_batch(dtype, kv_heads, group, block_size, window)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 take the kernel's constant-size loops
+def test_paged_decode_equals_gather_and_sdpa(dtype, kv_heads, group, block_size, window, head_dim):
+    cache, q, block_ids, mask = ragged_batch(dtype, kv_heads, group, block_size, window, head_dim=head_dim)
     got = load_paged_decode()(q, cache.k[0], cache.v[0], block_ids, block_size, mask)
     want = gather_and_sdpa(cache, q, block_ids, mask)
     assert got.dtype == dtype and got.shape == want.shape
@@ -62,10 +64,13 @@ def test_paged_decode_equals_gather_and_sdpa(dtype, kv_heads, group, block_size,
 @pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("kv_heads, group", [(1, 1), (3, 4)])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_paged_decode_reads_quantized_pools_as_their_dequantized_values(pool_dtype, kv_heads, group, block_size):
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_paged_decode_reads_quantized_pools_as_their_dequantized_values(pool_dtype, kv_heads, group, block_size,
+                                                                        head_dim):
     """The kernel scales int8 / fp8 rows in registers; gather + SDPA dequantizes a copy. Both attend
     over the same dequantized values, so they differ by fp32 rounding only."""
-    float_cache, q, block_ids, mask = ragged_batch(torch.float32, kv_heads, group, block_size, window=None)
+    float_cache, q, block_ids, mask = ragged_batch(torch.float32, kv_heads, group, block_size, window=None,
+                                                   head_dim=head_dim)
     cache = PagedKVCache(1, float_cache.num_blocks, block_size, kv_heads, q.shape[-1], CPU, pool_dtype,
                          compute_dtype=torch.float32)
     slots = torch.arange(cache.k[0].shape[1])
