@@ -30,6 +30,7 @@ import torch
 
 from kvgen.bench.models import BenchModel, gguf_for
 from kvgen.bench.peers import BenchRequest, PeerUnavailable, System, TokenTimes
+from kvgen.threads import foreign_environment
 
 START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 1800.0
@@ -104,7 +105,7 @@ class LlamaServerSystem(System):
         command = [str(self.binary), "--model", str(self.gguf), "--host", "127.0.0.1", "--port", str(port),
                    "--parallel", str(slots), "--ctx-size", str(slots * self.max_len), "--threads", str(self.threads),
                    "--threads-batch", str(self.threads), "--cont-batching", "--no-webui"]
-        env = os.environ | {"LD_LIBRARY_PATH": f"{self.binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+        env = foreign_environment() | {"LD_LIBRARY_PATH": f"{self.binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
         self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         weakref.finalize(self, _terminate, self._process)
         self._url, self.slots = f"http://127.0.0.1:{port}", slots

@@ -192,7 +192,11 @@ class _TimingStreamer:
 
 
 class LlamaCppSystem(System):
-    """llama-cpp-python on a GGUF of the same weights. Its Python API generates one sequence at a time."""
+    """llama-cpp-python on a GGUF of the same weights. Its Python API generates one sequence at a time.
+
+    In this process ggml's OpenMP threads are torch's libgomp, so they run under kvgen's settings
+    (kvgen/threads.py: workers spin ~0.3 ms, then sleep); with llama.cpp's own defaults, llama-bench
+    decodes the Q4_1 file ~4% faster here (BENCHMARKS.md)."""
 
     name = "llama.cpp"
     batched = False

@@ -13,7 +13,7 @@ import torch
 
 from kvgen.config import ModelConfig
 from kvgen.model.attention import Attention
-from kvgen.model.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
+from kvgen.model.layers import RotaryEmbedding, apply_rope, make_rms_norm, swiglu
 from kvgen.model.linear import Linear, RowKernels
 from kvgen.model.projections import Embedding, LayerBuilder, Weight, describe
 
@@ -48,6 +48,7 @@ class LlamaModel:
         head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
         self.lm_head = build.linear([head])
         self.rope = RotaryEmbedding(config, config.max_position_embeddings, self.device, dtype)
+        self.norm = make_rms_norm(self.device, dtype)
 
     def kernels(self) -> dict[str, tuple[str, int]]:
         """Per projection role: (the kernel its layers run, their weight bytes over all layers)."""
@@ -74,15 +75,15 @@ class LlamaModel:
         cos, sin = self.rope.tables(positions)  # [T, 1, D]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for index, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            h = self.norm(x, layer.input_norm, cfg.rms_norm_eps)
             qk, v = layer.qkv(h, rows).split((q_size + kv_size, kv_size), dim=-1)
             qk = apply_rope(qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)  # q, k at once
             q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=1)
             attn = attention(index, q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
             x.add_(layer.o(attn.reshape(-1, q_size), rows))
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            h = self.norm(x, layer.post_norm, cfg.rms_norm_eps)
             x.add_(swiglu(h, layer.gate_up, layer.down, rows))
-        return rms_norm(x, self.final_norm, cfg.rms_norm_eps)
+        return self.norm(x, self.final_norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""
