@@ -123,7 +123,7 @@ class LLMEngine(Engine):
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         if self.speculator is not None:
-            self.speculator.begin_step(len(self.scheduler.running))
+            self.speculator.begin_step(len(self.scheduler.running), prompts_waiting=bool(self.scheduler.waiting))
         schedule = self.scheduler.schedule()
         for seq in schedule.preempted:
             self._forget(seq.seq_id)

@@ -77,9 +77,12 @@ class Speculator:
 
     # -- scheduling -----------------------------------------------------------------------------
 
-    def begin_step(self, batch_size: int) -> None:
+    def begin_step(self, batch_size: int, prompts_waiting: bool = False) -> None:
+        """Whether this step speculates. Under the adaptive switch, not while prompts wait to be
+        admitted: their prefill is compute-bound work that the K + 1 rows per sequence would delay."""
         self._batch_size = batch_size
-        self.active = batch_size > 0 and (self.switch is None or self.switch.decide(batch_size))
+        self.active = batch_size > 0 and (
+            self.switch is None or (not prompts_waiting and self.switch.decide(batch_size)))
 
     def lookahead(self, seq: Sequence) -> int:
         """Slots to reserve past `seq`'s last token this step (0: it decodes plainly). The first token

@@ -245,6 +245,14 @@ def test_adaptive_switch_leaves_out_a_stalled_step():
     assert switch.table()["1-1"]["plain"] == pytest.approx(25.0)
 
 
+def test_adaptive_engine_decodes_plainly_while_prompts_wait(loaded):
+    speculator = engine(loaded, speculative_method="ngram", num_speculative_tokens=4).speculator
+    speculator.begin_step(8, prompts_waiting=True)
+    assert not speculator.active
+    speculator.begin_step(8)
+    assert speculator.active  # the switch tries speculating first
+
+
 def test_adaptive_engine_is_still_exact(loaded):
     requests = ragged_requests(16, seed=4)
     eng = engine(loaded, speculative_method="ngram", num_speculative_tokens=4)
