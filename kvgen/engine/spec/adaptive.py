@@ -10,9 +10,10 @@ proposer and the text, so it is measured rather than modelled:
     arms      speculate / not, each with its rate over its last WINDOW decode-only steps: tokens
               emitted / seconds of step time (the draft's proposing included), leaving out the
               slowest step (on a shared machine a step now and then takes many times its usual time)
-    choice    each arm is tried MIN_SAMPLES times, then the faster one is taken (speculation only
-              when it measures MARGIN faster: its steps also take K + 1 tokens of a step's budget
-              from the prompts waiting to prefill, which decode-only steps do not show); every
+    choice    each arm is tried MIN_SAMPLES times, then the faster one is taken (in a batch,
+              speculation only when it measures MARGIN faster: its steps also take K + 1 tokens of
+              a step's budget from the other sequences' prefills, which decode-only steps do not
+              show); every
               PROBE_EVERY-th step of a bucket takes the other one, so a change in acceptance (a text
               that stops repeating its input) is noticed
 """
@@ -23,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 MIN_SAMPLES = 3
-MARGIN = 1.1  # speculation must emit 10% more tokens per second than plain decoding to be chosen
+MARGIN = 1.1  # in a batch, speculation must emit 10% more tokens per second than plain decoding
 PROBE_EVERY = 32
 WINDOW = 9  # rates an arm remembers
 
@@ -67,7 +68,7 @@ class AdaptiveSwitch:
         on, off = bucket.arms[True], bucket.arms[False]
         if min(on.samples, off.samples) < MIN_SAMPLES:
             return on.samples <= off.samples
-        best = on.rate >= MARGIN * off.rate
+        best = on.rate >= (MARGIN if batch_size > 1 else 1.0) * off.rate  # alone, nothing else waits on it
         return (not best) if bucket.decisions % PROBE_EVERY == 0 else best
 
     def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
