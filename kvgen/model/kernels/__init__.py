@@ -6,7 +6,7 @@
                      every sequence to the longest; this reads each allowed key once. At batch 64
                      of the throughput bench it takes a third of the time of gather + SDPA.
     bf16_matmul.c    bf16 linear layers on CPUs with AVX-512 BF16 (kernels/bf16.py)
-    f32_matmul.c     fp32 linear layers at a few rows, on CPUs with AVX-512 (kernels/f32.py); both
+    f32_matmul.c     fp32 linear layers on CPUs with AVX-512 (kernels/f32.py); both
                      matmuls run the loop of few_rows.h. The quantized layers' kernel lives with its
                      formats in kvgen/model/quant.
 

@@ -1,4 +1,4 @@
-"""The compiled AVX-512 fp32 matmul for few rows (f32_matmul.c): loading it and calling it.
+"""The compiled AVX-512 fp32 matmul (f32_matmul.c): loading it and calling it.
 
 Built with explicit flags, never -march=native (which would also enable AMX on CPUs that advertise
 it, and AMX traps in some VMs), and loaded only where /proc/cpuinfo lists AVX-512 F; elsewhere
@@ -31,19 +31,14 @@ class F32Matmul:
         function.restype = None
         self._function = function
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x fp32 [T, K] contiguous, weight fp32 [N, K] contiguous -> x @ weight^T [T, N], written into
-        `out` (contiguous fp32 [T, N]) when given."""
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x fp32 [T, K] contiguous, weight fp32 [N, K] contiguous -> x @ weight^T [T, N]."""
         if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2:
             raise ValueError(f"f32 matmul: x must be contiguous fp32 [T, K], not {x.dtype} {list(x.shape)}")
         if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.shape[1:] != x.shape[1:]:
             raise ValueError(f"f32 matmul: the weight must be contiguous fp32 [N, {x.shape[1]}], "
                              f"not {weight.dtype} {list(weight.shape)}")
-        shape = (x.shape[0], weight.shape[0])
-        if out is None:
-            out = torch.empty(shape, dtype=torch.float32)
-        elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
-            raise ValueError(f"f32 matmul: out must be contiguous fp32 {list(shape)}, not {out.dtype} {list(out.shape)}")
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
         if x.shape[0]:
             self._function(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], out.data_ptr(),
                            torch.get_num_threads())

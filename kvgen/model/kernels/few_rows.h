@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "bf16_bits.h"
+
 #define WROWS 4 /* weight rows per block */
 #define XROWS 4 /* rows of x per pass over a block */
 #ifndef PREFETCH_BYTES
@@ -32,19 +34,12 @@
 #define PARALLEL_BYTES (1 << 20)
 #endif
 
-static inline uint16_t round_to_bf16(float f) {
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) /* NaN stays NaN */
-        return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
 /* y[at] = sum, as fp32 or rounded to bf16. */
 static inline void store(void *y, int64_t at, int f32, float sum) {
     if (f32)
         ((float *)y)[at] = sum;
     else
-        ((uint16_t *)y)[at] = round_to_bf16(sum);
+        ((uint16_t *)y)[at] = to_bf16(sum);
 }
 
 /* One pass of XR rows of x (t0...) over the 4 weight rows at w0..w3 (a block at the end of W repeats

@@ -11,22 +11,8 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-static inline float from_bf16(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN stays NaN */
-        return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+#include "bf16_bits.h"
 
 /* x, y [rows, n] fp32, w [n] fp32. */
 void rms_norm_f32(const float *restrict x, int64_t rows, int64_t n, const float *restrict w, float eps,
