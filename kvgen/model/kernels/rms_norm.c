@@ -14,32 +14,24 @@
 
 #include "bf16_bits.h"
 
-/* x, y [rows, n] fp32, w [n] fp32. */
-void rms_norm_f32(const float *restrict x, int64_t rows, int64_t n, const float *restrict w, float eps,
-                  float *restrict y) {
-    for (int64_t r = 0; r < rows; r++, x += n, y += n) {
-        float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < n; i++)
-            squares += x[i] * x[i];
-        const float inverse = 1.f / sqrtf(squares / (float)n + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++)
-            y[i] = w[i] * (x[i] * inverse);
+/* One row at a time: LOAD widens an element to fp32, FINISH(w, xr) makes y from the weight and
+ * x * r. x, y [rows, n] and w [n] are ELEM. */
+#define RMS_NORM(NAME, ELEM, LOAD, FINISH)                                                                \
+    void NAME(const ELEM *restrict x, int64_t rows, int64_t n, const ELEM *restrict w, float eps,         \
+              ELEM *restrict y) {                                                                         \
+        for (int64_t r = 0; r < rows; r++, x += n, y += n) {                                              \
+            float squares = 0.f;                                                                          \
+            _Pragma("omp simd reduction(+ : squares)") for (int64_t i = 0; i < n; i++)                    \
+                squares += LOAD(x[i]) * LOAD(x[i]);                                                       \
+            const float inverse = 1.f / sqrtf(squares / (float)n + eps);                                  \
+            _Pragma("omp simd") for (int64_t i = 0; i < n; i++)                                           \
+                y[i] = FINISH(w[i], LOAD(x[i]) * inverse);                                                \
+        }                                                                                                 \
     }
-}
 
-/* x, y [rows, n] bf16, w [n] bf16. */
-void rms_norm_bf16(const uint16_t *restrict x, int64_t rows, int64_t n, const uint16_t *restrict w, float eps,
-                   uint16_t *restrict y) {
-    for (int64_t r = 0; r < rows; r++, x += n, y += n) {
-        float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < n; i++)
-            squares += from_bf16(x[i]) * from_bf16(x[i]);
-        const float inverse = 1.f / sqrtf(squares / (float)n + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++)
-            y[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(x[i]) * inverse)));
-    }
-}
+#define AS_IS(v) (v)
+#define F32_FINISH(w, xr) ((w) * (xr))
+#define BF16_FINISH(w, xr) to_bf16(from_bf16(w) * from_bf16(to_bf16(xr)))
+
+RMS_NORM(rms_norm_f32, float, AS_IS, F32_FINISH)
+RMS_NORM(rms_norm_bf16, uint16_t, from_bf16, BF16_FINISH)
