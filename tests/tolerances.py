@@ -40,7 +40,7 @@ def logprob_gap(config: ModelConfig, context: int, magnitude: float) -> float:
 def assert_same_logprobs(a, b, config: ModelConfig, relative_floor: float = 0.0) -> None:
     """Two RequestOutputs of one request run two ways: the same chosen tokens, and log-probabilities
     within `logprob_gap` over the sequence's full context (or within `relative_floor` of their
-    magnitude, where a coarser rounding than fp32's can enter). The top tokens are the same, except
+    magnitude, at least 1, as logprob_gap scales, where a coarser rounding than fp32's can enter). The top tokens are the same, except
     that a near-tie at the edge of the top set may swap: a token only one run ranks in its top set
     must lie within the bound of that run's smallest top logprob."""
     for ca, cb in zip(a.outputs, b.outputs, strict=True):
@@ -49,7 +49,7 @@ def assert_same_logprobs(a, b, config: ModelConfig, relative_floor: float = 0.0)
             shared = la.top.keys() & lb.top.keys()
             pairs = [(la.token_logprob, lb.token_logprob)] + [(la.top[t], lb.top[t]) for t in shared]
             magnitude = max(max(abs(x), abs(y)) for x, y in pairs + list(zip(la.top.values(), lb.top.values())))
-            bound = max(logprob_gap(config, context, magnitude), relative_floor * magnitude)
+            bound = max(logprob_gap(config, context, magnitude), relative_floor * max(magnitude, 1.0))
             assert max(abs(x - y) for x, y in pairs) <= bound
             for mine, theirs in ((la.top, lb.top), (lb.top, la.top)):
                 if extra := mine.keys() - shared:
