@@ -1,5 +1,7 @@
 """The compiled paged decode kernel against its CPU twin (gather + SDPA), and how it is chosen."""
 
+import ctypes
+import functools
 import logging
 
 import pytest
@@ -8,10 +10,19 @@ import torch
 from kvgen.config import EngineConfig
 from kvgen.model import kernels
 from kvgen.model.attention import PagedKVCache, sdpa_heads_first
-from kvgen.model.kernels import load_paged_decode, paged_decode_for
+from kvgen.model.kernels import FLAGS, SOURCE, PagedDecode, build_library, load_paged_decode, paged_decode_for
 from tests.tolerances import fp32_gap
 
 CPU = torch.device("cpu")
+
+
+@functools.cache
+def portable_paged_decode() -> PagedDecode:
+    """The kernel built without AVX-512: its portable loops, which CPUs without AVX-512 run."""
+    return PagedDecode(ctypes.CDLL(str(build_library(SOURCE, (*FLAGS, "-mno-avx512f")))))
+
+
+KERNELS = {"native": load_paged_decode, "portable": portable_paged_decode}
 
 
 def ragged_batch(dtype: torch.dtype, kv_heads: int, group: int, block_size: int, window: int | None, seed: int = 0,
@@ -48,9 +59,10 @@ def gather_and_sdpa(cache, q, block_ids, mask):
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 take the kernel's constant-size loops
-def test_paged_decode_equals_gather_and_sdpa(dtype, kv_heads, group, block_size, window, head_dim):
+@pytest.mark.parametrize("build", KERNELS)  # with AVX-512 those sizes take attend_avx512
+def test_paged_decode_equals_gather_and_sdpa(dtype, kv_heads, group, block_size, window, head_dim, build):
     cache, q, block_ids, mask = ragged_batch(dtype, kv_heads, group, block_size, window, head_dim=head_dim)
-    got = load_paged_decode()(q, cache.k[0], cache.v[0], block_ids, block_size, mask)
+    got = KERNELS[build]()(q, cache.k[0], cache.v[0], block_ids, block_size, mask)
     want = gather_and_sdpa(cache, q, block_ids, mask)
     assert got.dtype == dtype and got.shape == want.shape
     # fp32: scores over head_dim, softmax and P @ V over the keys; bf16: both round the output once
@@ -65,8 +77,9 @@ def test_paged_decode_equals_gather_and_sdpa(dtype, kv_heads, group, block_size,
 @pytest.mark.parametrize("kv_heads, group", [(1, 1), (3, 4)])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("build", KERNELS)
 def test_paged_decode_reads_quantized_pools_as_their_dequantized_values(pool_dtype, kv_heads, group, block_size,
-                                                                        head_dim):
+                                                                        head_dim, build):
     """The kernel scales int8 / fp8 rows in registers; gather + SDPA dequantizes a copy. Both attend
     over the same dequantized values, so they differ by fp32 rounding only."""
     float_cache, q, block_ids, mask = ragged_batch(torch.float32, kv_heads, group, block_size, window=None,
@@ -76,7 +89,7 @@ def test_paged_decode_reads_quantized_pools_as_their_dequantized_values(pool_dty
     slots = torch.arange(cache.k[0].shape[1])
     cache.write(0, slots, float_cache.k[0].transpose(0, 1), float_cache.v[0].transpose(0, 1))
     scales = (cache.k_scale[0], cache.v_scale[0])
-    got = load_paged_decode()(q, cache.k[0], cache.v[0], block_ids, block_size, mask, scales)
+    got = KERNELS[build]()(q, cache.k[0], cache.v[0], block_ids, block_size, mask, scales)
     want = gather_and_sdpa(cache, q, block_ids, mask)
     keys = int(mask.sum(-1).max())
     values = float_cache.v[0].abs().max().item()
@@ -103,9 +116,10 @@ def test_paged_decode_gives_the_same_bits_on_two_threads(dtype):
     assert torch.equal(one, two)
 
 
-def test_paged_decode_ignores_what_the_mask_hides():
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_paged_decode_ignores_what_the_mask_hides(head_dim):
     """Keys outside the mask (padding, evicted by a window) may hold anything, NaN included."""
-    cache, q, block_ids, mask = ragged_batch(torch.float32, 2, 3, 4, window=6)
+    cache, q, block_ids, mask = ragged_batch(torch.float32, 2, 3, 4, window=6, head_dim=head_dim)
     want = load_paged_decode()(q, cache.k[0], cache.v[0], block_ids, 4, mask)
     k_blocks, v_blocks = cache.blocks(0)  # [kv_heads, blocks, block_size, D]
     hidden = ~mask.view(*block_ids.shape, 4)  # [B, N, block_size]
@@ -116,8 +130,9 @@ def test_paged_decode_ignores_what_the_mask_hides():
     assert torch.equal(load_paged_decode()(q, cache.k[0], cache.v[0], block_ids, 4, mask), want)
 
 
-def test_paged_decode_gives_zeros_where_no_key_is_allowed():
-    cache, q, block_ids, mask = ragged_batch(torch.float32, 2, 2, 4, window=None)
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_paged_decode_gives_zeros_where_no_key_is_allowed(head_dim):
+    cache, q, block_ids, mask = ragged_batch(torch.float32, 2, 2, 4, window=None, head_dim=head_dim)
     mask[2] = False
     out = load_paged_decode()(q, cache.k[0], cache.v[0], block_ids, 4, mask)
     assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isfinite(out).all()
