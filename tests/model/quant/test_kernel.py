@@ -65,7 +65,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(activations):
 @pytest.mark.parametrize("rows", [1, 64])
 def test_two_threads_give_the_same_bits(rows, activations):
     """Each output is one thread's work (the suite otherwise runs on one thread). The weights are
-    large enough for the kernel to use both threads (512 KiB of work) at 1 row and at 64."""
+    large enough for the kernel to use both threads (64 KiB of work) at 1 row and at 64."""
     gen = torch.Generator().manual_seed(2)
     w = quantize_int8(torch.randn(1024 if rows == 1 else 256, 1024, generator=gen))
     x = torch.randn(rows, 1024, generator=gen)
