@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvgen.model.kernels import PagedDecode
+from kvgen.model.kernels import GroupDecode, PagedDecode
 from kvgen.model.kv_quant import as_bytes, dequantize, is_quantized, quantize
 from kvgen.model.layers import apply_rope
 
@@ -253,16 +253,18 @@ class PagedAttention(Attention):
         self.cache = cache
         self.meta = meta
         self.decode_kernel = decode_kernel
+        self._group_calls: dict[int, GroupDecode] = {}  # by group index: the kernel's per-step arguments
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.meta.slot_mapping, k, v)
         outputs = []
-        for group in self.meta.groups:
+        for index, group in enumerate(self.meta.groups):
             batch, _, num_queries, _ = group.mask.shape
-            outputs.append(self._attend(layer, group, q[group.first_row : group.first_row + batch * num_queries]))
+            rows = q[group.first_row : group.first_row + batch * num_queries]
+            outputs.append(self._attend(layer, index, group, rows))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
-    def _attend(self, layer: int, group: PagedGroup, rows: torch.Tensor) -> torch.Tensor:
+    def _attend(self, layer: int, index: int, group: PagedGroup, rows: torch.Tensor) -> torch.Tensor:
         """rows [B * Q, heads, D] -> [B * Q, heads, D]: through the kernel where it applies, else
         through a gathered copy of the group's K/V (also gathered to record heavy-hitter weights)."""
         batch, _, num_queries, _ = group.mask.shape
@@ -275,11 +277,18 @@ class PagedAttention(Attention):
         if in_place:
             cache = self.cache
             scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else None
-            return self.decode_kernel(rows, cache.k[layer], cache.v[layer], group.kv_blocks, cache.block_size,
-                                      group.mask.view(batch, -1), scales)
+            return self._group_call(index, group)(rows, cache.k[layer], cache.v[layer], scales)
         keys, values = gathered
         out = sdpa_heads_first(queries, keys, values, None if group.causal else group.mask, group.causal)
         return out.transpose(1, 2).reshape(rows.shape)
+
+    def _group_call(self, index: int, group: PagedGroup) -> GroupDecode:
+        """The kernel's call for the group, built at its first layer and reused by the others."""
+        if index not in self._group_calls:
+            batch = group.mask.shape[0]
+            self._group_calls[index] = self.decode_kernel.for_group(group.kv_blocks, self.cache.block_size,
+                                                                    group.mask.view(batch, -1))
+        return self._group_calls[index]
 
     def _in_place(self, group: PagedGroup) -> bool:
         """The kernel reads the cached keys as they are, for one query per sequence."""

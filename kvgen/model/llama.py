@@ -13,7 +13,7 @@ import torch
 
 from kvgen.config import ModelConfig
 from kvgen.model.attention import Attention
-from kvgen.model.layers import RotaryEmbedding, apply_rope, make_rms_norm, swiglu
+from kvgen.model.layers import RotaryEmbedding, make_rms_norm, make_rope, swiglu
 from kvgen.model.linear import Linear, RowKernels
 from kvgen.model.projections import Embedding, LayerBuilder, Weight, describe
 
@@ -49,6 +49,7 @@ class LlamaModel:
         self.lm_head = build.linear([head])
         self.rope = RotaryEmbedding(config, config.max_position_embeddings, self.device, dtype)
         self.norm = make_rms_norm(self.device, dtype)
+        self.rotate = make_rope(self.device, dtype)  # may rotate in place: q/k are the qkv layer's fresh output
 
     def kernels(self) -> dict[str, tuple[str, int]]:
         """Per projection role: (the kernel its layers run, their weight bytes over all layers)."""
@@ -77,7 +78,7 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             h = self.norm(x, layer.input_norm, cfg.rms_norm_eps)
             qk, v = layer.qkv(h, rows).split((q_size + kv_size, kv_size), dim=-1)
-            qk = apply_rope(qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)  # q, k at once
+            qk = self.rotate(qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)  # q, k at once
             q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=1)
             attn = attention(index, q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
             x.add_(layer.o(attn.reshape(-1, q_size), rows))

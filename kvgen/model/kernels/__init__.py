@@ -69,31 +69,56 @@ class PagedDecode:
             function.restype = ctypes.c_int
             self._functions[dtype] = function
 
+    def for_group(self, block_ids: torch.Tensor, block_size: int, mask: torch.Tensor) -> GroupDecode:
+        """The call for one group of sequences, block_ids [B, N] and mask [B, N * block_size] (bool):
+        what every layer of a step shares is converted and filled in once."""
+        return GroupDecode(self._functions, block_ids, block_size, mask)
+
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: torch.Tensor,
                  block_size: int, mask: torch.Tensor,
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """q [B, heads, D], pools [kv_heads, num_slots, D], block_ids [B, N] (int64),
-        mask [B, N * block_size] (bool), scales (k, v) [kv_heads, num_slots] float32 for a quantized
-        pool -> [B, heads, D] in q's dtype."""
+        """One call: see for_group and GroupDecode.__call__."""
+        return self.for_group(block_ids, block_size, mask)(q, k_pool, v_pool, scales)
+
+
+class GroupDecode:
+    """The kernel call for one group of sequences, for any layer's pools."""
+
+    def __init__(self, functions: dict[torch.dtype, ctypes._CFuncPtr], block_ids: torch.Tensor, block_size: int,
+                 mask: torch.Tensor) -> None:
+        batch, blocks_per_seq = block_ids.shape
+        assert mask.shape == (batch, blocks_per_seq * block_size) and mask.dtype == torch.bool
+        self._functions = functions
+        self._block_ids, self._mask = block_ids.to(torch.int64).contiguous(), mask.contiguous()  # kept alive
+        self._args = _Args(block_ids=self._block_ids.data_ptr(), mask=self._mask.data_ptr(), batch=batch,
+                           blocks_per_seq=blocks_per_seq, block_size=block_size,
+                           num_threads=torch.get_num_threads())
+
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q [B, heads, D], pools [kv_heads, num_slots, D], scales (k, v) [kv_heads, num_slots]
+        float32 for a quantized pool -> [B, heads, D] in q's dtype."""
         batch, heads, head_dim = q.shape
         kv_heads, num_slots, _ = k_pool.shape
-        assert k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.dtype == v_pool.dtype
-        k_scale, v_scale = scales if scales is not None else (None, None)
+        args = self._args
+        assert batch == args.batch and k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.dtype == v_pool.dtype
         assert (scales is not None) == (k_pool.dtype in (torch.int8, torch.float8_e4m3fn))
-        assert scales is None or (k_scale.is_contiguous() and v_scale.is_contiguous()
-                                  and k_scale.shape == (kv_heads, num_slots) and k_scale.dtype == torch.float32)
-        assert mask.shape == (batch, block_ids.shape[1] * block_size) and mask.dtype == torch.bool
-        queries = q.to(torch.float32).contiguous()
+        queries = q if q.dtype == torch.float32 and q.is_contiguous() else q.to(torch.float32).contiguous()
         out = torch.empty_like(queries)
-        block_ids, mask = block_ids.to(torch.int64).contiguous(), mask.contiguous()
-        args = _Args(queries.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-                     k_scale.data_ptr() if scales else None, v_scale.data_ptr() if scales else None,
-                     block_ids.data_ptr(),
-                     mask.data_ptr(), out.data_ptr(), batch, kv_heads, heads // kv_heads, head_dim, num_slots,
-                     block_ids.shape[1], block_size, head_dim ** -0.5, torch.get_num_threads())
+        args.q, args.k_pool, args.v_pool, args.out = (queries.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                                                      out.data_ptr())
+        if scales is not None:
+            k_scale, v_scale = scales
+            assert (k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.shape == (kv_heads, num_slots)
+                    and k_scale.dtype == torch.float32)
+            args.k_scale, args.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+        else:
+            args.k_scale = args.v_scale = None
+        args.kv_heads, args.group, args.head_dim, args.num_slots = kv_heads, heads // kv_heads, head_dim, num_slots
+        args.scale = head_dim**-0.5
         if self._functions[k_pool.dtype](ctypes.byref(args)):
             raise MemoryError("paged decode attention: out of memory for its scratch space")
-        return out.to(q.dtype)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def paged_decode_for(backend: str, device: torch.device, dtype: torch.dtype,
