@@ -26,12 +26,13 @@ KERNELS = {"native": load_paged_decode, "portable": portable_paged_decode}
 
 
 def ragged_batch(dtype: torch.dtype, kv_heads: int, group: int, block_size: int, window: int | None, seed: int = 0,
-                 head_dim: int = 32):
-    """A pool holding 6 sequences of 1..70 keys in shuffled blocks; returns (cache, q [B, heads, D],
-    block_ids [B, N] padded with the scratch block, mask [B, L]: the keys each query may read)."""
+                 head_dim: int = 32, long: int | None = None):
+    """A pool holding 6 sequences of 1..70 keys (and one of `long` keys if given) in shuffled
+    blocks; returns (cache, q [B, heads, D], block_ids [B, N] padded with the scratch block,
+    mask [B, L]: the keys each query may read)."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = 160
-    lengths = [1, 70, 17, block_size, block_size + 1, 33]
+    lengths = [1, 70, 17, block_size, block_size + 1, 33, *([long] if long else [])]
+    num_blocks = max(160, sum(-(-n // block_size) for n in lengths))
     cache = PagedKVCache(1, num_blocks, block_size, kv_heads, head_dim, CPU, dtype)
     cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
     cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
@@ -73,6 +74,22 @@ def test_paged_decode_equals_gather_and_sdpa(dtype, kv_heads, group, block_size,
     assert (got.float() - want.float()).abs().max().item() <= tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, window", [(16, None), (7, None), (16, 300)])
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("build", KERNELS)
+def test_long_sequences_merge_their_spans(dtype, block_size, window, head_dim, build):
+    """A sequence of 1,000 keys is cut into spans of 256 positions (partial softmaxes, merged): block
+    edges that do not line up with the spans, a window that empties the first spans."""
+    cache, q, block_ids, mask = ragged_batch(dtype, 3, 3, block_size, window, head_dim=head_dim, long=1000)
+    got = KERNELS[build]()(q, cache.k[0], cache.v[0], block_ids, block_size, mask)
+    want = gather_and_sdpa(cache, q, block_ids, mask)
+    values = cache.v[0].float().abs().max().item()
+    keys = int(mask.sum(-1).max())
+    tolerance = fp32_gap(q.shape[-1] + 2 * keys, values) if dtype == torch.float32 else 2 * 2**-8 * values
+    assert (got.float() - want.float()).abs().max().item() <= tolerance
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("kv_heads, group", [(1, 1), (3, 4)])
 @pytest.mark.parametrize("block_size", [1, 16])
@@ -102,9 +119,9 @@ def test_paged_decode_reads_quantized_pools_as_their_dequantized_values(pool_dty
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_gives_the_same_bits_on_two_threads(dtype):
-    """Each (sequence, KV head) is one thread's work with its own scores buffer (the suite otherwise
-    runs on one thread)."""
-    cache, q, block_ids, mask = ragged_batch(dtype, 3, 3, 4, window=None)
+    """Each (sequence, KV head, span of keys) is one thread's work with its own scores buffer, and
+    spans are merged in order (the suite otherwise runs on one thread)."""
+    cache, q, block_ids, mask = ragged_batch(dtype, 3, 3, 4, window=None, long=700)
     kernel = load_paged_decode()
     one = kernel(q, cache.k[0], cache.v[0], block_ids, 4, mask)
     threads = torch.get_num_threads()

@@ -2,12 +2,17 @@
  * from the block pool, so no gathered copy of K/V is ever written.
  *
  * Built by kvgen/model/kernels/__init__.py with the system's C compiler (-O3 -march=native -fopenmp)
- * and called through ctypes. One work item is one (sequence, KV head): the `group` query heads that
- * share the KV head are scored against each key while its row is in L1:
+ * and called through ctypes. One work item is one (sequence, KV head, span of SPLIT_KEYS key
+ * positions): the `group` query heads that share the KV head, over the span's keys,
  *
  *     scores_j = scale * q . k_j     for each key j the mask allows     (one pass over K)
- *     weights  = softmax(scores)
- *     out      = sum_j weights_j v_j                                    (one pass over V)
+ *     m = max_j scores_j,  l = sum_j e^(scores_j - m),  acc = sum_j e^(scores_j - m) v_j
+ *
+ * then each query head's spans are merged (flash-decoding's split softmax): with M the largest m,
+ * out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. Spans let two threads share one sequence's
+ * few KV heads (SmolLM2 has 3: on whole heads one thread did two thirds of the work). They are
+ * cut by position alone, never by the thread count or the batch, so a sequence's result has the
+ * same bits however it is run; with one span the merge is exact (out = acc / l).
  *
  * Masked keys are skipped without being read (padding, sliding windows). Pools are fp32 or bf16
  * (widened to fp32 on load), or int8 or fp8 (e4m3) with one fp32 scale per (KV head, slot): a key's
@@ -73,38 +78,56 @@ static inline __attribute__((always_inline)) float row_scale(const float *scales
     return kind == INT8 || kind == FP8 ? scales[row / dim] : 1.f;
 }
 
-/* Where each key the mask allows starts in the pool (an element index), in order; returns how many. */
-static inline __attribute__((always_inline)) int64_t allowed_rows(const struct paged_decode_args *a, int64_t b,
-                                                                  int64_t h, int64_t dim, int64_t *restrict rows) {
-    const int64_t num_blocks = a->blocks_per_seq, block_size = a->block_size, head_first_slot = h * a->num_slots;
-    const int64_t *restrict blocks = a->block_ids + b * num_blocks;
-    const uint8_t *restrict mask = a->mask + b * num_blocks * block_size;
+/* Key positions per work item (see the top of the file). */
+#ifndef SPLIT_KEYS
+#define SPLIT_KEYS 256
+#endif
+
+/* One work item: sequence b, KV head h, key positions [first, last). */
+struct span {
+    int64_t b, h, first, last;
+};
+
+static inline __attribute__((always_inline)) struct span span_of(const struct paged_decode_args *a, int64_t item,
+                                                                 int64_t spans) {
+    const int64_t length = a->blocks_per_seq * a->block_size, s = item % spans, bh = item / spans;
+    const int64_t last = (s + 1) * SPLIT_KEYS < length ? (s + 1) * SPLIT_KEYS : length;
+    return (struct span){bh / a->kv_heads, bh % a->kv_heads, s * SPLIT_KEYS, last};
+}
+
+/* Where each key of the span that the mask allows starts in the pool (an element index), in order;
+ * returns how many. */
+static inline __attribute__((always_inline)) int64_t allowed_rows(const struct paged_decode_args *a, struct span w,
+                                                                  int64_t dim, int64_t *restrict rows) {
+    const int64_t block_size = a->block_size, head_first_slot = w.h * a->num_slots;
+    const int64_t *restrict blocks = a->block_ids + w.b * a->blocks_per_seq;
+    const uint8_t *restrict mask = a->mask + w.b * a->blocks_per_seq * block_size;
     int64_t count = 0;
-    for (int64_t n = 0; n < num_blocks; n++)
-        for (int64_t offset = 0; offset < block_size; offset++)
-            if (mask[n * block_size + offset])
-                rows[count++] = (head_first_slot + blocks[n] * block_size + offset) * dim;
+    for (int64_t n = w.first / block_size, p = w.first; p < w.last; n++) {
+        const int64_t block_first_row = head_first_slot + blocks[n] * block_size - n * block_size;
+        for (const int64_t end = (n + 1) * block_size < w.last ? (n + 1) * block_size : w.last; p < end; p++)
+            if (mask[p])
+                rows[count++] = (block_first_row + p) * dim;
+    }
     return count;
 }
 
-/* Attends the query heads of one (sequence, KV head). `scratch` holds `length` pool rows then
- * group * length floats. Every field, and each key's row, is read into a local first: stores
- * through the float pointers could otherwise alias them and force a reload in the inner loops
- * (twice as slow). */
-static inline __attribute__((always_inline)) void attend(const struct paged_decode_args *a, int64_t item,
-                                                         void *scratch, const enum element kind,
-                                                         const int64_t dim) {
-    const int64_t group = a->group, length = a->blocks_per_seq * a->block_size;
-    const int64_t b = item / a->kv_heads, h = item % a->kv_heads;
+/* Attends the query heads of one work item into `partial` [group, 2 + dim]: per head m, l, acc.
+ * `scratch` holds SPLIT_KEYS pool rows then group * SPLIT_KEYS floats. Every field, and each
+ * key's row, is read into a local first: stores through the float pointers could otherwise alias
+ * them and force a reload in the inner loops (twice as slow). */
+static inline __attribute__((always_inline)) void attend(const struct paged_decode_args *a, struct span w,
+                                                         void *scratch, float *restrict partial,
+                                                         const enum element kind, const int64_t dim) {
+    const int64_t group = a->group;
     const float scale = a->scale;
     const void *k_pool = a->k_pool, *v_pool = a->v_pool;
-    const float *restrict q = a->q + (b * a->kv_heads + h) * group * dim;
-    float *restrict out = a->out + (b * a->kv_heads + h) * group * dim;
-    int64_t *restrict rows = scratch;                  /* [count]: where each allowed key's row starts */
-    float *restrict weights = (float *)(rows + length); /* [group, count] */
+    const float *restrict q = a->q + (w.b * a->kv_heads + w.h) * group * dim;
+    int64_t *restrict rows = scratch;                      /* [count]: where each allowed key's row starts */
+    float *restrict weights = (float *)(rows + SPLIT_KEYS); /* [group, count] */
     float max_score[group], total[group];
 
-    const int64_t count = allowed_rows(a, b, h, dim, rows);
+    const int64_t count = allowed_rows(a, w, dim, rows);
     for (int64_t g = 0; g < group; g++)
         max_score[g] = -INFINITY, total[g] = 0.f;
     for (int64_t i = 0; i < count; i++) {
@@ -122,26 +145,24 @@ static inline __attribute__((always_inline)) void attend(const struct paged_deco
     }
     for (int64_t g = 0; g < group; g++)
         for (int64_t i = 0; i < count; i++) {
-            const float w = expf(weights[g * count + i] - max_score[g]);
-            weights[g * count + i] = w;
-            total[g] += w;
+            const float e = expf(weights[g * count + i] - max_score[g]);
+            weights[g * count + i] = e;
+            total[g] += e;
         }
-    memset(out, 0, sizeof(float) * group * dim);
+    memset(partial, 0, sizeof(float) * group * (2 + dim));
     for (int64_t i = 0; i < count; i++) {
         const int64_t row = rows[i];
         const float value_scale = row_scale(a->v_scale, row, dim, kind);
         for (int64_t g = 0; g < group; g++) {
-            const float w = weights[g * count + i] * value_scale;
+            const float e = weights[g * count + i] * value_scale;
+            float *restrict acc = partial + g * (2 + dim) + 2;
 #pragma omp simd
             for (int64_t d = 0; d < dim; d++)
-                out[g * dim + d] += w * load(v_pool, row + d, kind);
+                acc[d] += e * load(v_pool, row + d, kind);
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        const float inverse = total[g] > 0.f ? 1.f / total[g] : 0.f; /* no key allowed: zeros, not NaN */
-        for (int64_t d = 0; d < dim; d++)
-            out[g * dim + d] *= inverse;
-    }
+    for (int64_t g = 0; g < group; g++)
+        partial[g * (2 + dim)] = max_score[g], partial[g * (2 + dim) + 1] = total[g];
 }
 
 #ifdef __AVX512F__
@@ -176,20 +197,18 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
 
 /* `attend` for head sizes that are a multiple of 16 (compile-time, at most 128): per query head,
  * scores against every allowed key (the scale folded into the query), their exponentials 16 at a
- * time, then the weighted sum of values with the output row held in registers. */
-static inline __attribute__((always_inline)) void attend_avx512(const struct paged_decode_args *a, int64_t item,
-                                                               void *scratch, const enum element kind,
-                                                               const int64_t dim) {
+ * time, then the weighted sum of values with the accumulator held in registers. */
+static inline __attribute__((always_inline)) void attend_avx512(const struct paged_decode_args *a, struct span w,
+                                                               void *scratch, float *restrict partial,
+                                                               const enum element kind, const int64_t dim) {
     enum { MAX_VECTORS = 8 };
-    const int64_t group = a->group, length = a->blocks_per_seq * a->block_size, vectors = dim / 16;
-    const int64_t b = item / a->kv_heads, h = item % a->kv_heads;
+    const int64_t group = a->group, vectors = dim / 16;
     const void *k_pool = a->k_pool, *v_pool = a->v_pool;
-    const float *restrict q = a->q + (b * a->kv_heads + h) * group * dim;
-    float *restrict out = a->out + (b * a->kv_heads + h) * group * dim;
-    int64_t *restrict rows = scratch;                   /* [count] */
-    float *restrict weights = (float *)(rows + length); /* [count] for the head in hand */
-    const int64_t count = allowed_rows(a, b, h, dim, rows);
-    for (int64_t g = 0; g < group; g++) {
+    const float *restrict q = a->q + (w.b * a->kv_heads + w.h) * group * dim;
+    int64_t *restrict rows = scratch;                      /* [count] */
+    float *restrict weights = (float *)(rows + SPLIT_KEYS); /* [count] for the head in hand */
+    const int64_t count = allowed_rows(a, w, dim, rows);
+    for (int64_t g = 0; g < group; g++, partial += 2 + dim) {
         __m512 query[MAX_VECTORS], acc[MAX_VECTORS];
         for (int64_t c = 0; c < vectors; c++)
             query[c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim + 16 * c), _mm512_set1_ps(a->scale));
@@ -206,21 +225,20 @@ static inline __attribute__((always_inline)) void attend_avx512(const struct pag
         __m512 totals = _mm512_setzero_ps();
         for (int64_t i = 0; i < count; i += 16) {
             const __mmask16 lanes = count - i >= 16 ? 0xffff : (__mmask16)((1u << (count - i)) - 1);
-            const __m512 w = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, weights + i), shift));
-            _mm512_mask_storeu_ps(weights + i, lanes, w);
-            totals = _mm512_add_ps(totals, _mm512_maskz_mov_ps(lanes, w));
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, weights + i), shift));
+            _mm512_mask_storeu_ps(weights + i, lanes, e);
+            totals = _mm512_add_ps(totals, _mm512_maskz_mov_ps(lanes, e));
         }
-        const float total = _mm512_reduce_add_ps(totals);
         for (int64_t c = 0; c < vectors; c++)
             acc[c] = _mm512_setzero_ps();
         for (int64_t i = 0; i < count; i++) {
-            const __m512 w = _mm512_set1_ps(weights[i] * row_scale(a->v_scale, rows[i], dim, kind));
+            const __m512 e = _mm512_set1_ps(weights[i] * row_scale(a->v_scale, rows[i], dim, kind));
             for (int64_t c = 0; c < vectors; c++)
-                acc[c] = _mm512_fmadd_ps(w, load16(v_pool, rows[i] + 16 * c, kind), acc[c]);
+                acc[c] = _mm512_fmadd_ps(e, load16(v_pool, rows[i] + 16 * c, kind), acc[c]);
         }
-        const __m512 inverse = _mm512_set1_ps(total > 0.f ? 1.f / total : 0.f); /* no key allowed: zeros */
+        partial[0] = top, partial[1] = _mm512_reduce_add_ps(totals);
         for (int64_t c = 0; c < vectors; c++)
-            _mm512_storeu_ps(out + g * dim + 16 * c, _mm512_mul_ps(acc[c], inverse));
+            _mm512_storeu_ps(partial + 2 + 16 * c, acc[c]);
     }
 }
 #define ATTEND_FIXED attend_avx512
@@ -228,23 +246,48 @@ static inline __attribute__((always_inline)) void attend_avx512(const struct pag
 #define ATTEND_FIXED attend
 #endif
 
-/* Below this many multiply-adds of scores (queries x keys x head_dim), one thread: waking OpenMP's
- * sleeping second thread (kvgen/threads.py) costs ~35 us here, more than a batch-1 decode of up to
- * ~1,000 keys takes on one thread (BENCHMARKS.md). */
+/* out for query head g of (sequence, KV head) bh, from its spans' partials [spans, group, 2 + dim]. */
+static void merge(const struct paged_decode_args *a, const float *partials, int64_t spans, int64_t bh, int64_t g) {
+    const int64_t group = a->group, dim = a->head_dim, stride = group * (2 + dim);
+    const float *first = partials + bh * spans * stride + g * (2 + dim);
+    float *restrict out = a->out + (bh * group + g) * dim;
+    float top = -INFINITY, total = 0.f;
+    for (int64_t s = 0; s < spans; s++)
+        top = first[s * stride] > top ? first[s * stride] : top;
+    memset(out, 0, sizeof(float) * dim);
+    for (int64_t s = 0; s < spans; s++) {
+        const float *p = first + s * stride;
+        if (p[1] == 0.f) /* no key allowed in the span */
+            continue;
+        const float c = expf(p[0] - top); /* 1 exactly for the span holding the top score */
+        total += c * p[1];
+        for (int64_t d = 0; d < dim; d++)
+            out[d] += c * p[2 + d];
+    }
+    const float inverse = total > 0.f ? 1.f / total : 0.f; /* no key allowed: zeros, not NaN */
+    for (int64_t d = 0; d < dim; d++)
+        out[d] *= inverse;
+}
+
+/* Below this many multiply-adds of scores (queries x keys x head_dim), one thread. OpenMP's workers
+ * spin a while after each call (kvgen/threads.py), so in a decode step the second thread is awake:
+ * two threads already read a layer's K/V from memory faster at 192 keys (44 against 58 us). */
 #ifndef PARALLEL_WORK
-#define PARALLEL_WORK (1 << 20)
+#define PARALLEL_WORK (1 << 16)
 #endif
 
-/* Returns 0, or 1 if a thread could not allocate its scratch space (then `out` is incomplete). */
+/* Returns 0, or 1 if scratch space could not be allocated (then `out` is incomplete). */
 static int paged_decode(const struct paged_decode_args *a, const enum element kind) {
-    const int64_t items = a->batch * a->kv_heads, length = a->blocks_per_seq * a->block_size;
-    const int threads = items * a->group * length * a->head_dim >= PARALLEL_WORK ? a->num_threads : 1;
-    int failed = 0;
+    const int64_t length = a->blocks_per_seq * a->block_size, spans = length > 0 ? (length - 1) / SPLIT_KEYS + 1 : 1;
+    const int64_t heads = a->batch * a->kv_heads, items = heads * spans;
+    const int threads = heads * a->group * length * a->head_dim >= PARALLEL_WORK ? a->num_threads : 1;
+    float *partials = malloc(sizeof(float) * items * a->group * (2 + a->head_dim));
+    int failed = !partials;
     if (kind == FP8 && fp8_values[1] == 0.f) /* the smallest subnormal is nonzero once filled */
         fill_fp8_values();
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (partials)
     {
-        void *scratch = malloc(length * (sizeof(int64_t) + a->group * sizeof(float)));
+        void *scratch = partials ? malloc(SPLIT_KEYS * (sizeof(int64_t) + a->group * sizeof(float))) : NULL;
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -252,14 +295,17 @@ static int paged_decode(const struct paged_decode_args *a, const enum element ki
         /* One loop per element type, so that each inlined `attend` sees its type as a constant, and
          * the common head sizes as constants too (the loops over a row then unroll: ~25% faster at
          * 64 than a runtime size; with AVX-512 those sizes take attend_avx512).
-         * Every thread reaches the loop, as OpenMP requires; one without memory skips its items. */
+         * Every thread reaches the loops, as OpenMP requires; one without memory skips its items. */
 #define ATTEND_ALL(KIND)                                                                                  \
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < items; item++) if (scratch)     \
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < items; item++) if (scratch) {   \
+        const struct span w = span_of(a, item, spans);                                                    \
+        float *partial = partials + item * a->group * (2 + a->head_dim);                                  \
         switch (a->head_dim) {                                                                            \
-        case 64: ATTEND_FIXED(a, item, scratch, KIND, 64); break;                                         \
-        case 128: ATTEND_FIXED(a, item, scratch, KIND, 128); break;                                       \
-        default: attend(a, item, scratch, KIND, a->head_dim); break;                                      \
-        }
+        case 64: ATTEND_FIXED(a, w, scratch, partial, KIND, 64); break;                                   \
+        case 128: ATTEND_FIXED(a, w, scratch, partial, KIND, 128); break;                                 \
+        default: attend(a, w, scratch, partial, KIND, a->head_dim); break;                                \
+        }                                                                                                 \
+    }
         switch (kind) {
         case F32: ATTEND_ALL(F32) break;
         case BF16: ATTEND_ALL(BF16) break;
@@ -268,7 +314,13 @@ static int paged_decode(const struct paged_decode_args *a, const enum element ki
         }
 #undef ATTEND_ALL
         free(scratch);
+        if (!failed) {
+#pragma omp for
+            for (int64_t x = 0; x < heads * a->group; x++)
+                merge(a, partials, spans, x / a->group, x % a->group);
+        }
     }
+    free(partials);
     return failed;
 }
 
