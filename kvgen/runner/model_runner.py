@@ -125,7 +125,7 @@ class ModelRunner:
             first_row += group_pos.numel()
         token_ids = [t for c in ordered for t in c.token_ids]
         slots = [s for c in ordered for s in self._write_slots(c)]
-        meta = PagedMetadata(slot_mapping=torch.tensor(slots, device=self.device), groups=groups)
+        meta = PagedMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device), groups=groups)
         return StepInputs(
             token_ids=torch.tensor(token_ids, device=self.device),
             positions=torch.cat(positions),

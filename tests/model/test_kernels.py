@@ -181,3 +181,20 @@ def test_without_a_compiler_auto_falls_back_and_native_says_why(tmp_path, monkey
             paged_decode_for("native", CPU, torch.float32)
     finally:
         load_paged_decode.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_writes_what_the_cache_writes(dtype):
+    """k/v as the model hands them over: views into a q/k/v row, each token's heads contiguous."""
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, head_dim, tokens = 3, 64, 5
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    k = qkv[:, 9 * head_dim : (9 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (9 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([7, 0, 33, 34, 12])
+    want, got = (PagedKVCache(1, 4, 16, kv_heads, head_dim, CPU, dtype) for _ in range(2))
+    want.write(0, slots, k, v)
+    load_paged_decode().store(got.k[0], got.v[0], slots, k, v)
+    assert torch.equal(got.k[0], want.k[0]) and torch.equal(got.v[0], want.v[0])
+    with pytest.raises(ValueError, match="paged store"):
+        load_paged_decode().store(got.k[0], got.v[0], slots, k.float() if dtype == torch.bfloat16 else k.bfloat16(), v)

@@ -42,6 +42,7 @@ POOL_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_
                torch.int8: "paged_decode_int8", torch.float8_e4m3fn: "paged_decode_fp8"}
 # Model (query) dtypes the kernel serves; its pools may also be int8 / fp8 with scales.
 QUERY_DTYPES = (torch.float32, torch.bfloat16)
+STORE_DTYPES = (torch.float32, torch.bfloat16)  # pools paged_store writes (quantized ones go through torch)
 
 
 class _Args(ctypes.Structure):
@@ -59,7 +60,7 @@ class _Args(ctypes.Structure):
 
 class PagedDecode:
     """Decode attention over K/V pools [kv_heads, num_slots, D] of fp32 or bf16, or of int8 / fp8 with
-    float32 scales [kv_heads, num_slots], on the CPU."""
+    float32 scales [kv_heads, num_slots], on the CPU; and stores into fp32 / bf16 pools."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {}
@@ -68,6 +69,24 @@ class PagedDecode:
             function.argtypes = [ctypes.POINTER(_Args)]
             function.restype = ctypes.c_int
             self._functions[dtype] = function
+        self._store = library.paged_store
+        self._store.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 \
+            + [ctypes.c_void_p] * 2
+        self._store.restype = None
+
+    def store(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """k/v [T, kv_heads, D] (each token's heads contiguous) into pools [kv_heads, num_slots, D] of
+        their dtype, fp32 or bf16, at slots [T] (int64): what PagedKVCache.write does for such pools."""
+        kv_heads, num_slots, head_dim = k_pool.shape
+        for x in (k, v):
+            if x.dtype != k_pool.dtype or x.shape[1:] != (kv_heads, head_dim) or x.stride()[1:] != (head_dim, 1):
+                raise ValueError(f"paged store: k/v [T, {kv_heads}, {head_dim}] {k_pool.dtype} with contiguous "
+                                 f"heads, not {x.dtype} {list(x.shape)} strides {x.stride()}")
+        assert (k_pool.dtype in STORE_DTYPES and v_pool.dtype == k_pool.dtype and k_pool.is_contiguous()
+                and v_pool.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous())
+        self._store(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), slots.numel(), kv_heads,
+                    head_dim, num_slots, k_pool.element_size(), k_pool.data_ptr(), v_pool.data_ptr())
 
     def for_group(self, block_ids: torch.Tensor, block_size: int, mask: torch.Tensor) -> GroupDecode:
         """The call for one group of sequences, block_ids [B, N] and mask [B, N * block_size] (bool):

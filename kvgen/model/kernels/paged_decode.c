@@ -1,5 +1,6 @@
 /* Paged decode attention on the CPU: one query per sequence, its keys and values read in place
- * from the block pool, so no gathered copy of K/V is ever written.
+ * from the block pool, so no gathered copy of K/V is ever written; and `paged_store`, which writes
+ * a step's K/V rows into the pool.
  *
  * Built by kvgen/model/kernels/__init__.py with the system's C compiler (-O3 -march=native -fopenmp)
  * and called through ctypes. One work item is one (sequence, KV head, span of SPLIT_KEYS key
@@ -328,3 +329,18 @@ int paged_decode_f32(const struct paged_decode_args *a) { return paged_decode(a,
 int paged_decode_bf16(const struct paged_decode_args *a) { return paged_decode(a, BF16); }
 int paged_decode_int8(const struct paged_decode_args *a) { return paged_decode(a, INT8); }
 int paged_decode_fp8(const struct paged_decode_args *a) { return paged_decode(a, FP8); }
+
+/* Stores a step's K/V into fp32 or bf16 pools [kv_heads, num_slots, dim] at slots [T]: k and v
+ * [T, kv_heads, dim] with `k_stride` / `v_stride` elements from one token to the next (views into
+ * the q/k/v projection's rows). What torch's index_copy_ does, without its ~5 us a call. */
+void paged_store(const void *k, const void *v, int64_t k_stride, int64_t v_stride, const int64_t *slots, int64_t T,
+                 int64_t kv_heads, int64_t dim, int64_t num_slots, int64_t element_size, void *k_pool,
+                 void *v_pool) {
+    const size_t row = (size_t)(dim * element_size);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t at = (h * num_slots + slots[t]) * dim * element_size;
+            memcpy((char *)k_pool + at, (const char *)k + (t * k_stride + h * dim) * element_size, row);
+            memcpy((char *)v_pool + at, (const char *)v + (t * v_stride + h * dim) * element_size, row);
+        }
+}
