@@ -92,9 +92,15 @@ class BoundKernel:
         if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 or x.shape[1] != self._in_features:
             raise ValueError(f"quantized matmul: x must be contiguous fp32 [T, {self._in_features}], "
                              f"not {x.dtype} {list(x.shape)}")
-        out = torch.empty(x.shape[0], self._out_features, dtype=torch.float32)
-        if x.shape[0] and self._function(x.data_ptr(), x.shape[0], self._in_features, *self._weight_args, out.data_ptr(),
-                                         self._parts, torch.get_num_threads()):
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """__call__ for an x already known to be contiguous fp32 [T, in]: a decode step makes ~120
+        calls, and the checks cost as much as the Python of the call itself."""
+        rows = x.shape[0]
+        out = torch.empty(rows, self._out_features, dtype=torch.float32)
+        if rows and self._function(x.data_ptr(), rows, self._in_features, *self._weight_args, out.data_ptr(),
+                                   self._parts, torch.get_num_threads()):
             raise MemoryError("quantized matmul: out of memory for the quantized activations")
         return out
 

@@ -85,8 +85,10 @@ class VnniQuantLinear(QuantLinear):
         if self.many_rows is not None and x.shape[0] >= self.many_rows.from_rows:
             tiles = self._matmul.dequantize_bf16(self.many_rows.tiles)
             out = self._bf16(x.to(torch.bfloat16).contiguous(), tiles, self.out_features, torch.float32)
+        elif x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == self.in_features:
+            out = self._matmul.run(x)
         else:
-            out = self._matmul(x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous())
+            out = self._matmul(x.float().contiguous())
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if self.bias is None else out.add_(self.bias)
 
