@@ -10,7 +10,7 @@ from scipy.stats import chi2_contingency
 from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.spec.adaptive import MIN_SAMPLES, PROBE_EVERY, AdaptiveSwitch
+from kvgen.engine.spec.adaptive import MAX_PROBE_EVERY, MIN_SAMPLES, PROBE_EVERY, AdaptiveSwitch
 from kvgen.errors import InvalidRequestError, ModelLoadError
 from kvgen.loaders import load_model
 from tests.engine.test_continuous_batching import finished_outputs, prompts, run_all
@@ -224,6 +224,31 @@ def test_adaptive_switch_takes_the_faster_arm_per_batch_size_and_probes_the_othe
         settled = choices[batch][2 * MIN_SAMPLES:]
         assert settled.count(faster) == len(settled) - settled.count(not faster)
         assert 0 < settled.count(not faster) <= len(settled) // PROBE_EVERY + 1  # the probes
+
+
+def test_adaptive_switch_probes_less_often_while_its_choice_stands_and_again_after_a_flip():
+    """A probe at a large batch costs several plain steps: probes that confirm the choice are spaced
+    twice as far apart each time (up to MAX_PROBE_EVERY); when the other arm gets faster, probing
+    follows each probe that wins, and the choice flips within a few steps."""
+    switch = AdaptiveSwitch()
+    rates = {True: 900.0, False: 1500.0}
+    probes = []
+    for step in range(20 * PROBE_EVERY):
+        on = switch.decide(32)
+        if step >= 2 * MIN_SAMPLES and on:
+            probes.append(step)
+        switch.record(32, on, int(rates[on]), 1.0)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_EVERY and len(probes) <= 6
+    rates = {True: 3000.0, False: 1500.0}  # the text starts repeating its input: speculation pays
+    choices = []
+    for _ in range(MAX_PROBE_EVERY + PROBE_EVERY):
+        on = switch.decide(32)
+        choices.append(on)
+        switch.record(32, on, int(rates[on]), 1.0)
+    first = choices.index(True)  # the next probe, followed by more while they win
+    assert all(choices[first : first + PROBE_EVERY])  # flipped at once, then held until plain is probed
+    assert 0 < choices[first:].count(False) <= 3
 
 
 def test_adaptive_switch_ranks_arms_by_throughput_not_by_a_typical_step():
