@@ -58,17 +58,23 @@ class _Args(ctypes.Structure):
     ]
 
 
+def dtype_functions(library: ctypes.CDLL, names: dict[torch.dtype, str], argtypes: list,
+                    restype) -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """A kernel library's per-dtype variants of one function, by dtype, with their C signature set."""
+    functions = {}
+    for dtype, name in names.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, restype
+        functions[dtype] = function
+    return functions
+
+
 class PagedDecode:
     """Decode attention over K/V pools [kv_heads, num_slots, D] of fp32 or bf16, or of int8 / fp8 with
     float32 scales [kv_heads, num_slots], on the CPU; and stores into fp32 / bf16 pools."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = {}
-        for dtype, name in POOL_DTYPES.items():
-            function = getattr(library, name)
-            function.argtypes = [ctypes.POINTER(_Args)]
-            function.restype = ctypes.c_int
-            self._functions[dtype] = function
+        self._functions = dtype_functions(library, POOL_DTYPES, [ctypes.POINTER(_Args)], ctypes.c_int)
         self._store = library.paged_store
         self._store.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 \
             + [ctypes.c_void_p] * 2

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels import build_library
+from kvgen.model.kernels import build_library, dtype_functions
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +24,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 class RmsNorm:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = {}
-        for dtype, name in DTYPES.items():
-            function = getattr(library, name)
-            function.argtypes = [_P, _I64, _I64, _P, ctypes.c_float, _P]
-            function.restype = None
-            self._functions[dtype] = function
+        self._functions = dtype_functions(library, DTYPES, [_P, _I64, _I64, _P, ctypes.c_float, _P], None)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, n] and weight [n], both fp32 or both bf16, on the CPU -> [T, n] in that dtype."""

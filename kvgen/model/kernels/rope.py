@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels import FLAGS, build_library
+from kvgen.model.kernels import FLAGS, build_library, dtype_functions
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +25,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 class Rope:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = {}
-        for dtype, name in DTYPES.items():
-            function = getattr(library, name)
-            function.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P]
-            function.restype = None
-            self._functions[dtype] = function
+        self._functions = dtype_functions(library, DTYPES, [_P, _I64, _I64, _I64, _I64, _P, _P], None)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
         """Rotates x [T, heads, D] in place (rows may be strided, each row's heads contiguous);
