@@ -109,7 +109,7 @@ class RotaryEmbedding:
 def make_rope(device: torch.device, dtype: torch.dtype) -> Rotate:
     """The rotary embedding for a model's device and dtype: on the CPU in fp32 or bf16, kvgen's C
     kernel, which rotates in place with apply_rope's bits (4.7 us a decode call against 12.6, and
-    ~2.6x faster at 512 rows in fp32; even in bf16); elsewhere `apply_rope`."""
+    ~2.6x faster at 512 rows in fp32; level with torch there in bf16); elsewhere `apply_rope`."""
     if device.type != "cpu" or dtype not in ROPE_DTYPES or (kernel := rope_kernel()) is None:
         return apply_rope
 

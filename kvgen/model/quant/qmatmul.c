@@ -43,8 +43,8 @@
 /* Below this many bytes of weights (plus a share for each row of x), one thread: waking the second
  * costs more than it saves. Since OpenMP's workers spin briefly after each call (kvgen/threads.py),
  * a decode step's calls find the second thread awake: from 64 KiB on two threads read SmolLM2's
- * 200-550 KiB layers 1.3-1.7x faster than one, and the Q4_1 decode step went from 8.6-8.9 to
- * 7.9-8.5 ms (the threshold was 512 KiB, set when the workers slept at once). */
+ * 200-550 KiB layers 1.3-1.7x faster than one, and a Q4_1 decode step's forward went from 8.6-8.9
+ * to 7.9-8.5 ms (the threshold was 512 KiB, set when the workers slept at once). */
 #ifndef PARALLEL_BYTES
 #define PARALLEL_BYTES (64 << 10)
 #endif
