@@ -277,28 +277,32 @@ class PagedAttention(Attention):
     def _attend(self, layer: int, index: int, group: PagedGroup, rows: torch.Tensor) -> torch.Tensor:
         """rows [B * Q, heads, D] -> [B * Q, heads, D]: through the kernel where it applies, else
         through a gathered copy of the group's K/V (also gathered to record heavy-hitter weights)."""
+        in_place = self._in_place(group)
+        if in_place and group.score_rows is None:  # a decode step's usual path: nothing else to build
+            return self._decode(layer, index, group, rows)
         batch, _, num_queries, _ = group.mask.shape
         queries = rows.view(batch, num_queries, *rows.shape[1:]).transpose(1, 2)  # [B, heads, Q, D]
-        in_place = self._in_place(group)
-        gathered = None if in_place and group.score_rows is None else self._gather(layer, group)
+        gathered = self._gather(layer, group)
         if group.score_rows is not None:
             scored = group.score_rows
             group.scores += attention_weights(queries[scored], gathered[0][scored], group.mask[scored])
         if in_place:
-            cache = self.cache
-            scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else None
-            return self._group_call(index, group)(rows, cache.k[layer], cache.v[layer], scales)
+            return self._decode(layer, index, group, rows)
         keys, values = gathered
         out = sdpa_heads_first(queries, keys, values, None if group.causal else group.mask, group.causal)
         return out.transpose(1, 2).reshape(rows.shape)
 
-    def _group_call(self, index: int, group: PagedGroup) -> GroupDecode:
-        """The kernel's call for the group, built at its first layer and reused by the others."""
-        if index not in self._group_calls:
+    def _decode(self, layer: int, index: int, group: PagedGroup, rows: torch.Tensor) -> torch.Tensor:
+        """rows [B, heads, D] through the kernel, reading the layer's pools in place. The kernel's
+        call for the group is built at its first layer and reused by the others."""
+        call = self._group_calls.get(index)
+        if call is None:
             batch = group.mask.shape[0]
-            self._group_calls[index] = self.decode_kernel.for_group(group.kv_blocks, self.cache.block_size,
-                                                                    group.mask.view(batch, -1))
-        return self._group_calls[index]
+            call = self.decode_kernel.for_group(group.kv_blocks, self.cache.block_size, group.mask.view(batch, -1))
+            self._group_calls[index] = call
+        cache = self.cache
+        scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else None
+        return call(rows, cache.k[layer], cache.v[layer], scales)
 
     def _in_place(self, group: PagedGroup) -> bool:
         """The kernel reads the cached keys as they are, for one query per sequence."""

@@ -85,10 +85,12 @@ class PagedDecode:
         """k/v [T, kv_heads, D] (each token's heads contiguous) into pools [kv_heads, num_slots, D] of
         their dtype, fp32 or bf16, at slots [T] (int64): what PagedKVCache.write does for such pools."""
         kv_heads, num_slots, head_dim = k_pool.shape
-        for x in (k, v):
-            if x.dtype != k_pool.dtype or x.shape[1:] != (kv_heads, head_dim) or x.stride()[1:] != (head_dim, 1):
-                raise ValueError(f"paged store: k/v [T, {kv_heads}, {head_dim}] {k_pool.dtype} with contiguous "
-                                 f"heads, not {x.dtype} {list(x.shape)} strides {x.stride()}")
+        layout = (kv_heads, head_dim, head_dim, 1)  # each token's heads contiguous, rows of head_dim
+        if (k.dtype != k_pool.dtype or v.dtype != k_pool.dtype or (*k.shape[1:], *k.stride()[1:]) != layout
+                or (*v.shape[1:], *v.stride()[1:]) != layout or k.shape[0] != slots.numel()
+                or v.shape[0] != slots.numel()):
+            raise ValueError(f"paged store: k/v [{slots.numel()}, {kv_heads}, {head_dim}] {k_pool.dtype} with "
+                             f"contiguous heads, not {k.dtype} {list(k.shape)} / {v.dtype} {list(v.shape)}")
         assert (k_pool.dtype in STORE_DTYPES and v_pool.dtype == k_pool.dtype and k_pool.is_contiguous()
                 and v_pool.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous())
         self._store(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), slots.numel(), kv_heads,
