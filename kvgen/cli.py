@@ -58,6 +58,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                    help="torch.distributed backend: auto (gloo on the CPU, nccl on CUDA; default)")
     g.add_argument("--distributed-timeout", type=float, default=30.0,
                    help="seconds a collective waits for a peer before the run fails (default: 30)")
+    g.add_argument("--no-fused-decode", action="store_true",
+                   help="run decode steps layer by layer from Python (default: one list of C kernel calls where "
+                        "every piece of the step has a kernel; the same results)")
     s = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     s.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
                    help="ngram: prompt lookup; draft: a smaller model sharing the tokenizer (--draft-model)")
@@ -92,6 +95,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
         draft_quantization=args.draft_quantization, prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max, adaptive_speculation=not args.no_adaptive_speculation,
+        fused_decode=not args.no_fused_decode,
     )
 
 

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 def shard_model(loaded: LoadedModel, config: EngineConfig, plan: ShardPlan, group: TensorParallelGroup) -> LlamaModel:
     """This rank's model: its slices (already in `loaded`), its local head counts, the collectives."""
     model = LlamaModel(plan.local_config(), {**loaded.weights, **loaded.quantized}, config.device,
-                       config.torch_dtype, config.quantization)
+                       config.torch_dtype, config.quantization, config.fused_decode)
     return parallelize(model, plan, group)
 
 

@@ -65,7 +65,7 @@ class Engine(ABC):
 
     def _build_model(self, loaded: LoadedModel, config: EngineConfig) -> LlamaModel:
         return LlamaModel(loaded.config, {**loaded.weights, **loaded.quantized}, config.device,
-                          config.torch_dtype, config.quantization)
+                          config.torch_dtype, config.quantization, config.fused_decode)
 
     def close(self) -> None:
         """Releases what the engine holds beyond memory (tensor-parallel workers); idempotent."""

@@ -304,6 +304,11 @@ class PagedAttention(Attention):
         scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else None
         return call(rows, cache.k[layer], cache.v[layer], scales)
 
+    def decodes_in_place(self) -> bool:
+        """Every group decodes one query per sequence through the kernel, with no weights to record:
+        the step's attention is the kernel's alone (kvgen.model.fused runs such steps from C)."""
+        return all(self._in_place(group) and group.score_rows is None for group in self.meta.groups)
+
     def _in_place(self, group: PagedGroup) -> bool:
         """The kernel reads the cached keys as they are, for one query per sequence."""
         return self.decode_kernel is not None and group.mask.shape[2] == 1 and group.key_rotation is None

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvgen.model.kernels import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Matmul, bf16_kernel
 from kvgen.model.kernels.bf16 import pack as pack_bf16
 from kvgen.model.kernels.f32 import F32Matmul, f32_kernel
@@ -101,6 +102,11 @@ class Linear(ABC):
         """x [T, in] -> [T, out]. `rows` fixes each row's kernel (BlasLinear; the others' rows never
         depend on the rows beside them)."""
 
+    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        """out = self(x) as a C kernel call over those buffers (kvgen.model.fused), or None where the
+        layer has none."""
+        return None
+
 
 class BlasLinear(Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -134,6 +140,9 @@ class F32Linear(Linear):
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         out = self._matmul(x.contiguous(), self.weight)
         return out if self.bias is None else out.add_(self.bias)
+
+    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        return self._matmul.call(x, self.weight, out) if self.bias is None else None
 
 
 class OneDnnLinear(Linear):

@@ -13,7 +13,8 @@ import torch
 
 from kvgen.config import ModelConfig
 from kvgen.model.attention import Attention
-from kvgen.model.layers import RotaryEmbedding, make_rms_norm, make_rope, swiglu
+from kvgen.model.fused import DecodePrograms
+from kvgen.model.layers import RotaryEmbedding, make_rms_norm, make_rope, make_silu_mul
 from kvgen.model.linear import Linear, RowKernels
 from kvgen.model.projections import Embedding, LayerBuilder, Weight, describe
 
@@ -33,11 +34,12 @@ class LayerWeights:
 class LlamaModel:
     """Weights plus the forward pass. Built from Hugging Face-named weights (see `kvgen.loaders`):
     float tensors, or GGUF matrices kept packed (`LoadedModel.quantized`), which get quantized
-    linear layers (kvgen.model.projections). `quantization` "int8" / "int4" packs float matrices."""
+    linear layers (kvgen.model.projections). `quantization` "int8" / "int4" packs float matrices.
+    `fused_decode` lets decode steps run as one list of C kernel calls (kvgen.model.fused)."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight],
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 quantization: str = "none") -> None:
+                 quantization: str = "none", fused_decode: bool = True) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -50,6 +52,8 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config, config.max_position_embeddings, self.device, dtype)
         self.norm = make_rms_norm(self.device, dtype)
         self.rotate = make_rope(self.device, dtype)  # may rotate in place: q/k are the qkv layer's fresh output
+        self.silu_mul = make_silu_mul(self.device, dtype)
+        self.decode_programs = DecodePrograms(self, fused_decode)
 
     def kernels(self) -> dict[str, tuple[str, int]]:
         """Per projection role: (the kernel its layers run, their weight bytes over all layers)."""
@@ -70,9 +74,14 @@ class LlamaModel:
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
                 rows: RowKernels | None = None) -> torch.Tensor:
         """token_ids, positions [T] -> hidden states [T, hidden] after the final norm.
-        `rows`, if given, fixes each row's matmul kernel by its role (see kvgen.model.linear)."""
+        `rows`, if given, fixes each row's matmul kernel by its role (see kvgen.model.linear; the
+        layers of a fused decode step never depend on the rows beside a row). A decode step runs
+        from C where it can (kvgen.model.fused), with the same bits as the layers below."""
         cfg = self.config
         x = self.embed(token_ids)
+        program = self.decode_programs.find(token_ids.shape[0], attention)
+        if program is not None:
+            return program(x, positions, attention, self.rope.cos, self.rope.sin)
         cos, sin = self.rope.tables(positions)  # [T, 1, D]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for index, layer in enumerate(self.layers):
@@ -83,7 +92,7 @@ class LlamaModel:
             attn = attention(index, q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
             x.add_(layer.o(attn.reshape(-1, q_size), rows))
             h = self.norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x.add_(swiglu(h, layer.gate_up, layer.down, rows))
+            x.add_(layer.down(self.silu_mul(layer.gate_up(h, rows)), rows))
         return self.norm(x, self.final_norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:

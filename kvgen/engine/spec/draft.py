@@ -70,7 +70,7 @@ class DraftProposer(Proposer):
         check_vocabulary(loaded.config, target, config.draft_model)
         cfg = loaded.config
         self.model = LlamaModel(cfg, {**loaded.weights, **loaded.quantized}, config.device, config.torch_dtype,
-                                config.draft_quantization)
+                                config.draft_quantization, config.fused_decode)
         pool_dtype = STORAGE_DTYPES[config.kv_dtype]
         self.cache = PagedKVCache(cfg.num_layers, kv.num_blocks, kv.block_size, cfg.num_kv_heads, cfg.head_dim,
                                   self.model.device, pool_dtype, compute_dtype=self.model.dtype)

@@ -52,7 +52,7 @@ class _Args(ctypes.Structure):
         ("q", ctypes.c_void_p), ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p),
         ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
         ("block_ids", ctypes.c_void_p), ("mask", ctypes.c_void_p), ("out", ctypes.c_void_p),
-        ("batch", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("group", ctypes.c_int64),
+        ("batch", ctypes.c_int64), ("q_stride", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("group", ctypes.c_int64),
         ("head_dim", ctypes.c_int64), ("num_slots", ctypes.c_int64), ("blocks_per_seq", ctypes.c_int64),
         ("block_size", ctypes.c_int64), ("scale", ctypes.c_float), ("num_threads", ctypes.c_int32),
     ]
@@ -69,6 +69,42 @@ def dtype_functions(library: ctypes.CDLL, names: dict[torch.dtype, str], argtype
     return functions
 
 
+class KernelCall:
+    """One C kernel call with its arguments bound: a function `int run(const void *args)` (nonzero
+    when out of memory) and the struct it is given, for the call lists of kvgen.model.kernels.step,
+    which a decode step runs from C with no Python between calls. `keep` holds the tensors the
+    struct points into."""
+
+    def __init__(self, function: ctypes._CFuncPtr, args: ctypes.Structure, keep: tuple = ()) -> None:
+        self.address = ctypes.cast(function, ctypes.c_void_p).value
+        self.args, self.keep = args, keep
+
+
+class _StoreArgs(ctypes.Structure):
+    """`struct paged_store_args` of paged_decode.c: paged_store's arguments, in order."""
+
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("k_stride", ctypes.c_int64),
+                ("v_stride", ctypes.c_int64), ("slots", ctypes.c_void_p), ("T", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("dim", ctypes.c_int64), ("num_slots", ctypes.c_int64),
+                ("element_size", ctypes.c_int64), ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p)]
+
+
+def _store_arguments(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple:
+    """paged_store's arguments, once the tensors are checked (see PagedDecode.store)."""
+    kv_heads, num_slots, head_dim = k_pool.shape
+    layout = (kv_heads, head_dim, head_dim, 1)  # each token's heads contiguous, rows of head_dim
+    if (k.dtype != k_pool.dtype or v.dtype != k_pool.dtype or (*k.shape[1:], *k.stride()[1:]) != layout
+            or (*v.shape[1:], *v.stride()[1:]) != layout or k.shape[0] != slots.numel()
+            or v.shape[0] != slots.numel()):
+        raise ValueError(f"paged store: k/v [{slots.numel()}, {kv_heads}, {head_dim}] {k_pool.dtype} with "
+                         f"contiguous heads, not {k.dtype} {list(k.shape)} / {v.dtype} {list(v.shape)}")
+    assert (k_pool.dtype in STORE_DTYPES and v_pool.dtype == k_pool.dtype and k_pool.is_contiguous()
+            and v_pool.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous())
+    return (k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), slots.numel(), kv_heads,
+            head_dim, num_slots, k_pool.element_size(), k_pool.data_ptr(), v_pool.data_ptr())
+
+
 class PagedDecode:
     """Decode attention over K/V pools [kv_heads, num_slots, D] of fp32 or bf16, or of int8 / fp8 with
     float32 scales [kv_heads, num_slots], on the CPU; and stores into fp32 / bf16 pools."""
@@ -79,22 +115,24 @@ class PagedDecode:
         self._store.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 \
             + [ctypes.c_void_p] * 2
         self._store.restype = None
+        self._store_call = library.paged_store_call
 
     def store(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """k/v [T, kv_heads, D] (each token's heads contiguous) into pools [kv_heads, num_slots, D] of
         their dtype, fp32 or bf16, at slots [T] (int64): what PagedKVCache.write does for such pools."""
-        kv_heads, num_slots, head_dim = k_pool.shape
-        layout = (kv_heads, head_dim, head_dim, 1)  # each token's heads contiguous, rows of head_dim
-        if (k.dtype != k_pool.dtype or v.dtype != k_pool.dtype or (*k.shape[1:], *k.stride()[1:]) != layout
-                or (*v.shape[1:], *v.stride()[1:]) != layout or k.shape[0] != slots.numel()
-                or v.shape[0] != slots.numel()):
-            raise ValueError(f"paged store: k/v [{slots.numel()}, {kv_heads}, {head_dim}] {k_pool.dtype} with "
-                             f"contiguous heads, not {k.dtype} {list(k.shape)} / {v.dtype} {list(v.shape)}")
-        assert (k_pool.dtype in STORE_DTYPES and v_pool.dtype == k_pool.dtype and k_pool.is_contiguous()
-                and v_pool.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous())
-        self._store(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), slots.numel(), kv_heads,
-                    head_dim, num_slots, k_pool.element_size(), k_pool.data_ptr(), v_pool.data_ptr())
+        self._store(*_store_arguments(k_pool, v_pool, slots, k, v))
+
+    def store_call(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> KernelCall:
+        """`store` as a KernelCall over these tensors' memory, whatever it then holds."""
+        return KernelCall(self._store_call, _StoreArgs(*_store_arguments(k_pool, v_pool, slots, k, v)),
+                          keep=(k_pool, v_pool, slots, k, v))
+
+    def decode_calls(self, q: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                     out: torch.Tensor) -> DecodeCalls:
+        """Decode attention of one group of sequences in every layer, as KernelCalls: see DecodeCalls."""
+        return DecodeCalls(self._functions, q, pools, block_size, out)
 
     def for_group(self, block_ids: torch.Tensor, block_size: int, mask: torch.Tensor) -> GroupDecode:
         """The call for one group of sequences, block_ids [B, N] and mask [B, N * block_size] (bool):
@@ -142,10 +180,46 @@ class GroupDecode:
         else:
             args.k_scale = args.v_scale = None
         args.kv_heads, args.group, args.head_dim, args.num_slots = kv_heads, heads // kv_heads, head_dim, num_slots
+        args.q_stride = heads * head_dim
         args.scale = head_dim**-0.5
         if self._functions[k_pool.dtype](ctypes.byref(args)):
             raise MemoryError("paged decode attention: out of memory for its scratch space")
         return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+class DecodeCalls:
+    """Decode attention of one group of sequences in every layer, a KernelCall each (`calls`), over
+    fixed queries q [B, heads, D] (heads contiguous, rows q.stride(0) apart: a view into the q/k/v
+    projection's output), fp32 / bf16 pools (k, v) per layer [kv_heads, num_slots, D] and an output
+    [B, heads, D] of fp32; the group's block tables change each step (set_blocks)."""
+
+    def __init__(self, functions: dict[torch.dtype, ctypes._CFuncPtr], q: torch.Tensor,
+                 pools: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, out: torch.Tensor) -> None:
+        batch, heads, head_dim = q.shape
+        assert (q.dtype == out.dtype == torch.float32 and q.stride()[1:] == (head_dim, 1) and out.is_contiguous()
+                and out.shape == q.shape)
+        self.calls = []
+        for k_pool, v_pool in pools:
+            kv_heads, num_slots, _ = k_pool.shape
+            assert k_pool.dtype in STORE_DTYPES and v_pool.dtype == k_pool.dtype and k_pool.is_contiguous() \
+                and v_pool.is_contiguous()
+            args = _Args(q=q.data_ptr(), k_pool=k_pool.data_ptr(), v_pool=v_pool.data_ptr(), out=out.data_ptr(),
+                         batch=batch, q_stride=q.stride(0), kv_heads=kv_heads, group=heads // kv_heads,
+                         head_dim=head_dim, num_slots=num_slots, block_size=block_size, scale=head_dim**-0.5,
+                         num_threads=torch.get_num_threads())
+            self.calls.append(KernelCall(functions[k_pool.dtype], args, keep=(q, k_pool, v_pool, out)))
+        self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set_blocks(self, block_ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """This step's block_ids [B, N] and mask [B, N * block_size] (bool), for every layer's call."""
+        batch, blocks_per_seq = block_ids.shape
+        assert batch == self.calls[0].args.batch and mask.shape == (batch, blocks_per_seq * self.calls[0].args.block_size)
+        block_ids, mask = block_ids.to(torch.int64).contiguous(), mask.contiguous()
+        self._blocks = (block_ids, mask)  # kept alive while the calls point into them
+        block_ptr, mask_ptr = block_ids.data_ptr(), mask.data_ptr()
+        for call in self.calls:
+            args = call.args
+            args.block_ids, args.mask, args.blocks_per_seq = block_ptr, mask_ptr, blocks_per_seq
 
 
 def paged_decode_for(backend: str, device: torch.device, dtype: torch.dtype,

@@ -28,3 +28,18 @@
 void f32_matmul(const float *x, int64_t T, int64_t K, const float *w, int64_t N, float *y, int32_t num_threads) {
     few_rows_matmul(x, T, K, w, N, y, 1, num_threads);
 }
+
+/* One call's arguments as a struct, for a call list (kvgen/model/kernels/step.c). */
+struct f32_matmul_args {
+    const float *x;
+    int64_t T, K;
+    const float *w;
+    int64_t N;
+    float *y;
+    int32_t num_threads;
+};
+
+int f32_matmul_call(const struct f32_matmul_args *a) {
+    f32_matmul(a->x, a->T, a->K, a->w, a->N, a->y, a->num_threads);
+    return 0;
+}

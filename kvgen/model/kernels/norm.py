@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels import build_library, dtype_functions
+from kvgen.model.kernels import KernelCall, build_library, dtype_functions
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +22,23 @@ DTYPES = {torch.float32: "rms_norm_f32", torch.bfloat16: "rms_norm_bf16"}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
+class _Args(ctypes.Structure):
+    """`struct rms_norm_args` of rms_norm.c."""
+
+    _fields_ = [("x", _P), ("rows", _I64), ("n", _I64), ("w", _P), ("eps", ctypes.c_float), ("y", _P)]
+
+
 class RmsNorm:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = dtype_functions(library, DTYPES, [_P, _I64, _I64, _P, ctypes.c_float, _P], None)
+        self._f32_call = library.rms_norm_f32_call
+
+    def call(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> KernelCall:
+        """out = the norm of x, all fp32 and contiguous, as a KernelCall."""
+        assert (x.dtype == weight.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.is_contiguous()
+                and weight.is_contiguous() and x.dim() == 2 and out.shape == x.shape and weight.shape == x.shape[1:])
+        args = _Args(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr())
+        return KernelCall(self._f32_call, args, keep=(x, weight, out))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, n] and weight [n], both fp32 or both bf16, on the CPU -> [T, n] in that dtype."""

@@ -26,6 +26,8 @@
  */
 #ifdef __AVX512F__
 #include <immintrin.h>
+
+#include "exp16.h"
 #endif
 #include <math.h>
 #include <stdint.h>
@@ -33,7 +35,7 @@
 #include <string.h>
 
 struct paged_decode_args {
-    const float *q;           /* [batch, kv_heads * group, head_dim] */
+    const float *q;           /* [batch, kv_heads * group, head_dim], q_stride apart */
     const void *k_pool;       /* [kv_heads, num_slots, head_dim], fp32 or bf16 */
     const void *v_pool;       /* same */
     const float *k_scale;     /* [kv_heads, num_slots] for int8 / fp8 pools, else NULL */
@@ -41,7 +43,8 @@ struct paged_decode_args {
     const int64_t *block_ids; /* [batch, blocks_per_seq]: pool block of each of a sequence's blocks */
     const uint8_t *mask;      /* [batch, blocks_per_seq * block_size]: 1 where the query attends */
     float *out;               /* [batch, kv_heads * group, head_dim] */
-    int64_t batch, kv_heads, group, head_dim, num_slots, blocks_per_seq, block_size;
+    int64_t batch, q_stride; /* elements from one sequence's queries to the next (heads contiguous) */
+    int64_t kv_heads, group, head_dim, num_slots, blocks_per_seq, block_size;
     float scale;
     int32_t num_threads;
 };
@@ -123,7 +126,7 @@ static inline __attribute__((always_inline)) void attend(const struct paged_deco
     const int64_t group = a->group;
     const float scale = a->scale;
     const void *k_pool = a->k_pool, *v_pool = a->v_pool;
-    const float *restrict q = a->q + (w.b * a->kv_heads + w.h) * group * dim;
+    const float *restrict q = a->q + w.b * a->q_stride + w.h * group * dim;
     int64_t *restrict rows = scratch;                      /* [count]: where each allowed key's row starts */
     float *restrict weights = (float *)(rows + SPLIT_KEYS); /* [group, count] */
     float max_score[group], total[group];
@@ -180,22 +183,6 @@ static inline __attribute__((always_inline)) __m512 load16(const void *pool, int
     return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), fp8_values, 4);
 }
 
-/* e^x for x <= 0 in 16 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r is exact
- * to fp32), e^r by its Taylor series to r^7 (truncation below 1e-8 relative, under half an fp32
- * ulp), scaled by 2^n; very negative x (masked scores' -inf included) gives 0. */
-static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f)); /* e^-104 rounds to 0 in fp32 */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    static const float taylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-    __m512 p = _mm512_set1_ps(taylor[0]);
-    for (int k = 1; k < 8; k++)
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[k]));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* `attend` for head sizes that are a multiple of 16 (compile-time, at most 128): per query head,
  * scores against every allowed key (the scale folded into the query), their exponentials 16 at a
  * time, then the weighted sum of values with the accumulator held in registers. */
@@ -205,7 +192,7 @@ static inline __attribute__((always_inline)) void attend_avx512(const struct pag
     enum { MAX_VECTORS = 8 };
     const int64_t group = a->group, vectors = dim / 16;
     const void *k_pool = a->k_pool, *v_pool = a->v_pool;
-    const float *restrict q = a->q + (w.b * a->kv_heads + w.h) * group * dim;
+    const float *restrict q = a->q + w.b * a->q_stride + w.h * group * dim;
     int64_t *restrict rows = scratch;                      /* [count] */
     float *restrict weights = (float *)(rows + SPLIT_KEYS); /* [count] for the head in hand */
     const int64_t count = allowed_rows(a, w, dim, rows);
@@ -343,4 +330,19 @@ void paged_store(const void *k, const void *v, int64_t k_stride, int64_t v_strid
             memcpy((char *)k_pool + at, (const char *)k + (t * k_stride + h * dim) * element_size, row);
             memcpy((char *)v_pool + at, (const char *)v + (t * v_stride + h * dim) * element_size, row);
         }
+}
+
+/* paged_store's arguments as one struct, for a call list (kvgen/model/kernels/step.c). */
+struct paged_store_args {
+    const void *k, *v;
+    int64_t k_stride, v_stride;
+    const int64_t *slots;
+    int64_t T, kv_heads, dim, num_slots, element_size;
+    void *k_pool, *v_pool;
+};
+
+int paged_store_call(const struct paged_store_args *a) {
+    paged_store(a->k, a->v, a->k_stride, a->v_stride, a->slots, a->T, a->kv_heads, a->dim, a->num_slots,
+                a->element_size, a->k_pool, a->v_pool);
+    return 0;
 }

@@ -35,3 +35,17 @@
 
 RMS_NORM(rms_norm_f32, float, AS_IS, F32_FINISH)
 RMS_NORM(rms_norm_bf16, uint16_t, from_bf16, BF16_FINISH)
+
+/* One call's arguments as a struct, for a call list (kvgen/model/kernels/step.c). */
+struct rms_norm_args {
+    const void *x;
+    int64_t rows, n;
+    const void *w;
+    float eps;
+    void *y;
+};
+
+int rms_norm_f32_call(const struct rms_norm_args *a) {
+    rms_norm_f32(a->x, a->rows, a->n, a->w, a->eps, a->y);
+    return 0;
+}

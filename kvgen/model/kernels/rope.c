@@ -37,3 +37,15 @@
 
 ROPE(rope_f32, float, AS_IS, AS_IS)
 ROPE(rope_bf16, uint16_t, from_bf16, to_bf16)
+
+/* One call's arguments as a struct, for a call list (kvgen/model/kernels/step.c). */
+struct rope_args {
+    void *x;
+    int64_t rows, heads, dim, stride;
+    const void *cos, *sin;
+};
+
+int rope_f32_call(const struct rope_args *a) {
+    rope_f32(a->x, a->rows, a->heads, a->dim, a->stride, a->cos, a->sin);
+    return 0;
+}

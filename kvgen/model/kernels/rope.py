@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels import FLAGS, build_library, dtype_functions
+from kvgen.model.kernels import FLAGS, KernelCall, build_library, dtype_functions
 
 log = logging.getLogger(__name__)
 
@@ -23,20 +23,41 @@ DTYPES = {torch.float32: "rope_f32", torch.bfloat16: "rope_bf16"}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
+class _Args(ctypes.Structure):
+    """`struct rope_args` of rope.c."""
+
+    _fields_ = [("x", _P), ("rows", _I64), ("heads", _I64), ("dim", _I64), ("stride", _I64), ("cos", _P),
+                ("sin", _P)]
+
+
 class Rope:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = dtype_functions(library, DTYPES, [_P, _I64, _I64, _I64, _I64, _P, _P], None)
+        self._f32_call = library.rope_f32_call
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
         """Rotates x [T, heads, D] in place (rows may be strided, each row's heads contiguous);
         cos / signed_sin [T, 1, D] from RotaryEmbedding.tables, of x's dtype (fp32 or bf16)."""
+        self._check(x, cos, signed_sin)
+        cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
+        rows, heads, dim = x.shape
+        self._functions[x.dtype](x.data_ptr(), rows, heads, dim, x.stride(0), cos.data_ptr(), signed_sin.data_ptr())
+
+    def call(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> KernelCall:
+        """The rotation of fp32 x by contiguous cos / signed_sin, as a KernelCall."""
+        self._check(x, cos, signed_sin)
+        assert x.dtype == torch.float32 and cos.is_contiguous() and signed_sin.is_contiguous()
+        rows, heads, dim = x.shape
+        args = _Args(x.data_ptr(), rows, heads, dim, x.stride(0), cos.data_ptr(), signed_sin.data_ptr())
+        return KernelCall(self._f32_call, args, keep=(x, cos, signed_sin))
+
+    @staticmethod
+    def _check(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
         rows, heads, dim = x.shape
         if (x.dtype not in DTYPES or cos.dtype != x.dtype or signed_sin.dtype != x.dtype
                 or x.stride()[1:] != (dim, 1) or cos.shape != (rows, 1, dim) or signed_sin.shape != cos.shape):
             raise ValueError(f"rope: x [T, heads, D] with contiguous heads and cos/sin [T, 1, D], one dtype "
                              f"(fp32 or bf16), not {x.dtype} {list(x.shape)} and {cos.dtype} {list(cos.shape)}")
-        cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
-        self._functions[x.dtype](x.data_ptr(), rows, heads, dim, x.stride(0), cos.data_ptr(), signed_sin.data_ptr())
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels import build_library, cpu_has
+from kvgen.model.kernels import KernelCall, build_library, cpu_has
 from kvgen.model.kernels.bf16 import Bf16Tiles
 from kvgen.model.quant.formats import PackedWeight
 
@@ -28,6 +28,16 @@ _P = ctypes.c_void_p
 _ARGTYPES = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int32, ctypes.c_int64, _P, ctypes.c_int32,
              ctypes.c_int32]
 _DEQUANTIZE_ARGTYPES = [_P, _P, _P, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int32]
+
+
+class _Args(ctypes.Structure):
+    """`struct qmatmul_args` of qmatmul.c: a kernel's arguments, in order."""
+
+    _fields_ = [("x", _P), ("T", ctypes.c_int64), ("K", ctypes.c_int64), ("codes", _P), ("scale", _P), ("min", _P),
+                ("offset", ctypes.c_int32), ("N", ctypes.c_int64), ("out", _P), ("parts", ctypes.c_int32),
+                ("num_threads", ctypes.c_int32)]
+
+
 # How x is quantized: one int8 part per span (as ggml), or two (the second quantizes the first's
 # rounding error: ~15 bits, for one more row of x per token in the kernel).
 ACTIVATION_PARTS = {"int8": 1, "int8x2": 2}
@@ -53,7 +63,8 @@ class VnniKernel:
         function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
         dequantize = getattr(self._library, kernel_name(w) + "_bf16")
         dequantize.argtypes, dequantize.restype = _DEQUANTIZE_ARGTYPES, None
-        return BoundKernel(function, dequantize, w, ACTIVATION_PARTS[activations])
+        call = getattr(self._library, kernel_name(w) + "_call")
+        return BoundKernel(function, dequantize, call, w, ACTIVATION_PARTS[activations])
 
     def quantize_activations(self, x: torch.Tensor, activations: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
         """x fp32 [T, in] -> (q int8 [parts, T, in], scale fp32 [parts, T, in/32]), exactly as the
@@ -70,9 +81,9 @@ class VnniKernel:
 class BoundKernel:
     """One packed weight's kernel call: only x, its row count and the output change per call."""
 
-    def __init__(self, function: ctypes._CFuncPtr, dequantize: ctypes._CFuncPtr, w: PackedWeight,
-                 parts: int) -> None:
-        self._function, self._dequantize = function, dequantize
+    def __init__(self, function: ctypes._CFuncPtr, dequantize: ctypes._CFuncPtr, call: ctypes._CFuncPtr,
+                 w: PackedWeight, parts: int) -> None:
+        self._function, self._dequantize, self._call = function, dequantize, call
         self._weight, self._parts = w, parts  # w's tensors stay alive while bound
         self._out_features, self._in_features = w.shape
         minimum = 0 if w.min is None else w.min.data_ptr()
@@ -104,6 +115,13 @@ class BoundKernel:
             raise MemoryError("quantized matmul: out of memory for the quantized activations")
         return out
 
+    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall:
+        """out = `run(x)` (x fp32 [T, in], out fp32 [T, out], both contiguous) as a KernelCall."""
+        assert (x.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.is_contiguous() and x.dim() == 2
+                and x.shape[0] and x.shape[1] == self._in_features and out.shape == (x.shape[0], self._out_features))
+        args = _Args(x.data_ptr(), x.shape[0], self._in_features, *self._weight_args, out.data_ptr(), self._parts,
+                     torch.get_num_threads())
+        return KernelCall(self._call, args, keep=(x, out, self._weight))
 
 @functools.cache
 def vnni_kernel() -> VnniKernel | None:

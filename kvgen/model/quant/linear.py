@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from kvgen.model.kernels import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
 from kvgen.model.linear import Linear, RowKernels, make_linear
 from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
@@ -91,6 +92,12 @@ class VnniQuantLinear(QuantLinear):
             out = self._matmul(x.float().contiguous())
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if self.bias is None else out.add_(self.bias)
+
+    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        """The integer kernel's call, which is what `self(x)` runs for fp32 x below `many_rows`."""
+        if self.bias is not None or (self.many_rows is not None and x.shape[0] >= self.many_rows.from_rows):
+            return None
+        return self._matmul.call(x, out)
 
 
 class TorchQuantLinear(QuantLinear):

@@ -307,11 +307,30 @@ static void add_parts(const float *parts, int64_t T, int64_t N, float *out) {
         return 0;                                                                                             \
     }
 
-KERNEL(qmatmul_u4_g32_f16, 4, 32, 1)
-KERNEL(qmatmul_u4_g32_f32, 4, 32, 0)
-KERNEL(qmatmul_u8_g32_f16, 8, 32, 1)
-KERNEL(qmatmul_u8_g32_f32, 8, 32, 0)
-KERNEL(qmatmul_u8_g16_f32, 8, 16, 0)
+/* One call's arguments as a struct, for a call list (kvgen/model/kernels/step.c): `name`_call. */
+struct qmatmul_args {
+    const float *x;
+    int64_t T, K;
+    const uint8_t *codes;
+    const void *scale, *min;
+    int32_t offset;
+    int64_t N;
+    float *out;
+    int32_t parts, num_threads;
+};
+
+#define KERNELS(name, bits, group, f16)                                                                       \
+    KERNEL(name, bits, group, f16)                                                                            \
+    int name##_call(const struct qmatmul_args *a) {                                                           \
+        return name(a->x, a->T, a->K, a->codes, a->scale, a->min, a->offset, a->N, a->out, a->parts,          \
+                    a->num_threads);                                                                          \
+    }
+
+KERNELS(qmatmul_u4_g32_f16, 4, 32, 1)
+KERNELS(qmatmul_u4_g32_f32, 4, 32, 0)
+KERNELS(qmatmul_u8_g32_f16, 8, 32, 1)
+KERNELS(qmatmul_u8_g32_f32, 8, 32, 0)
+KERNELS(qmatmul_u8_g16_f32, 8, 16, 0)
 
 /* -- dequantizing to bf16, for many rows of x ------------------------------------------------------
  * At prefill's hundreds of rows the integer kernel is compute-bound, and two parts of x cost it twice

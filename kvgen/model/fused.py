@@ -1,0 +1,131 @@
+"""A decode step's forward as one list of C kernel calls, where every piece of it has a kernel.
+
+At decode's few rows a layer's kernels do ~150 us of work on a small model, and the Python around
+them (the calls, views, residual adds) costs ~50 us more: ~1.5 ms of a 7 ms SmolLM2 Q4_1 step.
+Where every piece of the step has a C kernel, `DecodePrograms` writes the step once as a list of
+kernel calls over buffers of its own (kvgen.model.kernels.step) and runs it each step with one
+ctypes call. That holds for fp32 models on the CPU whose projections run kvgen's own kernels
+(packed GGUF / int8 / int4 layers, or fp32 ones) without biases, with fp32 K/V pools, when every
+sequence of the step decodes one token through the in-place attention kernel (no heavy-hitter
+scores, no re-rotated keys) and there are fewer rows than the norm kernel serves. Anything else runs
+layer by layer (LlamaModel.forward).
+
+Each call is the kernel, with the same arguments, that the layer-by-layer forward makes, and the
+residual add is the same IEEE fp32 sum as torch's, so both give the same bits (tested).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvgen.model.attention import Attention, PagedAttention, PagedKVCache
+from kvgen.model.kernels import KernelCall
+from kvgen.model.kernels.norm import rms_norm_kernel
+from kvgen.model.kernels.rope import rope_kernel
+from kvgen.model.kernels.step import CallList, step_kernels
+from kvgen.model.layers import NORM_KERNEL_ROWS
+
+if TYPE_CHECKING:
+    from kvgen.model.llama import LlamaModel
+
+MAX_PROGRAMS = 32  # step shapes kept (rows and their groups); the least recently used goes first
+
+
+class DecodePrograms:
+    """A model's fused decode steps, one per step shape, built on first use."""
+
+    def __init__(self, model: LlamaModel, enabled: bool = True) -> None:
+        self._model = model
+        kernels = (step_kernels(), rms_norm_kernel(), rope_kernel())
+        self._usable = (enabled and model.device.type == "cpu" and model.dtype == torch.float32
+                        and all(k is not None for k in kernels))
+        self._programs: OrderedDict[tuple, DecodeProgram | None] = OrderedDict()
+        self.fused_steps = 0  # steps that found a program (for tests and the curious)
+
+    def find(self, rows: int, attention: Attention) -> DecodeProgram | None:
+        """The program for this step, or None where it must run layer by layer."""
+        if (not self._usable or rows >= NORM_KERNEL_ROWS or not isinstance(attention, PagedAttention)
+                or not attention.decodes_in_place() or attention.cache.k[0].dtype != torch.float32):
+            return None
+        groups = tuple((g.first_row, g.mask.shape[0]) for g in attention.meta.groups)
+        key = (rows, groups, id(attention.cache), torch.get_num_threads())
+        program = self._programs.get(key)
+        if key in self._programs and (program is None or program.serves(attention.cache)):
+            self._programs.move_to_end(key)
+        else:
+            program = DecodeProgram.build(self._model, attention.cache, attention.decode_kernel, rows, groups)
+            self._programs[key] = program
+            if len(self._programs) > MAX_PROGRAMS:
+                self._programs.popitem(last=False)
+        self.fused_steps += program is not None
+        return program
+
+
+class DecodeProgram:
+    """One step shape's forward as a call list over its own buffers [rows, ...]: the hidden state x,
+    the normed h, the q/k/v, attention, projection, gate/up and activation rows, the RoPE rows and the
+    K/V slots. A step copies its inputs in, runs the list, and returns the final norm's output."""
+
+    def __init__(self, cache: PagedKVCache, buffers: dict[str, torch.Tensor], calls: CallList,
+                 decodes: list) -> None:
+        self._cache = weakref.ref(cache)  # the pools the calls write: a later cache gets its own program
+        self._buffers, self._calls, self._decodes = buffers, calls, decodes
+
+    def serves(self, cache: PagedKVCache) -> bool:
+        return self._cache() is cache
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
+                 cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (the embedded tokens), positions [T] -> hidden states [T, hidden] after the final norm."""
+        b = self._buffers
+        b["x"].copy_(x)
+        torch.index_select(cos_table, 0, positions, out=b["cos"].view(-1, cos_table.shape[1]))
+        torch.index_select(sin_table, 0, positions, out=b["sin"].view(-1, sin_table.shape[1]))
+        b["slots"].copy_(attention.meta.slot_mapping)
+        for decode, group in zip(self._decodes, attention.meta.groups):
+            decode.set_blocks(group.kv_blocks, group.mask.view(group.mask.shape[0], -1))
+        self._calls()
+        return b["h"].clone()
+
+    @classmethod
+    def build(cls, model: LlamaModel, cache: PagedKVCache, decode_kernel, rows: int,
+              groups: tuple[tuple[int, int], ...]) -> DecodeProgram | None:
+        """The program, or None where a layer has no kernel call (a bias, a wrapped or torch layer)."""
+        cfg, layers = model.config, model.layers
+        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = heads * dim, kv_heads * dim
+        inner = layers[0].gate_up.out_features
+        f32 = dict(dtype=torch.float32)
+        b = {"x": torch.empty(rows, cfg.hidden_size, **f32), "h": torch.empty(rows, cfg.hidden_size, **f32),
+             "qkv": torch.empty(rows, q_size + 2 * kv_size, **f32), "attn": torch.empty(rows, q_size, **f32),
+             "proj": torch.empty(rows, cfg.hidden_size, **f32), "gate_up": torch.empty(rows, inner, **f32),
+             "act": torch.empty(rows, inner // 2, **f32), "cos": torch.empty(rows, 1, dim, **f32),
+             "sin": torch.empty(rows, 1, dim, **f32), "slots": torch.empty(rows, dtype=torch.int64)}
+        qk = b["qkv"][:, : q_size + kv_size].view(rows, heads + kv_heads, dim)
+        k = qk[:, heads:]
+        v = b["qkv"][:, q_size + kv_size :].view(rows, kv_heads, dim)
+        queries = qk[:, :heads]
+        pools = list(zip(cache.k, cache.v))
+        decodes = [decode_kernel.decode_calls(queries[first : first + batch], pools, cache.block_size,
+                                              b["attn"][first : first + batch].view(batch, heads, dim))
+                   for first, batch in groups]
+        step, norm, rope = step_kernels(), rms_norm_kernel(), rope_kernel()
+        eps = cfg.rms_norm_eps
+        calls: list[KernelCall | None] = [norm.call(b["x"], layers[0].input_norm, eps, b["h"])]
+        for index, layer in enumerate(layers):
+            next_norm = layers[index + 1].input_norm if index + 1 < len(layers) else model.final_norm
+            calls += [layer.qkv.call(b["h"], b["qkv"]), rope.call(qk, b["cos"], b["sin"]),
+                      decode_kernel.store_call(cache.k[index], cache.v[index], b["slots"], k, v)]
+            calls += [decode.calls[index] for decode in decodes]
+            calls += [layer.o.call(b["attn"], b["proj"]), step.add_call(b["x"], b["proj"]),
+                      norm.call(b["x"], layer.post_norm, eps, b["h"]),
+                      layer.gate_up.call(b["h"], b["gate_up"]), step.silu_mul_call(b["gate_up"], b["act"]),
+                      layer.down.call(b["act"], b["proj"]), step.add_call(b["x"], b["proj"]),
+                      norm.call(b["x"], next_norm, eps, b["h"])]
+        if any(call is None for call in calls):
+            return None
+        return cls(cache, b, step.call_list(calls), decodes)

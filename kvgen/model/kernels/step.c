@@ -1,0 +1,102 @@
+/* The rest of a decode layer in C, and the loop that runs a whole step's kernel calls.
+ *
+ *     silu_mul     SwiGLU's silu(gate) * up, fp32 or bf16, for every row count: torch's two ops cost
+ *                  ~6 us a decode layer for a microsecond of work
+ *     add_f32      the residual add, x += y
+ *     run_calls    a list of kernel calls, each `int run(const void *args)` with its arguments bound
+ *                  (a `_call` function of this folder's kernels, or of kvgen/model/quant/qmatmul.c),
+ *                  run in order: kvgen/model/fused.py makes a decode step's forward one such list,
+ *                  so no Python runs between its ~330 calls
+ *
+ * Built by kvgen/model/kernels/step.py like the paged decode kernel (the host's ISA, never AMX).
+ * silu(g) = g / (1 + e^-g), each operation rounded once to fp32 as torch's op rounds it, with e^x
+ * from exp16.h on AVX-512 (within an fp32 ulp of libm's expf, as torch's own vectorised exp is) and
+ * from expf elsewhere; bf16 rounds silu(g) to bf16, then the product, as torch's two bf16 ops do.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16_bits.h"
+
+#ifdef __AVX512F__
+#include "exp16.h"
+#endif
+
+/* s[j] = silu(g[j]) for j < count (at most 16). */
+static inline void silu16(const float *restrict g, int count, float *restrict s) {
+#ifdef __AVX512F__
+    const __mmask16 m = (__mmask16)((1u << count) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(m, g);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    _mm512_mask_storeu_ps(s, m, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+#else
+    for (int j = 0; j < count; j++)
+        s[j] = g[j] / (1.f + expf(-g[j]));
+#endif
+}
+
+/* gate_up [rows, 2n] (each row's gate, then its up) -> out [rows, n], 16 at a time. */
+void silu_mul_f32(const float *restrict gate_up, int64_t rows, int64_t n, float *restrict out) {
+    float s[16];
+    for (int64_t r = 0; r < rows; r++, gate_up += 2 * n, out += n)
+        for (int64_t i = 0; i < n; i += 16) {
+            const int count = n - i >= 16 ? 16 : (int)(n - i);
+            silu16(gate_up + i, count, s);
+            for (int j = 0; j < count; j++)
+                out[i + j] = s[j] * gate_up[n + i + j];
+        }
+}
+
+void silu_mul_bf16(const uint16_t *restrict gate_up, int64_t rows, int64_t n, uint16_t *restrict out) {
+    float g[16], s[16];
+    for (int64_t r = 0; r < rows; r++, gate_up += 2 * n, out += n)
+        for (int64_t i = 0; i < n; i += 16) {
+            const int count = n - i >= 16 ? 16 : (int)(n - i);
+            for (int j = 0; j < count; j++)
+                g[j] = from_bf16(gate_up[i + j]);
+            silu16(g, count, s);
+            for (int j = 0; j < count; j++)
+                out[i + j] = to_bf16(from_bf16(to_bf16(s[j])) * from_bf16(gate_up[n + i + j]));
+        }
+}
+
+/* -- call lists ----------------------------------------------------------------------------------- */
+
+struct silu_mul_args {
+    const float *gate_up;
+    int64_t rows, n;
+    float *out;
+};
+
+int silu_mul_f32_call(const struct silu_mul_args *a) {
+    silu_mul_f32(a->gate_up, a->rows, a->n, a->out);
+    return 0;
+}
+
+struct add_args {
+    float *x;
+    const float *y;
+    int64_t n;
+};
+
+int add_f32_call(const struct add_args *a) {
+    float *restrict x = a->x;
+    const float *restrict y = a->y;
+    for (int64_t i = 0; i < a->n; i++)
+        x[i] += y[i];
+    return 0;
+}
+
+struct call {
+    int (*run)(const void *args);
+    const void *args;
+};
+
+/* Runs calls[0 .. count-1] in order; stops at the first that fails (out of memory) and returns its
+ * index + 1, else 0. */
+int64_t run_calls(const struct call *calls, int64_t count) {
+    for (int64_t i = 0; i < count; i++)
+        if (calls[i].run(calls[i].args))
+            return i + 1;
+    return 0;
+}

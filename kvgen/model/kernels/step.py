@@ -1,0 +1,101 @@
+"""The compiled step kernels (step.c): SwiGLU's silu(gate) * up, the residual add, and call lists.
+
+Built like the paged decode kernel (kvgen/model/kernels/__init__.py: the host's ISA, never AMX);
+where it cannot be built `step_kernels()` is None: kvgen.model.layers then uses torch's ops, and
+kvgen.model.fused runs no call lists.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from kvgen.model.kernels import KernelCall, build_library, dtype_functions
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("step.c")
+SILU_DTYPES = {torch.float32: "silu_mul_f32", torch.bfloat16: "silu_mul_bf16"}
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _SiluArgs(ctypes.Structure):
+    """`struct silu_mul_args` of step.c."""
+
+    _fields_ = [("gate_up", _P), ("rows", _I64), ("n", _I64), ("out", _P)]
+
+
+class _AddArgs(ctypes.Structure):
+    """`struct add_args` of step.c."""
+
+    _fields_ = [("x", _P), ("y", _P), ("n", _I64)]
+
+
+class _Call(ctypes.Structure):
+    """`struct call` of step.c."""
+
+    _fields_ = [("run", _P), ("args", _P)]
+
+
+class CallList:
+    """Kernel calls run in order by one ctypes call (`run_calls` in step.c)."""
+
+    def __init__(self, run_calls: ctypes._CFuncPtr, calls: list[KernelCall]) -> None:
+        self._calls = calls  # their argument structs and tensors stay alive
+        self._array = (_Call * len(calls))(*[(c.address, ctypes.addressof(c.args)) for c in calls])
+        self._run_calls = run_calls
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def __call__(self) -> None:
+        if self._run_calls(self._array, len(self._calls)):
+            raise MemoryError("fused decode step: a kernel ran out of memory for its scratch space")
+
+
+class StepKernels:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._silu_mul = dtype_functions(library, SILU_DTYPES, [_P, _I64, _I64, _P], None)
+        self._silu_mul_call, self._add_call = library.silu_mul_f32_call, library.add_f32_call
+        self._run_calls = library.run_calls
+        self._run_calls.argtypes, self._run_calls.restype = [_P, _I64], _I64
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2n] (gate, then up), fp32 or bf16, on the CPU -> silu(gate) * up [T, n]."""
+        if gate_up.dtype not in SILU_DTYPES or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError(f"silu_mul: gate_up [T, 2n] of fp32 or bf16, not {gate_up.dtype} {list(gate_up.shape)}")
+        gate_up = gate_up.contiguous()
+        rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, n, dtype=gate_up.dtype)
+        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), rows, n, out.data_ptr())
+        return out
+
+    def silu_mul_call(self, gate_up: torch.Tensor, out: torch.Tensor) -> KernelCall:
+        """out = silu_mul(gate_up), fp32 and contiguous, as a KernelCall."""
+        rows, n = out.shape
+        assert (gate_up.dtype == out.dtype == torch.float32 and gate_up.is_contiguous() and out.is_contiguous()
+                and gate_up.shape == (rows, 2 * n))
+        return KernelCall(self._silu_mul_call, _SiluArgs(gate_up.data_ptr(), rows, n, out.data_ptr()),
+                          keep=(gate_up, out))
+
+    def add_call(self, x: torch.Tensor, y: torch.Tensor) -> KernelCall:
+        """x += y, both fp32, contiguous and of one shape, as a KernelCall."""
+        assert x.dtype == y.dtype == torch.float32 and x.is_contiguous() and y.is_contiguous() and x.shape == y.shape
+        return KernelCall(self._add_call, _AddArgs(x.data_ptr(), y.data_ptr(), x.numel()), keep=(x, y))
+
+    def call_list(self, calls: list[KernelCall]) -> CallList:
+        return CallList(self._run_calls, calls)
+
+
+@functools.cache
+def step_kernels() -> StepKernels | None:
+    """The kernels, built once per machine, or None where they cannot be built."""
+    try:
+        return StepKernels(ctypes.CDLL(str(build_library(SOURCE))))
+    except OSError as e:
+        log.warning("step kernels unavailable (%s); SwiGLU uses torch's ops and decode steps run layer by layer", e)
+        return None

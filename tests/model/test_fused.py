@@ -1,0 +1,77 @@
+"""The fused decode step (kvgen.model.fused) against the layer-by-layer forward: the same tokens and
+the same log-probabilities bit for bit, on every kind of layer it runs; and it stands aside where a
+piece of the step has no kernel."""
+
+import pytest
+import torch
+
+from kvgen import LLM, SamplingParams
+
+PROMPTS = [list(range(100, 228)), list(range(300, 340)), [7], list(range(5, 70)), list(range(40, 41 + 16))]
+
+
+def generate(path, prompts=PROMPTS, max_tokens=24, kv_policy="full", **options):
+    """(outputs, fused steps) of one engine; prompts of several lengths form several decode groups."""
+    llm = LLM(path, enable_prefix_caching=False, **options)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2, kv_policy=kv_policy)
+    outputs = llm.generate(prompts, params)
+    return outputs, llm.engine.runner.model.decode_programs.fused_steps
+
+
+def assert_same_bits(fused, layered):
+    for a, b in zip(fused, layered, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # floats compared exactly
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])  # fp32 kernel layers, then packed ones
+def test_fused_steps_give_the_layered_bits_on_stories(stories_bin, quantization):
+    fused, steps = generate(stories_bin, quantization=quantization, max_num_seqs=3)
+    layered, none = generate(stories_bin, quantization=quantization, max_num_seqs=3, fused_decode=False)
+    assert steps > 20 and none == 0
+    assert_same_bits(fused, layered)
+
+
+def test_fused_steps_give_the_layered_bits_on_the_real_q4_1_file(smollm_gguf):
+    fused, steps = generate(smollm_gguf, max_tokens=12)
+    layered, _ = generate(smollm_gguf, max_tokens=12, fused_decode=False)
+    assert steps >= 11
+    assert_same_bits(fused, layered)
+
+
+def test_fused_steps_keep_their_bits_on_two_threads(stories_bin):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fused, steps = generate(stories_bin, quantization="int4")
+        layered, _ = generate(stories_bin, quantization="int4", fused_decode=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert steps > 20
+    assert_same_bits(fused, layered)
+
+
+def test_a_window_composes_with_fused_steps(stories_bin):
+    fused, steps = generate(stories_bin, max_tokens=40, kv_policy="window:32")
+    layered, _ = generate(stories_bin, max_tokens=40, kv_policy="window:32", fused_decode=False)
+    assert steps > 20
+    assert_same_bits(fused, layered)
+
+
+@pytest.mark.parametrize("options", [dict(kv_cache_dtype="int8"), dict(dtype="bfloat16"),
+                                     dict(attention_backend="sdpa"), dict(max_num_seqs=16)])
+def test_steps_without_a_kernel_for_every_piece_run_layer_by_layer(stories_bin, options):
+    prompts = [[7 + i] for i in range(16)] if "max_num_seqs" in options else PROMPTS  # 16 rows: torch's norm
+    _, steps = generate(stories_bin, prompts, max_tokens=4, **options)
+    assert steps == 0
+
+
+def test_heavy_hitter_steps_run_layer_by_layer(stories_bin):
+    _, steps = generate(stories_bin, [[7]], max_tokens=8, kv_policy="h2o:4,8")
+    assert steps == 0  # h2o records attention weights, which the kernel does not
+
+
+def test_a_layer_with_a_bias_runs_layer_by_layer(hf_model):
+    path, _ = hf_model("qwen2-bias-tied")
+    _, steps = generate(path, [[5, 6, 7]], max_tokens=4)
+    assert steps == 0
