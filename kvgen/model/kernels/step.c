@@ -35,29 +35,39 @@ static inline void silu16(const float *restrict g, int count, float *restrict s)
 #endif
 }
 
+/* Prefill's hundreds of rows go to `num_threads` threads from this many elements. */
+#define PARALLEL_ELEMENTS (1 << 16)
+
 /* gate_up [rows, 2n] (each row's gate, then its up) -> out [rows, n], 16 at a time. */
-void silu_mul_f32(const float *restrict gate_up, int64_t rows, int64_t n, float *restrict out) {
-    float s[16];
-    for (int64_t r = 0; r < rows; r++, gate_up += 2 * n, out += n)
+void silu_mul_f32(const float *restrict gate_up, int64_t rows, int64_t n, float *restrict out, int32_t num_threads) {
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && rows * n >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict gate = gate_up + r * 2 * n, *restrict up = gate + n;
+        float s[16];
         for (int64_t i = 0; i < n; i += 16) {
             const int count = n - i >= 16 ? 16 : (int)(n - i);
-            silu16(gate_up + i, count, s);
+            silu16(gate + i, count, s);
             for (int j = 0; j < count; j++)
-                out[i + j] = s[j] * gate_up[n + i + j];
+                out[r * n + i + j] = s[j] * up[i + j];
         }
+    }
 }
 
-void silu_mul_bf16(const uint16_t *restrict gate_up, int64_t rows, int64_t n, uint16_t *restrict out) {
-    float g[16], s[16];
-    for (int64_t r = 0; r < rows; r++, gate_up += 2 * n, out += n)
+void silu_mul_bf16(const uint16_t *restrict gate_up, int64_t rows, int64_t n, uint16_t *restrict out,
+                   int32_t num_threads) {
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && rows * n >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *restrict gate = gate_up + r * 2 * n, *restrict up = gate + n;
+        float g[16], s[16];
         for (int64_t i = 0; i < n; i += 16) {
             const int count = n - i >= 16 ? 16 : (int)(n - i);
             for (int j = 0; j < count; j++)
-                g[j] = from_bf16(gate_up[i + j]);
+                g[j] = from_bf16(gate[i + j]);
             silu16(g, count, s);
             for (int j = 0; j < count; j++)
-                out[i + j] = to_bf16(from_bf16(to_bf16(s[j])) * from_bf16(gate_up[n + i + j]));
+                out[r * n + i + j] = to_bf16(from_bf16(to_bf16(s[j])) * from_bf16(up[i + j]));
         }
+    }
 }
 
 /* -- call lists ----------------------------------------------------------------------------------- */
@@ -66,10 +76,11 @@ struct silu_mul_args {
     const float *gate_up;
     int64_t rows, n;
     float *out;
+    int32_t num_threads;
 };
 
 int silu_mul_f32_call(const struct silu_mul_args *a) {
-    silu_mul_f32(a->gate_up, a->rows, a->n, a->out);
+    silu_mul_f32(a->gate_up, a->rows, a->n, a->out, a->num_threads);
     return 0;
 }
 

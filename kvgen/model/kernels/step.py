@@ -26,7 +26,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 class _SiluArgs(ctypes.Structure):
     """`struct silu_mul_args` of step.c."""
 
-    _fields_ = [("gate_up", _P), ("rows", _I64), ("n", _I64), ("out", _P)]
+    _fields_ = [("gate_up", _P), ("rows", _I64), ("n", _I64), ("out", _P), ("num_threads", ctypes.c_int32)]
 
 
 class _AddArgs(ctypes.Structure):
@@ -59,7 +59,7 @@ class CallList:
 
 class StepKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._silu_mul = dtype_functions(library, SILU_DTYPES, [_P, _I64, _I64, _P], None)
+        self._silu_mul = dtype_functions(library, SILU_DTYPES, [_P, _I64, _I64, _P, ctypes.c_int32], None)
         self._silu_mul_call, self._add_call = library.silu_mul_f32_call, library.add_f32_call
         self._run_calls = library.run_calls
         self._run_calls.argtypes, self._run_calls.restype = [_P, _I64], _I64
@@ -71,7 +71,7 @@ class StepKernels:
         gate_up = gate_up.contiguous()
         rows, n = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, n, dtype=gate_up.dtype)
-        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), rows, n, out.data_ptr())
+        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
         return out
 
     def silu_mul_call(self, gate_up: torch.Tensor, out: torch.Tensor) -> KernelCall:
@@ -79,7 +79,7 @@ class StepKernels:
         rows, n = out.shape
         assert (gate_up.dtype == out.dtype == torch.float32 and gate_up.is_contiguous() and out.is_contiguous()
                 and gate_up.shape == (rows, 2 * n))
-        return KernelCall(self._silu_mul_call, _SiluArgs(gate_up.data_ptr(), rows, n, out.data_ptr()),
+        return KernelCall(self._silu_mul_call, _SiluArgs(gate_up.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads()),
                           keep=(gate_up, out))
 
     def add_call(self, x: torch.Tensor, y: torch.Tensor) -> KernelCall:
