@@ -6,7 +6,7 @@
  * AMX) and called through ctypes, only on CPUs that report AVX-512 F.
  *
  * W [N, K] fp32 row-major, as loaded: the same memory OpenBLAS's GEMM reads for many rows, so fp32
- * layers keep one copy of their weights. A block's 4 rows are 4 streams, each prefetched ahead.
+ * layers keep one copy of their weights. A block's 4 rows are 4 streams.
  * x [T, K] fp32, y [T, N] fp32. The loop is few_rows.h's.
  *
  * Why not OpenBLAS's GEMV/GEMM: at one row its GEMV reads a small model's weights at ~19 GB/s here

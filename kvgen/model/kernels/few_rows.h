@@ -2,8 +2,9 @@
  *
  * Made for decode's few rows of x (a speculative verify chunk: up to ~16): each 64-byte load of a
  * weight row feeds up to 4 rows of x (x stays in cache), so the weights stream from memory once per
- * call, with software prefetch ahead in each stream. Work: OpenMP over blocks of 4 weight rows; one
- * thread below PARALLEL_BYTES of work (the weights' bytes, and a share more for each 4 rows of x).
+ * call, left to the hardware prefetchers (software prefetch 1 KiB ahead in each stream read them
+ * ~10% slower in fp32 and 25-30% slower in bf16 here, BENCHMARKS.md). Work: OpenMP over blocks of 4
+ * weight rows; one thread below PARALLEL_BYTES of work (the weights' bytes, and a share more for each 4 rows of x).
  * Every output goes through the same operations whatever T is, so a row's result does not depend on
  * the rows beside it. Each product is accumulated in fp32 over 16 lanes, the lanes are summed, and
  * the sum is stored as fp32 or rounded once to bf16 (nearest even), as oneDNN and torch round a bf16
@@ -25,13 +26,12 @@
 
 #define WROWS 4 /* weight rows per block */
 #define XROWS 4 /* rows of x per pass over a block */
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 1024
-#endif
-/* Below this much work, one thread: waking the second costs more than it saves
- * (OpenMP's workers sleep between calls, see kvgen/threads.py). */
+/* Below this much work, one thread: the second's share would cost more to hand over than it saves.
+ * OpenMP's workers spin briefly after each call (kvgen/threads.py), so a step's calls find the
+ * second thread awake; from 256 KiB two threads read a bf16 step's weights ~8% faster than from
+ * 1 MiB (which left SmolLM2's 660 KiB o projection to one thread). */
 #ifndef PARALLEL_BYTES
-#define PARALLEL_BYTES (1 << 20)
+#define PARALLEL_BYTES (256 << 10)
 #endif
 
 /* y[at] = sum, as fp32 or rounded to bf16. */
@@ -62,7 +62,6 @@ static inline void store(void *y, int64_t at, int f32, float sum) {
         if (rows > 2) store(y, at + 2, f32, _mm512_reduce_add_ps(a##t##2));                               \
         if (rows > 3) store(y, at + 3, f32, _mm512_reduce_add_ps(a##t##3));                               \
     }
-#define PREFETCH(p) _mm_prefetch((const char *)(p) + PREFETCH_BYTES, _MM_HINT_T0)
 #define BLOCK(XR, ACCS, DOTS, STORES)                                                                     \
     static void block_x##XR(const ELEM *x, int64_t t0, int64_t K, const ELEM *w0, int64_t n0, int rows,  \
                             int64_t N, void *y, int f32) {                                                \
@@ -74,7 +73,6 @@ static inline void store(void *y, int64_t at, int f32, float sum) {
         for (int64_t k = 0; k < end; k += SPAN, w0 += SPAN_STEP, w1 += SPAN_STEP, w2 += SPAN_STEP,       \
                      w3 += SPAN_STEP) {                                                                   \
             const MASK m = k < full ? (MASK)~(MASK)0 : tail;                                              \
-            PREFETCH(w0); PREFETCH(w1); PREFETCH(w2); PREFETCH(w3);                                       \
             const VEC v0 = LOAD(m, w0), v1 = LOAD(m, w1), v2 = LOAD(m, w2), v3 = LOAD(m, w3);             \
             DOTS                                                                                          \
         }                                                                                                 \
