@@ -4,8 +4,9 @@ At decode's few rows a layer's kernels do ~150 us of work on a small model, and 
 them (the calls, views, residual adds) costs ~50 us more: ~1.5 ms of a 7 ms SmolLM2 Q4_1 step.
 Where every piece of the step has a C kernel, `DecodePrograms` writes the step once as a list of
 kernel calls over buffers of its own (kvgen.model.kernels.step) and runs it each step with one
-ctypes call. That holds for fp32 models on the CPU whose projections run kvgen's own kernels
-(packed GGUF / int8 / int4 layers, or fp32 ones) without biases, with fp32 K/V pools, when every
+ctypes call. That holds on the CPU for fp32 models whose projections run kvgen's own kernels
+(packed GGUF / int8 / int4 layers, or fp32 ones) and for bf16 models on its bf16 kernel, without
+biases, with K/V pools of the model's dtype, when every
 sequence of the step decodes one token through the in-place attention kernel (no heavy-hitter
 scores, no re-rotated keys) and there are fewer rows than the norm kernel serves. Anything else runs
 layer by layer (LlamaModel.forward).
@@ -41,7 +42,7 @@ class DecodePrograms:
     def __init__(self, model: LlamaModel, enabled: bool = True) -> None:
         self._model = model
         kernels = (step_kernels(), rms_norm_kernel(), rope_kernel())
-        self._usable = (enabled and model.device.type == "cpu" and model.dtype == torch.float32
+        self._usable = (enabled and model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16)
                         and all(k is not None for k in kernels))
         self._programs: OrderedDict[tuple, DecodeProgram | None] = OrderedDict()
         self.fused_steps = 0  # steps that found a program (for tests and the curious)
@@ -49,7 +50,7 @@ class DecodePrograms:
     def find(self, rows: int, attention: Attention) -> DecodeProgram | None:
         """The program for this step, or None where it must run layer by layer."""
         if (not self._usable or rows >= NORM_KERNEL_ROWS or not isinstance(attention, PagedAttention)
-                or not attention.decodes_in_place() or attention.cache.k[0].dtype != torch.float32):
+                or not attention.decodes_in_place() or attention.cache.k[0].dtype != self._model.dtype):
             return None
         groups = tuple((g.first_row, g.mask.shape[0]) for g in attention.meta.groups)
         key = (rows, groups, id(attention.cache), torch.get_num_threads())
@@ -99,28 +100,34 @@ class DecodeProgram:
         heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = heads * dim, kv_heads * dim
         inner = layers[0].gate_up.out_features
-        f32 = dict(dtype=torch.float32)
-        b = {"x": torch.empty(rows, cfg.hidden_size, **f32), "h": torch.empty(rows, cfg.hidden_size, **f32),
-             "qkv": torch.empty(rows, q_size + 2 * kv_size, **f32), "attn": torch.empty(rows, q_size, **f32),
-             "proj": torch.empty(rows, cfg.hidden_size, **f32), "gate_up": torch.empty(rows, inner, **f32),
-             "act": torch.empty(rows, inner // 2, **f32), "cos": torch.empty(rows, 1, dim, **f32),
-             "sin": torch.empty(rows, 1, dim, **f32), "slots": torch.empty(rows, dtype=torch.int64)}
+        step, norm, rope = step_kernels(), rms_norm_kernel(), rope_kernel()
+        shapes = {"x": (cfg.hidden_size,), "h": (cfg.hidden_size,), "qkv": (q_size + 2 * kv_size,),
+                  "attn": (q_size,), "proj": (cfg.hidden_size,), "gate_up": (inner,), "act": (inner // 2,),
+                  "cos": (1, dim), "sin": (1, dim)}
+        b = {name: torch.empty(rows, *shape, dtype=model.dtype) for name, shape in shapes.items()}
+        b["slots"] = torch.empty(rows, dtype=torch.int64)
         qk = b["qkv"][:, : q_size + kv_size].view(rows, heads + kv_heads, dim)
         k = qk[:, heads:]
         v = b["qkv"][:, q_size + kv_size :].view(rows, kv_heads, dim)
-        queries = qk[:, :heads]
+        queries, attn = qk[:, :heads], b["attn"].view(rows, heads, dim)
+        converts_before: list[KernelCall] = []
+        converts_after: list[KernelCall] = []
+        if model.dtype != torch.float32:  # the attention kernel reads and writes fp32 rows
+            b["q32"], b["attn32"] = torch.empty(rows, heads, dim), torch.empty(rows, heads, dim)
+            converts_before.append(step.convert_call(queries, b["q32"]))
+            converts_after.append(step.convert_call(b["attn32"], attn))
+            queries, attn = b["q32"], b["attn32"]
         pools = list(zip(cache.k, cache.v))
         decodes = [decode_kernel.decode_calls(queries[first : first + batch], pools, cache.block_size,
-                                              b["attn"][first : first + batch].view(batch, heads, dim))
+                                              attn[first : first + batch])
                    for first, batch in groups]
-        step, norm, rope = step_kernels(), rms_norm_kernel(), rope_kernel()
         eps = cfg.rms_norm_eps
         calls: list[KernelCall | None] = [norm.call(b["x"], layers[0].input_norm, eps, b["h"])]
         for index, layer in enumerate(layers):
             next_norm = layers[index + 1].input_norm if index + 1 < len(layers) else model.final_norm
             calls += [layer.qkv.call(b["h"], b["qkv"]), rope.call(qk, b["cos"], b["sin"]),
                       decode_kernel.store_call(cache.k[index], cache.v[index], b["slots"], k, v)]
-            calls += [decode.calls[index] for decode in decodes]
+            calls += [*converts_before, *(decode.calls[index] for decode in decodes), *converts_after]
             calls += [layer.o.call(b["attn"], b["proj"]), step.add_call(b["x"], b["proj"]),
                       norm.call(b["x"], layer.post_norm, eps, b["h"]),
                       layer.gate_up.call(b["h"], b["gate_up"]), step.silu_mul_call(b["gate_up"], b["act"]),

@@ -164,6 +164,9 @@ class Bf16Linear(Linear):
         out = self._matmul(x.contiguous(), self.packed, self.out_features)
         return out if self.bias is None else out.add_(self.bias)
 
+    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        return self._matmul.call(x, self.packed, out) if self.bias is None else None
+
 
 class TorchLinear(Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -24,10 +24,12 @@ def assert_same_bits(fused, layered):
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # floats compared exactly
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])  # fp32 kernel layers, then packed ones
-def test_fused_steps_give_the_layered_bits_on_stories(stories_bin, quantization):
-    fused, steps = generate(stories_bin, quantization=quantization, max_num_seqs=3)
-    layered, none = generate(stories_bin, quantization=quantization, max_num_seqs=3, fused_decode=False)
+@pytest.mark.parametrize("quantization, dtype", [("none", "float32"), ("int8", "float32"), ("int4", "float32"),
+                                                 ("none", "bfloat16")])  # every kind of layer the steps run
+def test_fused_steps_give_the_layered_bits_on_stories(stories_bin, quantization, dtype):
+    options = dict(quantization=quantization, dtype=dtype, max_num_seqs=3)
+    fused, steps = generate(stories_bin, **options)
+    layered, none = generate(stories_bin, **options, fused_decode=False)
     assert steps > 20 and none == 0
     assert_same_bits(fused, layered)
 
@@ -58,7 +60,7 @@ def test_a_window_composes_with_fused_steps(stories_bin):
     assert_same_bits(fused, layered)
 
 
-@pytest.mark.parametrize("options", [dict(kv_cache_dtype="int8"), dict(dtype="bfloat16"),
+@pytest.mark.parametrize("options", [dict(kv_cache_dtype="int8"), dict(dtype="bfloat16", quantization="int4"),
                                      dict(attention_backend="sdpa"), dict(max_num_seqs=16)])
 def test_steps_without_a_kernel_for_every_piece_run_layer_by_layer(stories_bin, options):
     prompts = [[7 + i] for i in range(16)] if "max_num_seqs" in options else PROMPTS  # 16 rows: torch's norm

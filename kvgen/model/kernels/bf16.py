@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvgen.model.kernels import build_library, cpu_has
+from kvgen.model.kernels import KernelCall, build_library, cpu_has
 
 log = logging.getLogger(__name__)
 
@@ -52,28 +52,48 @@ class Bf16Tiles:
         return self._buffer[:size].view(shape)
 
 
+class _Args(ctypes.Structure):
+    """`struct bf16_matmul_args` of bf16_matmul.c."""
+
+    _fields_ = [("x", _P), ("T", _I64), ("K", _I64), ("w", _P), ("N", _I64), ("y", _P), ("f32", ctypes.c_int32),
+                ("num_threads", ctypes.c_int32)]
+
+
 class Bf16Matmul:
     def __init__(self, library: ctypes.CDLL) -> None:
         function = library.bf16_matmul
         function.argtypes = [_P, _I64, _I64, _P, _I64, _P, ctypes.c_int32, ctypes.c_int32]
         function.restype = None
         self._function = function
+        self._call = library.bf16_matmul_call
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x bf16 [T, K] contiguous, `packed` from pack() of a [out_features, K] weight -> [T, out_features]
         in `out_dtype`: bf16, or float32 for the unrounded fp32 sums."""
+        self._check(x, packed, out_features, out_dtype)
+        out = torch.empty(x.shape[0], out_features, dtype=out_dtype)
+        if x.shape[0]:
+            self._function(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out_features, out.data_ptr(),
+                           out_dtype == torch.float32, torch.get_num_threads())
+        return out
+
+    def call(self, x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> KernelCall:
+        """out [T, out_features] (bf16 or fp32, contiguous) = this kernel on x, as a KernelCall."""
+        self._check(x, packed, out.shape[1], out.dtype)
+        assert x.shape[0] and out.is_contiguous() and out.shape[0] == x.shape[0]
+        args = _Args(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out.shape[1], out.data_ptr(),
+                     out.dtype == torch.float32, torch.get_num_threads())
+        return KernelCall(self._call, args, keep=(x, packed, out))
+
+    @staticmethod
+    def _check(x: torch.Tensor, packed: torch.Tensor, out_features: int, out_dtype: torch.dtype) -> None:
         if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.dim() != 2:
             raise ValueError(f"bf16 matmul: x must be contiguous bf16 [T, K], not {x.dtype} {list(x.shape)}")
         if packed.shape[:2] != (-(-out_features // TILE_ROWS), -(-x.shape[1] // SPAN)):
             raise ValueError(f"bf16 matmul: x [{x.shape[1]} columns] does not fit the packed weight {list(packed.shape)}")
         if out_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"bf16 matmul: out_dtype must be bfloat16 or float32, not {out_dtype}")
-        out = torch.empty(x.shape[0], out_features, dtype=out_dtype)
-        if x.shape[0]:
-            self._function(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out_features, out.data_ptr(),
-                           out_dtype == torch.float32, torch.get_num_threads())
-        return out
 
 
 @functools.cache

@@ -28,3 +28,18 @@ void bf16_matmul(const uint16_t *x, int64_t T, int64_t K, const uint16_t *w, int
                  int32_t num_threads) {
     few_rows_matmul(x, T, K, w, N, y, f32, num_threads);
 }
+
+/* One call's arguments as a struct, for a call list (kvgen/model/kernels/step.c). */
+struct bf16_matmul_args {
+    const uint16_t *x;
+    int64_t T, K;
+    const uint16_t *w;
+    int64_t N;
+    void *y;
+    int32_t f32, num_threads;
+};
+
+int bf16_matmul_call(const struct bf16_matmul_args *a) {
+    bf16_matmul(a->x, a->T, a->K, a->w, a->N, a->y, a->f32, a->num_threads);
+    return 0;
+}

@@ -31,14 +31,14 @@ class _Args(ctypes.Structure):
 class RmsNorm:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = dtype_functions(library, DTYPES, [_P, _I64, _I64, _P, ctypes.c_float, _P], None)
-        self._f32_call = library.rms_norm_f32_call
+        self._calls = dtype_functions(library, {d: f"{name}_call" for d, name in DTYPES.items()}, [_P], ctypes.c_int)
 
     def call(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> KernelCall:
-        """out = the norm of x, all fp32 and contiguous, as a KernelCall."""
-        assert (x.dtype == weight.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.is_contiguous()
+        """out = the norm of x, all of one dtype (fp32 or bf16) and contiguous, as a KernelCall."""
+        assert (x.dtype in DTYPES and weight.dtype == out.dtype == x.dtype and x.is_contiguous() and out.is_contiguous()
                 and weight.is_contiguous() and x.dim() == 2 and out.shape == x.shape and weight.shape == x.shape[1:])
         args = _Args(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr())
-        return KernelCall(self._f32_call, args, keep=(x, weight, out))
+        return KernelCall(self._calls[x.dtype], args, keep=(x, weight, out))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, n] and weight [n], both fp32 or both bf16, on the CPU -> [T, n] in that dtype."""

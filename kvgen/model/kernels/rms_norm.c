@@ -49,3 +49,8 @@ int rms_norm_f32_call(const struct rms_norm_args *a) {
     rms_norm_f32(a->x, a->rows, a->n, a->w, a->eps, a->y);
     return 0;
 }
+
+int rms_norm_bf16_call(const struct rms_norm_args *a) {
+    rms_norm_bf16(a->x, a->rows, a->n, a->w, a->eps, a->y);
+    return 0;
+}

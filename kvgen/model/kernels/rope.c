@@ -49,3 +49,8 @@ int rope_f32_call(const struct rope_args *a) {
     rope_f32(a->x, a->rows, a->heads, a->dim, a->stride, a->cos, a->sin);
     return 0;
 }
+
+int rope_bf16_call(const struct rope_args *a) {
+    rope_bf16(a->x, a->rows, a->heads, a->dim, a->stride, a->cos, a->sin);
+    return 0;
+}

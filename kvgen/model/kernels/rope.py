@@ -33,7 +33,7 @@ class _Args(ctypes.Structure):
 class Rope:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = dtype_functions(library, DTYPES, [_P, _I64, _I64, _I64, _I64, _P, _P], None)
-        self._f32_call = library.rope_f32_call
+        self._calls = dtype_functions(library, {d: f"{name}_call" for d, name in DTYPES.items()}, [_P], ctypes.c_int)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
         """Rotates x [T, heads, D] in place (rows may be strided, each row's heads contiguous);
@@ -44,12 +44,12 @@ class Rope:
         self._functions[x.dtype](x.data_ptr(), rows, heads, dim, x.stride(0), cos.data_ptr(), signed_sin.data_ptr())
 
     def call(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> KernelCall:
-        """The rotation of fp32 x by contiguous cos / signed_sin, as a KernelCall."""
+        """The rotation of x by contiguous cos / signed_sin, as a KernelCall."""
         self._check(x, cos, signed_sin)
-        assert x.dtype == torch.float32 and cos.is_contiguous() and signed_sin.is_contiguous()
+        assert cos.is_contiguous() and signed_sin.is_contiguous()
         rows, heads, dim = x.shape
         args = _Args(x.data_ptr(), rows, heads, dim, x.stride(0), cos.data_ptr(), signed_sin.data_ptr())
-        return KernelCall(self._f32_call, args, keep=(x, cos, signed_sin))
+        return KernelCall(self._calls[x.dtype], args, keep=(x, cos, signed_sin))
 
     @staticmethod
     def _check(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:

@@ -2,7 +2,8 @@
  *
  *     silu_mul     SwiGLU's silu(gate) * up, fp32 or bf16, for every row count: torch's two ops cost
  *                  ~6 us a decode layer for a microsecond of work
- *     add_f32      the residual add, x += y
+ *     add          the residual add, x += y, fp32 or bf16
+ *     convert      rows between bf16 and fp32, for a bf16 model's decode attention
  *     run_calls    a list of kernel calls, each `int run(const void *args)` with its arguments bound
  *                  (a `_call` function of this folder's kernels, or of kvgen/model/quant/qmatmul.c),
  *                  run in order: kvgen/model/fused.py makes a decode step's forward one such list,
@@ -73,9 +74,9 @@ void silu_mul_bf16(const uint16_t *restrict gate_up, int64_t rows, int64_t n, ui
 /* -- call lists ----------------------------------------------------------------------------------- */
 
 struct silu_mul_args {
-    const float *gate_up;
+    const void *gate_up;
     int64_t rows, n;
-    float *out;
+    void *out;
     int32_t num_threads;
 };
 
@@ -84,9 +85,15 @@ int silu_mul_f32_call(const struct silu_mul_args *a) {
     return 0;
 }
 
+int silu_mul_bf16_call(const struct silu_mul_args *a) {
+    silu_mul_bf16(a->gate_up, a->rows, a->n, a->out, a->num_threads);
+    return 0;
+}
+
+/* x += y over n elements; bf16 rounds the fp32 sum once, as torch's add_ does. */
 struct add_args {
-    float *x;
-    const float *y;
+    void *x;
+    const void *y;
     int64_t n;
 };
 
@@ -95,6 +102,41 @@ int add_f32_call(const struct add_args *a) {
     const float *restrict y = a->y;
     for (int64_t i = 0; i < a->n; i++)
         x[i] += y[i];
+    return 0;
+}
+
+int add_bf16_call(const struct add_args *a) {
+    uint16_t *restrict x = a->x;
+    const uint16_t *restrict y = a->y;
+    for (int64_t i = 0; i < a->n; i++)
+        x[i] = to_bf16(from_bf16(x[i]) + from_bf16(y[i]));
+    return 0;
+}
+
+/* rows of n elements, `stride` elements apart in src, into contiguous dst: bf16 widened to fp32
+ * (exact), or fp32 rounded to bf16 (nearest even, as torch's .to() rounds). A bf16 model's decode
+ * attention reads fp32 queries and writes fp32 rows (kvgen.model.kernels.GroupDecode). */
+struct convert_args {
+    const void *src;
+    int64_t rows, n, stride;
+    void *dst;
+};
+
+int bf16_to_f32_call(const struct convert_args *a) {
+    const uint16_t *src = a->src;
+    float *dst = a->dst;
+    for (int64_t r = 0; r < a->rows; r++)
+        for (int64_t i = 0; i < a->n; i++)
+            dst[r * a->n + i] = from_bf16(src[r * a->stride + i]);
+    return 0;
+}
+
+int f32_to_bf16_call(const struct convert_args *a) {
+    const float *src = a->src;
+    uint16_t *dst = a->dst;
+    for (int64_t r = 0; r < a->rows; r++)
+        for (int64_t i = 0; i < a->n; i++)
+            dst[r * a->n + i] = to_bf16(src[r * a->stride + i]);
     return 0;
 }
 

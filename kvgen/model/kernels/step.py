@@ -35,6 +35,12 @@ class _AddArgs(ctypes.Structure):
     _fields_ = [("x", _P), ("y", _P), ("n", _I64)]
 
 
+class _ConvertArgs(ctypes.Structure):
+    """`struct convert_args` of step.c."""
+
+    _fields_ = [("src", _P), ("rows", _I64), ("n", _I64), ("stride", _I64), ("dst", _P)]
+
+
 class _Call(ctypes.Structure):
     """`struct call` of step.c."""
 
@@ -60,7 +66,11 @@ class CallList:
 class StepKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._silu_mul = dtype_functions(library, SILU_DTYPES, [_P, _I64, _I64, _P, ctypes.c_int32], None)
-        self._silu_mul_call, self._add_call = library.silu_mul_f32_call, library.add_f32_call
+        calls = {torch.float32: "f32_call", torch.bfloat16: "bf16_call"}
+        self._silu_mul_calls = dtype_functions(library, {d: "silu_mul_" + c for d, c in calls.items()}, [_P], ctypes.c_int)
+        self._add_calls = dtype_functions(library, {d: "add_" + c for d, c in calls.items()}, [_P], ctypes.c_int)
+        self._convert_calls = {(torch.bfloat16, torch.float32): library.bf16_to_f32_call,
+                               (torch.float32, torch.bfloat16): library.f32_to_bf16_call}
         self._run_calls = library.run_calls
         self._run_calls.argtypes, self._run_calls.restype = [_P, _I64], _I64
 
@@ -75,17 +85,25 @@ class StepKernels:
         return out
 
     def silu_mul_call(self, gate_up: torch.Tensor, out: torch.Tensor) -> KernelCall:
-        """out = silu_mul(gate_up), fp32 and contiguous, as a KernelCall."""
+        """out = silu_mul(gate_up), of one dtype (fp32 or bf16) and contiguous, as a KernelCall."""
         rows, n = out.shape
-        assert (gate_up.dtype == out.dtype == torch.float32 and gate_up.is_contiguous() and out.is_contiguous()
+        assert (gate_up.dtype == out.dtype and gate_up.is_contiguous() and out.is_contiguous()
                 and gate_up.shape == (rows, 2 * n))
-        return KernelCall(self._silu_mul_call, _SiluArgs(gate_up.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads()),
-                          keep=(gate_up, out))
+        args = _SiluArgs(gate_up.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
+        return KernelCall(self._silu_mul_calls[out.dtype], args, keep=(gate_up, out))
 
     def add_call(self, x: torch.Tensor, y: torch.Tensor) -> KernelCall:
-        """x += y, both fp32, contiguous and of one shape, as a KernelCall."""
-        assert x.dtype == y.dtype == torch.float32 and x.is_contiguous() and y.is_contiguous() and x.shape == y.shape
-        return KernelCall(self._add_call, _AddArgs(x.data_ptr(), y.data_ptr(), x.numel()), keep=(x, y))
+        """x += y, of one dtype (fp32 or bf16), contiguous and of one shape, as a KernelCall."""
+        assert x.dtype == y.dtype and x.is_contiguous() and y.is_contiguous() and x.shape == y.shape
+        return KernelCall(self._add_calls[x.dtype], _AddArgs(x.data_ptr(), y.data_ptr(), x.numel()), keep=(x, y))
+
+    def convert_call(self, src: torch.Tensor, dst: torch.Tensor) -> KernelCall:
+        """dst = src.to(dst.dtype) between bf16 and fp32, as a KernelCall: src [rows, ..., n] with its
+        last dims contiguous within a row (rows src.stride(0) apart), dst contiguous of its shape."""
+        rows, n = src.shape[0], src[0].numel()
+        assert dst.is_contiguous() and dst.shape == src.shape and src[0].is_contiguous()
+        args = _ConvertArgs(src.data_ptr(), rows, n, src.stride(0), dst.data_ptr())
+        return KernelCall(self._convert_calls[src.dtype, dst.dtype], args, keep=(src, dst))
 
     def call_list(self, calls: list[KernelCall]) -> CallList:
         return CallList(self._run_calls, calls)

@@ -95,7 +95,8 @@ class VnniQuantLinear(QuantLinear):
 
     def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
         """The integer kernel's call, which is what `self(x)` runs for fp32 x below `many_rows`."""
-        if self.bias is not None or (self.many_rows is not None and x.shape[0] >= self.many_rows.from_rows):
+        if (self.bias is not None or x.dtype != torch.float32
+                or (self.many_rows is not None and x.shape[0] >= self.many_rows.from_rows)):
             return None
         return self._matmul.call(x, out)
 
