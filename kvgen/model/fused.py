@@ -73,7 +73,9 @@ class DecodeProgram:
 
     def __init__(self, cache: PagedKVCache, buffers: dict[str, torch.Tensor], calls: CallList,
                  decodes: list) -> None:
-        self._cache = weakref.ref(cache)  # the pools the calls write: a later cache gets its own program
+        # The calls point into the cache's pools without holding them: a program runs only while its
+        # cache lives, and holds no KV memory once the engine lets the cache go.
+        self._cache = weakref.ref(cache)
         self._buffers, self._calls, self._decodes = buffers, calls, decodes
 
     def serves(self, cache: PagedKVCache) -> bool:

@@ -73,7 +73,7 @@ class KernelCall:
     """One C kernel call with its arguments bound: a function `int run(const void *args)` (nonzero
     when out of memory) and the struct it is given, for the call lists of kvgen.model.kernels.step,
     which a decode step runs from C with no Python between calls. `keep` holds the tensors the
-    struct points into."""
+    struct points into, but for a KV cache's pools (their cache holds them)."""
 
     def __init__(self, function: ctypes._CFuncPtr, args: ctypes.Structure, keep: tuple = ()) -> None:
         self.address = ctypes.cast(function, ctypes.c_void_p).value
@@ -125,9 +125,10 @@ class PagedDecode:
 
     def store_call(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> KernelCall:
-        """`store` as a KernelCall over these tensors' memory, whatever it then holds."""
+        """`store` as a KernelCall over these tensors' memory, whatever it then holds. The pools belong
+        to their KV cache, which must outlive the call (kvgen.model.fused checks that it does)."""
         return KernelCall(self._store_call, _StoreArgs(*_store_arguments(k_pool, v_pool, slots, k, v)),
-                          keep=(k_pool, v_pool, slots, k, v))
+                          keep=(slots, k, v))
 
     def decode_calls(self, q: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                      out: torch.Tensor) -> DecodeCalls:
@@ -191,7 +192,8 @@ class DecodeCalls:
     """Decode attention of one group of sequences in every layer, a KernelCall each (`calls`), over
     fixed queries q [B, heads, D] (heads contiguous, rows q.stride(0) apart: a view into the q/k/v
     projection's output), fp32 / bf16 pools (k, v) per layer [kv_heads, num_slots, D] and an output
-    [B, heads, D] of fp32; the group's block tables change each step (set_blocks)."""
+    [B, heads, D] of fp32; the group's block tables change each step (set_blocks). The pools belong
+    to their KV cache, which must outlive the calls."""
 
     def __init__(self, functions: dict[torch.dtype, ctypes._CFuncPtr], q: torch.Tensor,
                  pools: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, out: torch.Tensor) -> None:
@@ -207,7 +209,7 @@ class DecodeCalls:
                          batch=batch, q_stride=q.stride(0), kv_heads=kv_heads, group=heads // kv_heads,
                          head_dim=head_dim, num_slots=num_slots, block_size=block_size, scale=head_dim**-0.5,
                          num_threads=torch.get_num_threads())
-            self.calls.append(KernelCall(functions[k_pool.dtype], args, keep=(q, k_pool, v_pool, out)))
+            self.calls.append(KernelCall(functions[k_pool.dtype], args, keep=(q, out)))
         self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_blocks(self, block_ids: torch.Tensor, mask: torch.Tensor) -> None:

@@ -22,6 +22,7 @@
 #define ROW_STRIDE(K) (K)
 #define SPAN_STEP SPAN
 #define BLOCK_START(b, K) ((b) * WROWS * (K))
+#define ROWS_CONTIGUOUS
 #include "few_rows.h"
 
 /* x [T, K] fp32, w [N, K] fp32 row-major, y [T, N] fp32. */
