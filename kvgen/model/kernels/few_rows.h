@@ -18,7 +18,7 @@
  *   ROW_STRIDE(K)        elements from one row of a 4-row weight block to the next
  *   SPAN_STEP            elements from one span of a block's row to the next
  *   BLOCK_START(b, K)    the element where block b (rows 4b..4b+3) starts
- *   ROWS_CONTIGUOUS      (optional) weight rows are contiguous: passes of 1-3 rows of x go row by row
+ *   ROWS_CONTIGUOUS      (optional) weight rows are contiguous: few rows of x go row by row
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -82,11 +82,26 @@ static inline void store(void *y, int64_t at, int f32, float sum) {
 BLOCK(4, ACC(0) ACC(1) ACC(2) ACC(3), DOTS_OF(0) DOTS_OF(1) DOTS_OF(2) DOTS_OF(3), STORE(0) STORE(1) STORE(2) STORE(3))
 
 #ifdef ROWS_CONTIGUOUS
-/* Passes of 1-3 rows of x (decode, and the last rows of a chunk) over a layout whose weight rows are
- * contiguous (ROW_STRIDE(K) == K, SPAN_STEP == SPAN): one weight row at a time, so the block is read
- * as one sequential stream, which the hardware prefetchers follow faster than block_x*'s 4
- * interleaved ones (a SmolLM2 fp32 step's matrices at one row of x, in a microbenchmark: 24 -> 32
- * GB/s). Each output accumulates over the same spans in the same order as in block_x*: the same bits. */
+/* For a layout whose weight rows are contiguous (ROW_STRIDE(K) == K, SPAN_STEP == SPAN): passes of
+ * up to ROW_PASS rows of x that go one weight row at a time, so the block is read as one sequential
+ * stream, which the hardware prefetchers follow faster than block_x4's 4 interleaved ones. They run
+ * every pass of a call with fewer than ROW_PASS_BELOW rows of x (decode, a speculative verify chunk:
+ * memory-bound; a SmolLM2 fp32 step's matrices at one row, in a microbenchmark, 24 -> 32 GB/s) and
+ * the last 1-3 rows of larger ones; block_x4 does the rest (compute-bound, where its 16
+ * accumulators need fewer loads per multiply-add). Each output accumulates over the same spans in
+ * the same order in both: the same bits. */
+#ifndef ROW_PASS
+#define ROW_PASS 8
+#endif
+#ifndef ROW_PASS_BELOW
+#define ROW_PASS_BELOW 16
+#endif
+/* With 2-8 rows of x a weight row's stream is read too slowly for the hardware prefetchers to run
+ * far enough ahead: software prefetch 4 KiB ahead made a SmolLM2 fp32 step's matrices 10-20% faster
+ * at 5 and 9 rows (at one row it changed nothing, and is left out). */
+#ifndef ROW_PREFETCH
+#define ROW_PREFETCH 4096
+#endif
 #define ROW_ACC(t) __m512 a##t = _mm512_setzero_ps();
 #define ROW_DOT(t) a##t = DOT(a##t, LOAD(m, x + (t0 + t) * K + k), v);
 #define ROW_STORE(t) store(y, (t0 + t) * N + n0 + r, f32, _mm512_reduce_add_ps(a##t));
@@ -100,26 +115,63 @@ BLOCK(4, ACC(0) ACC(1) ACC(2) ACC(3), DOTS_OF(0) DOTS_OF(1) DOTS_OF(2) DOTS_OF(3
             ACCS                                                                                          \
             for (int64_t k = 0; k < end; k += SPAN) {                                                     \
                 const MASK m = k < full ? (MASK)~(MASK)0 : tail;                                          \
+                if (XR > 1)                                                                               \
+                    _mm_prefetch((const char *)(w + k) + ROW_PREFETCH, _MM_HINT_T0);                      \
                 const VEC v = LOAD(m, w + k);                                                             \
                 DOTS                                                                                      \
             }                                                                                             \
             STORES                                                                                        \
         }                                                                                                 \
     }
-ROWS(1, ROW_ACC(0), ROW_DOT(0), ROW_STORE(0))
-ROWS(2, ROW_ACC(0) ROW_ACC(1), ROW_DOT(0) ROW_DOT(1), ROW_STORE(0) ROW_STORE(1))
-ROWS(3, ROW_ACC(0) ROW_ACC(1) ROW_ACC(2), ROW_DOT(0) ROW_DOT(1) ROW_DOT(2), ROW_STORE(0) ROW_STORE(1) ROW_STORE(2))
-#define PASS_X1 rows_x1
-#define PASS_X2 rows_x2
-#define PASS_X3 rows_x3
+#define UP_TO_1(F) F(0)
+#define UP_TO_2(F) UP_TO_1(F) F(1)
+#define UP_TO_3(F) UP_TO_2(F) F(2)
+#define UP_TO_4(F) UP_TO_3(F) F(3)
+#define UP_TO_5(F) UP_TO_4(F) F(4)
+#define UP_TO_6(F) UP_TO_5(F) F(5)
+#define UP_TO_7(F) UP_TO_6(F) F(6)
+#define UP_TO_8(F) UP_TO_7(F) F(7)
+#define ROWS_OF(XR) ROWS(XR, UP_TO_##XR(ROW_ACC), UP_TO_##XR(ROW_DOT), UP_TO_##XR(ROW_STORE))
+ROWS_OF(1)
+ROWS_OF(2)
+ROWS_OF(3)
+ROWS_OF(4)
+ROWS_OF(5)
+ROWS_OF(6)
+ROWS_OF(7)
+ROWS_OF(8)
+
+/* Rows t0 .. t0 + count - 1 of x (count <= ROW_PASS) by the block, row by row. */
+static void row_pass(const ELEM *x, int64_t t0, int count, int64_t K, const ELEM *block, int64_t n0, int rows,
+                     int64_t N, void *y, int f32) {
+    switch (count) {
+    case 1: rows_x1(x, t0, K, block, n0, rows, N, y, f32); break;
+    case 2: rows_x2(x, t0, K, block, n0, rows, N, y, f32); break;
+    case 3: rows_x3(x, t0, K, block, n0, rows, N, y, f32); break;
+    case 4: rows_x4(x, t0, K, block, n0, rows, N, y, f32); break;
+    case 5: rows_x5(x, t0, K, block, n0, rows, N, y, f32); break;
+    case 6: rows_x6(x, t0, K, block, n0, rows, N, y, f32); break;
+    case 7: rows_x7(x, t0, K, block, n0, rows, N, y, f32); break;
+    default: rows_x8(x, t0, K, block, n0, rows, N, y, f32); break;
+    }
+}
+
+static void weight_block(const ELEM *x, int64_t T, int64_t K, const ELEM *w, int64_t b, int64_t N, void *y,
+                         int f32) {
+    const int64_t n0 = b * WROWS;
+    const int rows = N - n0 < WROWS ? (int)(N - n0) : WROWS;
+    const ELEM *block = w + BLOCK_START(b, K);
+    int64_t t0 = 0;
+    if (T >= ROW_PASS_BELOW)
+        for (; t0 + XROWS <= T; t0 += XROWS)
+            block_x4(x, t0, K, block, n0, rows, N, y, f32);
+    for (; t0 < T; t0 += ROW_PASS)
+        row_pass(x, t0, T - t0 < ROW_PASS ? (int)(T - t0) : ROW_PASS, K, block, n0, rows, N, y, f32);
+}
 #else
 BLOCK(1, ACC(0), DOTS_OF(0), STORE(0))
 BLOCK(2, ACC(0) ACC(1), DOTS_OF(0) DOTS_OF(1), STORE(0) STORE(1))
 BLOCK(3, ACC(0) ACC(1) ACC(2), DOTS_OF(0) DOTS_OF(1) DOTS_OF(2), STORE(0) STORE(1) STORE(2))
-#define PASS_X1 block_x1
-#define PASS_X2 block_x2
-#define PASS_X3 block_x3
-#endif
 
 static void weight_block(const ELEM *x, int64_t T, int64_t K, const ELEM *w, int64_t b, int64_t N, void *y,
                          int f32) {
@@ -128,13 +180,14 @@ static void weight_block(const ELEM *x, int64_t T, int64_t K, const ELEM *w, int
     const ELEM *block = w + BLOCK_START(b, K);
     for (int64_t t0 = 0; t0 < T; t0 += XROWS) {
         switch (T - t0 < XROWS ? T - t0 : XROWS) {
-        case 1: PASS_X1(x, t0, K, block, n0, rows, N, y, f32); break;
-        case 2: PASS_X2(x, t0, K, block, n0, rows, N, y, f32); break;
-        case 3: PASS_X3(x, t0, K, block, n0, rows, N, y, f32); break;
+        case 1: block_x1(x, t0, K, block, n0, rows, N, y, f32); break;
+        case 2: block_x2(x, t0, K, block, n0, rows, N, y, f32); break;
+        case 3: block_x3(x, t0, K, block, n0, rows, N, y, f32); break;
         default: block_x4(x, t0, K, block, n0, rows, N, y, f32); break;
         }
     }
 }
+#endif
 
 /* x [T, K], W [N, K] in the including file's layout, y [T, N] as fp32 (f32 set) or bf16. */
 static void few_rows_matmul(const ELEM *x, int64_t T, int64_t K, const ELEM *w, int64_t N, void *y, int f32,
