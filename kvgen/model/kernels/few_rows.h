@@ -96,11 +96,12 @@ BLOCK(4, ACC(0) ACC(1) ACC(2) ACC(3), DOTS_OF(0) DOTS_OF(1) DOTS_OF(2) DOTS_OF(3
 #ifndef ROW_PASS_BELOW
 #define ROW_PASS_BELOW 16
 #endif
-/* With 2-8 rows of x a weight row's stream is read too slowly for the hardware prefetchers to run
- * far enough ahead: software prefetch 4 KiB ahead made a SmolLM2 fp32 step's matrices 10-20% faster
- * at 5 and 9 rows (at one row it changed nothing, and is left out). */
+/* With 2-8 rows of x the hardware prefetchers fall behind a weight row's stream (each span feeds
+ * more multiply-adds), so these passes prefetch into L2 16 KiB ahead: a SmolLM2 fp32 step's
+ * matrices took 33.8 -> 23.8 ms at 5 rows of x and 41.6 -> 34 ms at 9, in one process (4 KiB into
+ * L1: 10-20%; one row: no change, so it is left out). */
 #ifndef ROW_PREFETCH
-#define ROW_PREFETCH 4096
+#define ROW_PREFETCH (16 << 10)
 #endif
 #define ROW_ACC(t) __m512 a##t = _mm512_setzero_ps();
 #define ROW_DOT(t) a##t = DOT(a##t, LOAD(m, x + (t0 + t) * K + k), v);
@@ -116,7 +117,7 @@ BLOCK(4, ACC(0) ACC(1) ACC(2) ACC(3), DOTS_OF(0) DOTS_OF(1) DOTS_OF(2) DOTS_OF(3
             for (int64_t k = 0; k < end; k += SPAN) {                                                     \
                 const MASK m = k < full ? (MASK)~(MASK)0 : tail;                                          \
                 if (XR > 1)                                                                               \
-                    _mm_prefetch((const char *)(w + k) + ROW_PREFETCH, _MM_HINT_T0);                      \
+                    _mm_prefetch((const char *)(w + k) + ROW_PREFETCH, _MM_HINT_T1);                      \
                 const VEC v = LOAD(m, w + k);                                                             \
                 DOTS                                                                                      \
             }                                                                                             \
