@@ -122,23 +122,18 @@ struct convert_args {
     void *dst;
 };
 
-int bf16_to_f32_call(const struct convert_args *a) {
-    const uint16_t *src = a->src;
-    float *dst = a->dst;
-    for (int64_t r = 0; r < a->rows; r++)
-        for (int64_t i = 0; i < a->n; i++)
-            dst[r * a->n + i] = from_bf16(src[r * a->stride + i]);
-    return 0;
-}
+#define CONVERT(NAME, SRC, DST, CONVERT_ONE)                                                            \
+    int NAME(const struct convert_args *a) {                                                              \
+        const SRC *src = a->src;                                                                          \
+        DST *dst = a->dst;                                                                                \
+        for (int64_t r = 0; r < a->rows; r++)                                                             \
+            for (int64_t i = 0; i < a->n; i++)                                                            \
+                dst[r * a->n + i] = CONVERT_ONE(src[r * a->stride + i]);                                  \
+        return 0;                                                                                         \
+    }
 
-int f32_to_bf16_call(const struct convert_args *a) {
-    const float *src = a->src;
-    uint16_t *dst = a->dst;
-    for (int64_t r = 0; r < a->rows; r++)
-        for (int64_t i = 0; i < a->n; i++)
-            dst[r * a->n + i] = to_bf16(src[r * a->stride + i]);
-    return 0;
-}
+CONVERT(bf16_to_f32_call, uint16_t, float, from_bf16)
+CONVERT(f32_to_bf16_call, float, uint16_t, to_bf16)
 
 struct call {
     int (*run)(const void *args);
