@@ -52,9 +52,10 @@ class _Args(ctypes.Structure):
         ("q", ctypes.c_void_p), ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p),
         ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
         ("block_ids", ctypes.c_void_p), ("mask", ctypes.c_void_p), ("out", ctypes.c_void_p),
-        ("batch", ctypes.c_int64), ("q_stride", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("group", ctypes.c_int64),
-        ("head_dim", ctypes.c_int64), ("num_slots", ctypes.c_int64), ("blocks_per_seq", ctypes.c_int64),
-        ("block_size", ctypes.c_int64), ("scale", ctypes.c_float), ("num_threads", ctypes.c_int32),
+        ("batch", ctypes.c_int64), ("q_stride", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+        ("group", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("num_slots", ctypes.c_int64),
+        ("blocks_per_seq", ctypes.c_int64), ("block_size", ctypes.c_int64), ("scale", ctypes.c_float),
+        ("num_threads", ctypes.c_int32),
     ]
 
 
@@ -215,7 +216,8 @@ class DecodeCalls:
     def set_blocks(self, block_ids: torch.Tensor, mask: torch.Tensor) -> None:
         """This step's block_ids [B, N] and mask [B, N * block_size] (bool), for every layer's call."""
         batch, blocks_per_seq = block_ids.shape
-        assert batch == self.calls[0].args.batch and mask.shape == (batch, blocks_per_seq * self.calls[0].args.block_size)
+        first = self.calls[0].args
+        assert batch == first.batch and mask.shape == (batch, blocks_per_seq * first.block_size)
         block_ids, mask = block_ids.to(torch.int64).contiguous(), mask.contiguous()
         self._blocks = (block_ids, mask)  # kept alive while the calls point into them
         block_ptr, mask_ptr = block_ids.data_ptr(), mask.data_ptr()

@@ -91,7 +91,8 @@ class Bf16Matmul:
         if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.dim() != 2:
             raise ValueError(f"bf16 matmul: x must be contiguous bf16 [T, K], not {x.dtype} {list(x.shape)}")
         if packed.shape[:2] != (-(-out_features // TILE_ROWS), -(-x.shape[1] // SPAN)):
-            raise ValueError(f"bf16 matmul: x [{x.shape[1]} columns] does not fit the packed weight {list(packed.shape)}")
+            raise ValueError(f"bf16 matmul: x [{x.shape[1]} columns] does not fit the packed weight "
+                             f"{list(packed.shape)}")
         if out_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"bf16 matmul: out_dtype must be bfloat16 or float32, not {out_dtype}")
 

@@ -50,7 +50,8 @@ class F32Matmul:
     def call(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> KernelCall:
         """out = x @ weight^T (out fp32 [T, N] contiguous) as a KernelCall."""
         self._check(x, weight)
-        assert x.shape[0] and out.dtype == torch.float32 and out.is_contiguous() and out.shape == (x.shape[0], weight.shape[0])
+        assert (x.shape[0] and out.dtype == torch.float32 and out.is_contiguous()
+                and out.shape == (x.shape[0], weight.shape[0]))
         args = _Args(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], out.data_ptr(),
                      torch.get_num_threads())
         return KernelCall(self._call, args, keep=(x, weight, out))

@@ -41,7 +41,8 @@ static inline void silu16(const float *restrict g, int count, float *restrict s)
 
 /* gate_up [rows, 2n] (each row's gate, then its up) -> out [rows, n], 16 at a time. */
 void silu_mul_f32(const float *restrict gate_up, int64_t rows, int64_t n, float *restrict out, int32_t num_threads) {
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && rows * n >= PARALLEL_ELEMENTS)
+    const int parallel = num_threads > 1 && rows * n >= PARALLEL_ELEMENTS;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
     for (int64_t r = 0; r < rows; r++) {
         const float *restrict gate = gate_up + r * 2 * n, *restrict up = gate + n;
         float s[16];
@@ -56,7 +57,8 @@ void silu_mul_f32(const float *restrict gate_up, int64_t rows, int64_t n, float 
 
 void silu_mul_bf16(const uint16_t *restrict gate_up, int64_t rows, int64_t n, uint16_t *restrict out,
                    int32_t num_threads) {
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && rows * n >= PARALLEL_ELEMENTS)
+    const int parallel = num_threads > 1 && rows * n >= PARALLEL_ELEMENTS;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *restrict gate = gate_up + r * 2 * n, *restrict up = gate + n;
         float g[16], s[16];

@@ -67,7 +67,8 @@ class StepKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._silu_mul = dtype_functions(library, SILU_DTYPES, [_P, _I64, _I64, _P, ctypes.c_int32], None)
         calls = {torch.float32: "f32_call", torch.bfloat16: "bf16_call"}
-        self._silu_mul_calls = dtype_functions(library, {d: "silu_mul_" + c for d, c in calls.items()}, [_P], ctypes.c_int)
+        self._silu_mul_calls = dtype_functions(library, {d: "silu_mul_" + c for d, c in calls.items()}, [_P],
+                                               ctypes.c_int)
         self._add_calls = dtype_functions(library, {d: "add_" + c for d, c in calls.items()}, [_P], ctypes.c_int)
         self._convert_calls = {(torch.bfloat16, torch.float32): library.bf16_to_f32_call,
                                (torch.float32, torch.bfloat16): library.f32_to_bf16_call}
