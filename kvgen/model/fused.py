@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvgen.model.attention import Attention, PagedAttention, PagedKVCache
-from kvgen.model.kernels import KernelCall
+from kvgen.model.kernels import KernelCall, PagedDecode
 from kvgen.model.kernels.norm import rms_norm_kernel
 from kvgen.model.kernels.rope import rope_kernel
 from kvgen.model.kernels.step import CallList, step_kernels
@@ -95,19 +95,14 @@ class DecodeProgram:
         return b["h"].clone()
 
     @classmethod
-    def build(cls, model: LlamaModel, cache: PagedKVCache, decode_kernel, rows: int,
+    def build(cls, model: LlamaModel, cache: PagedKVCache, decode_kernel: PagedDecode, rows: int,
               groups: tuple[tuple[int, int], ...]) -> DecodeProgram | None:
         """The program, or None where a layer has no kernel call (a bias, a wrapped or torch layer)."""
         cfg, layers = model.config, model.layers
         heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = heads * dim, kv_heads * dim
-        inner = layers[0].gate_up.out_features
         step, norm, rope = step_kernels(), rms_norm_kernel(), rope_kernel()
-        shapes = {"x": (cfg.hidden_size,), "h": (cfg.hidden_size,), "qkv": (q_size + 2 * kv_size,),
-                  "attn": (q_size,), "proj": (cfg.hidden_size,), "gate_up": (inner,), "act": (inner // 2,),
-                  "cos": (1, dim), "sin": (1, dim)}
-        b = {name: torch.empty(rows, *shape, dtype=model.dtype) for name, shape in shapes.items()}
-        b["slots"] = torch.empty(rows, dtype=torch.int64)
+        b = _buffers(model, rows)
         qk = b["qkv"][:, : q_size + kv_size].view(rows, heads + kv_heads, dim)
         k = qk[:, heads:]
         v = b["qkv"][:, q_size + kv_size :].view(rows, kv_heads, dim)
@@ -138,3 +133,16 @@ class DecodeProgram:
         if any(call is None for call in calls):
             return None
         return cls(cache, b, step.call_list(calls), decodes)
+
+
+def _buffers(model: LlamaModel, rows: int) -> dict[str, torch.Tensor]:
+    """A program's own buffers [rows, ...] in the model's dtype (the K/V slots as int64)."""
+    cfg = model.config
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    inner = model.layers[0].gate_up.out_features  # gate and up, side by side
+    shapes = {"x": (cfg.hidden_size,), "h": (cfg.hidden_size,), "qkv": (q_size + 2 * kv_size,),
+              "attn": (q_size,), "proj": (cfg.hidden_size,), "gate_up": (inner,), "act": (inner // 2,),
+              "cos": (1, cfg.head_dim), "sin": (1, cfg.head_dim)}
+    buffers = {name: torch.empty(rows, *shape, dtype=model.dtype) for name, shape in shapes.items()}
+    buffers["slots"] = torch.empty(rows, dtype=torch.int64)
+    return buffers
