@@ -1,10 +1,11 @@
 /* The loop of kvgen's few-row matmul kernels, y = x @ W^T, shared by bf16_matmul.c and f32_matmul.c.
  *
  * Made for decode's few rows of x (a speculative verify chunk: up to ~16): each 64-byte load of a
- * weight row feeds up to 4 rows of x (x stays in cache), so the weights stream from memory once per
- * call, left to the hardware prefetchers (software prefetch 1 KiB ahead in each stream read them
- * ~10% slower in fp32 and 25-30% slower in bf16 here, BENCHMARKS.md). Work: OpenMP over blocks of 4
- * weight rows; one thread below PARALLEL_BYTES of work (the weights' bytes, and a share more for each 4 rows of x).
+ * weight row feeds up to 4 rows of x (8 in the row passes below; x stays in cache), so the weights
+ * stream from memory once per call. At one row of x the hardware prefetchers stream them alone
+ * (software prefetch 1 KiB ahead in each stream read them ~10% slower in fp32 and 25-30% slower in
+ * bf16 here, BENCHMARKS.md). Work: OpenMP over blocks of 4 weight rows; one thread below
+ * PARALLEL_BYTES of work (the weights' bytes, and a share more for each 4 rows of x).
  * Every output goes through the same operations whatever T is, so a row's result does not depend on
  * the rows beside it. Each product is accumulated in fp32 over 16 lanes, the lanes are summed, and
  * the sum is stored as fp32 or rounded once to bf16 (nearest even), as oneDNN and torch round a bf16
