@@ -2,10 +2,9 @@
  *
  * Made for decode's few rows of x (a speculative verify chunk: up to ~16): each 64-byte load of a
  * weight row feeds up to 4 rows of x (8 in the row passes below; x stays in cache), so the weights
- * stream from memory once per call. At one row of x the hardware prefetchers stream them alone
- * (software prefetch 1 KiB ahead in each stream read them ~10% slower in fp32 and 25-30% slower in
- * bf16 here, BENCHMARKS.md). Work: OpenMP over blocks of 4 weight rows; one thread below
- * PARALLEL_BYTES of work (the weights' bytes, and a share more for each 4 rows of x).
+ * stream from memory once per call, with software prefetch into L2 ahead (PREFETCH_L2). Work:
+ * OpenMP over blocks of 4 weight rows; one thread below PARALLEL_BYTES of work (the weights' bytes,
+ * and a share more for each 4 rows of x).
  * Every output goes through the same operations whatever T is, so a row's result does not depend on
  * the rows beside it. Each product is accumulated in fp32 over 16 lanes, the lanes are summed, and
  * the sum is stored as fp32 or rounded once to bf16 (nearest even), as oneDNN and torch round a bf16
@@ -28,6 +27,14 @@
 
 #define WROWS 4 /* weight rows per block */
 #define XROWS 4 /* rows of x per pass over a block */
+/* Software prefetch into L2, this far ahead of the first row's stream of a block pass (one line per
+ * span: the hardware prefetchers fetch the rest) and of a row pass of 2-8 rows of x. Builds
+ * alternated in one process over a SmolLM2 step's matrices: bf16 at one row of x 7-19% faster
+ * (13.5 -> 11.4 ms, 12.8 -> 11.9, 17.8 -> 14.5), fp32 at 5 rows 32.7 -> 20.2 ms and at 9 41.6 ->
+ * 32.9, 3-4% at 64 rows; software prefetch into L1 1 KiB ahead had made one row slower instead. */
+#ifndef PREFETCH_L2
+#define PREFETCH_L2 (16 << 10)
+#endif
 /* Below this much work, one thread: the second's share would cost more to hand over than it saves.
  * OpenMP's workers spin briefly after each call (kvgen/threads.py), so a step's calls find the
  * second thread awake; from 256 KiB two threads read a bf16 step's weights ~8% faster than from
@@ -75,6 +82,7 @@ static inline void store(void *y, int64_t at, int f32, float sum) {
         for (int64_t k = 0; k < end; k += SPAN, w0 += SPAN_STEP, w1 += SPAN_STEP, w2 += SPAN_STEP,       \
                      w3 += SPAN_STEP) {                                                                   \
             const MASK m = k < full ? (MASK)~(MASK)0 : tail;                                              \
+            _mm_prefetch((const char *)w0 + PREFETCH_L2, _MM_HINT_T1);                                    \
             const VEC v0 = LOAD(m, w0), v1 = LOAD(m, w1), v2 = LOAD(m, w2), v3 = LOAD(m, w3);             \
             DOTS                                                                                          \
         }                                                                                                 \
@@ -97,13 +105,6 @@ BLOCK(4, ACC(0) ACC(1) ACC(2) ACC(3), DOTS_OF(0) DOTS_OF(1) DOTS_OF(2) DOTS_OF(3
 #ifndef ROW_PASS_BELOW
 #define ROW_PASS_BELOW 16
 #endif
-/* With 2-8 rows of x the hardware prefetchers fall behind a weight row's stream (each span feeds
- * more multiply-adds), so these passes prefetch into L2 16 KiB ahead: a SmolLM2 fp32 step's
- * matrices took 33.8 -> 23.8 ms at 5 rows of x and 41.6 -> 34 ms at 9, in one process (4 KiB into
- * L1: 10-20%; one row: no change, so it is left out). */
-#ifndef ROW_PREFETCH
-#define ROW_PREFETCH (16 << 10)
-#endif
 #define ROW_ACC(t) __m512 a##t = _mm512_setzero_ps();
 #define ROW_DOT(t) a##t = DOT(a##t, LOAD(m, x + (t0 + t) * K + k), v);
 #define ROW_STORE(t) store(y, (t0 + t) * N + n0 + r, f32, _mm512_reduce_add_ps(a##t));
@@ -118,7 +119,7 @@ BLOCK(4, ACC(0) ACC(1) ACC(2) ACC(3), DOTS_OF(0) DOTS_OF(1) DOTS_OF(2) DOTS_OF(3
             for (int64_t k = 0; k < end; k += SPAN) {                                                     \
                 const MASK m = k < full ? (MASK)~(MASK)0 : tail;                                          \
                 if (XR > 1)                                                                               \
-                    _mm_prefetch((const char *)(w + k) + ROW_PREFETCH, _MM_HINT_T1);                      \
+                    _mm_prefetch((const char *)(w + k) + PREFETCH_L2, _MM_HINT_T1);                      \
                 const VEC v = LOAD(m, w + k);                                                             \
                 DOTS                                                                                      \
             }                                                                                             \
