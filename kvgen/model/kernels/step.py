@@ -55,9 +55,6 @@ class CallList:
         self._array = (_Call * len(calls))(*[(c.address, ctypes.addressof(c.args)) for c in calls])
         self._run_calls = run_calls
 
-    def __len__(self) -> int:
-        return len(self._calls)
-
     def __call__(self) -> None:
         if self._run_calls(self._array, len(self._calls)):
             raise MemoryError("fused decode step: a kernel ran out of memory for its scratch space")
