@@ -70,6 +70,30 @@ def dtype_functions(library: ctypes.CDLL, names: dict[torch.dtype, str], argtype
     return functions
 
 
+def _block_tables(args: _Args, block_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Points `args` at a group's block_ids [B, N] and mask [B, N * block_size] (bool); returns the
+    int64 / contiguous tensors it points into, which the caller keeps alive."""
+    batch, blocks_per_seq = block_ids.shape
+    assert batch == args.batch and mask.shape == (batch, blocks_per_seq * args.block_size) and mask.dtype == torch.bool
+    block_ids, mask = block_ids.to(torch.int64).contiguous(), mask.contiguous()
+    args.block_ids, args.mask, args.blocks_per_seq = block_ids.data_ptr(), mask.data_ptr(), blocks_per_seq
+    return block_ids, mask
+
+
+def _layer(args: _Args, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor) -> None:
+    """Points `args` at fp32 queries q [B, heads, D] (heads contiguous, rows q.stride(0) apart), a
+    layer's pools [kv_heads, num_slots, D] and fp32 out [B, heads, D] (contiguous)."""
+    batch, heads, head_dim = q.shape
+    kv_heads, num_slots, _ = k_pool.shape
+    assert (batch == args.batch and q.dtype == out.dtype == torch.float32 and q.stride()[1:] == (head_dim, 1)
+            and out.is_contiguous() and out.shape == q.shape and k_pool.dtype == v_pool.dtype
+            and k_pool.is_contiguous() and v_pool.is_contiguous())
+    args.q, args.q_stride, args.k_pool, args.v_pool, args.out = (q.data_ptr(), q.stride(0), k_pool.data_ptr(),
+                                                                 v_pool.data_ptr(), out.data_ptr())
+    args.kv_heads, args.group, args.head_dim, args.num_slots = kv_heads, heads // kv_heads, head_dim, num_slots
+    args.scale = head_dim**-0.5
+
+
 class KernelCall:
     """One C kernel call with its arguments bound: a function `int run(const void *args)` (nonzero
     when out of memory) and the struct it is given, for the call lists of kvgen.model.kernels.step,
@@ -153,27 +177,20 @@ class GroupDecode:
 
     def __init__(self, functions: dict[torch.dtype, ctypes._CFuncPtr], block_ids: torch.Tensor, block_size: int,
                  mask: torch.Tensor) -> None:
-        batch, blocks_per_seq = block_ids.shape
-        assert mask.shape == (batch, blocks_per_seq * block_size) and mask.dtype == torch.bool
         self._functions = functions
-        self._block_ids, self._mask = block_ids.to(torch.int64).contiguous(), mask.contiguous()  # kept alive
-        self._args = _Args(block_ids=self._block_ids.data_ptr(), mask=self._mask.data_ptr(), batch=batch,
-                           blocks_per_seq=blocks_per_seq, block_size=block_size,
-                           num_threads=torch.get_num_threads())
+        self._args = _Args(batch=block_ids.shape[0], block_size=block_size, num_threads=torch.get_num_threads())
+        self._blocks = _block_tables(self._args, block_ids, mask)  # kept alive while args point into them
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q [B, heads, D], pools [kv_heads, num_slots, D], scales (k, v) [kv_heads, num_slots]
         float32 for a quantized pool -> [B, heads, D] in q's dtype."""
-        batch, heads, head_dim = q.shape
         kv_heads, num_slots, _ = k_pool.shape
         args = self._args
-        assert batch == args.batch and k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.dtype == v_pool.dtype
         assert (scales is not None) == (k_pool.dtype in (torch.int8, torch.float8_e4m3fn))
         queries = q if q.dtype == torch.float32 and q.is_contiguous() else q.to(torch.float32).contiguous()
         out = torch.empty_like(queries)
-        args.q, args.k_pool, args.v_pool, args.out = (queries.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-                                                      out.data_ptr())
+        _layer(args, queries, k_pool, v_pool, out)
         if scales is not None:
             k_scale, v_scale = scales
             assert (k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.shape == (kv_heads, num_slots)
@@ -181,9 +198,6 @@ class GroupDecode:
             args.k_scale, args.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
         else:
             args.k_scale = args.v_scale = None
-        args.kv_heads, args.group, args.head_dim, args.num_slots = kv_heads, heads // kv_heads, head_dim, num_slots
-        args.q_stride = heads * head_dim
-        args.scale = head_dim**-0.5
         if self._functions[k_pool.dtype](ctypes.byref(args)):
             raise MemoryError("paged decode attention: out of memory for its scratch space")
         return out if q.dtype == torch.float32 else out.to(q.dtype)
@@ -198,32 +212,21 @@ class DecodeCalls:
 
     def __init__(self, functions: dict[torch.dtype, ctypes._CFuncPtr], q: torch.Tensor,
                  pools: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, out: torch.Tensor) -> None:
-        batch, heads, head_dim = q.shape
-        assert (q.dtype == out.dtype == torch.float32 and q.stride()[1:] == (head_dim, 1) and out.is_contiguous()
-                and out.shape == q.shape)
         self.calls = []
         for k_pool, v_pool in pools:
-            kv_heads, num_slots, _ = k_pool.shape
-            assert k_pool.dtype in STORE_DTYPES and v_pool.dtype == k_pool.dtype and k_pool.is_contiguous() \
-                and v_pool.is_contiguous()
-            args = _Args(q=q.data_ptr(), k_pool=k_pool.data_ptr(), v_pool=v_pool.data_ptr(), out=out.data_ptr(),
-                         batch=batch, q_stride=q.stride(0), kv_heads=kv_heads, group=heads // kv_heads,
-                         head_dim=head_dim, num_slots=num_slots, block_size=block_size, scale=head_dim**-0.5,
-                         num_threads=torch.get_num_threads())
+            assert k_pool.dtype in STORE_DTYPES
+            args = _Args(batch=q.shape[0], block_size=block_size, num_threads=torch.get_num_threads())
+            _layer(args, q, k_pool, v_pool, out)
             self.calls.append(KernelCall(functions[k_pool.dtype], args, keep=(q, out)))
         self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_blocks(self, block_ids: torch.Tensor, mask: torch.Tensor) -> None:
         """This step's block_ids [B, N] and mask [B, N * block_size] (bool), for every layer's call."""
-        batch, blocks_per_seq = block_ids.shape
         first = self.calls[0].args
-        assert batch == first.batch and mask.shape == (batch, blocks_per_seq * first.block_size)
-        block_ids, mask = block_ids.to(torch.int64).contiguous(), mask.contiguous()
-        self._blocks = (block_ids, mask)  # kept alive while the calls point into them
-        block_ptr, mask_ptr = block_ids.data_ptr(), mask.data_ptr()
-        for call in self.calls:
-            args = call.args
-            args.block_ids, args.mask, args.blocks_per_seq = block_ptr, mask_ptr, blocks_per_seq
+        self._blocks = _block_tables(first, block_ids, mask)  # kept alive while the calls point into them
+        tables = first.block_ids, first.mask, first.blocks_per_seq
+        for call in self.calls[1:]:
+            call.args.block_ids, call.args.mask, call.args.blocks_per_seq = tables
 
 
 def paged_decode_for(backend: str, device: torch.device, dtype: torch.dtype,

@@ -83,7 +83,7 @@ class VnniQuantLinear(QuantLinear):
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
         whatever rows run with it, for a given side of `many_rows.from_rows`."""
-        if self.many_rows is not None and x.shape[0] >= self.many_rows.from_rows:
+        if self._in_bf16(x):
             tiles = self._matmul.dequantize_bf16(self.many_rows.tiles)
             out = self._bf16(x.to(torch.bfloat16).contiguous(), tiles, self.out_features, torch.float32)
         elif x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == self.in_features:
@@ -95,10 +95,13 @@ class VnniQuantLinear(QuantLinear):
 
     def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
         """The integer kernel's call, which is what `self(x)` runs for fp32 x below `many_rows`."""
-        if (self.bias is not None or x.dtype != torch.float32
-                or (self.many_rows is not None and x.shape[0] >= self.many_rows.from_rows)):
+        if self.bias is not None or x.dtype != torch.float32 or self._in_bf16(x):
             return None
         return self._matmul.call(x, out)
+
+    def _in_bf16(self, x: torch.Tensor) -> bool:
+        """Whether x has enough rows to run in bf16 on the dequantized weight (see `many_rows`)."""
+        return self.many_rows is not None and x.shape[0] >= self.many_rows.from_rows
 
 
 class TorchQuantLinear(QuantLinear):
