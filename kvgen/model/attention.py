@@ -7,7 +7,8 @@ The model computes q, k, v (RoPE applied) for the tokens of one step and hands t
                          per layer; K/V appended at the next positions (the textbook KV cache).
     PagedAttention       a ragged batch of many sequences over a block pool: K/V written at slot
                          indices, read back through per-sequence block tables (PagedAttention);
-                         decodes on the CPU read the blocks in place (kvgen.model.kernels).
+                         decodes and speculative verify chunks on the CPU read the blocks in
+                         place (kvgen.model.kernels).
 
 Each backend is an explicit object passed to `LlamaModel.forward`; nothing global is read.
 """
@@ -245,9 +246,17 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale)
 
 
+# Queries per sequence up to which attention reads the pools in place (decodes, verify chunks, a
+# prompt's last few tokens). The kernel attends each query as a decode of its own: over SmolLM2's
+# heads it takes a third to a half of gather + SDPA's time at 9 queries (128-2,048 keys) and is
+# even with it at 17 by 2,048 keys, where SDPA's blocked products start to win.
+IN_PLACE_QUERIES = 16
+
+
 class PagedAttention(Attention):
     """Writes K/V at the step's slots, then attends each group of sequences through its block tables:
-    decodes through `decode_kernel` (reads blocks in place) when given, else gather + SDPA."""
+    decodes and verify chunks through `decode_kernel` (reads blocks in place) when given, else
+    gather + SDPA."""
 
     def __init__(self, cache: PagedKVCache, meta: PagedMetadata, decode_kernel: PagedDecode | None = None) -> None:
         self.cache = cache
@@ -293,25 +302,28 @@ class PagedAttention(Attention):
         return out.transpose(1, 2).reshape(rows.shape)
 
     def _decode(self, layer: int, index: int, group: PagedGroup, rows: torch.Tensor) -> torch.Tensor:
-        """rows [B, heads, D] through the kernel, reading the layer's pools in place. The kernel's
+        """rows [B * Q, heads, D] through the kernel, reading the layer's pools in place. The kernel's
         call for the group is built at its first layer and reused by the others."""
         call = self._group_calls.get(index)
         if call is None:
-            batch = group.mask.shape[0]
-            call = self.decode_kernel.for_group(group.kv_blocks, self.cache.block_size, group.mask.view(batch, -1))
+            batch, _, num_queries, length = group.mask.shape
+            call = self.decode_kernel.for_group(group.kv_blocks, self.cache.block_size,
+                                                group.mask.view(batch * num_queries, length))
             self._group_calls[index] = call
         cache = self.cache
         scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else None
         return call(rows, cache.k[layer], cache.v[layer], scales)
 
     def decodes_in_place(self) -> bool:
-        """Every group decodes one query per sequence through the kernel, with no weights to record:
-        the step's attention is the kernel's alone (kvgen.model.fused runs such steps from C)."""
+        """Every group attends through the kernel, with no weights to record: the step's attention is
+        the kernel's alone (kvgen.model.fused runs such steps from C)."""
         return all(self._in_place(group) and group.score_rows is None for group in self.meta.groups)
 
     def _in_place(self, group: PagedGroup) -> bool:
-        """The kernel reads the cached keys as they are, for one query per sequence."""
-        return self.decode_kernel is not None and group.mask.shape[2] == 1 and group.key_rotation is None
+        """The kernel reads the cached keys as they are, for a decode or a verify chunk's few queries
+        per sequence (each query as a decode of its own: the same bits as decoding its token)."""
+        return (self.decode_kernel is not None and group.mask.shape[2] <= IN_PLACE_QUERIES
+                and group.key_rotation is None)
 
     def _gather(self, layer: int, group: PagedGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's keys (re-rotated where asked) and values [B, kv_heads, L, D]."""

@@ -7,8 +7,9 @@ kernel calls over buffers of its own (kvgen.model.kernels.step) and runs it each
 ctypes call. That holds on the CPU for fp32 models whose projections run kvgen's own kernels
 (packed GGUF / int8 / int4 layers, or fp32 ones) and for bf16 models on its bf16 kernel, without
 biases, with K/V pools of the model's dtype, when every
-sequence of the step decodes one token through the in-place attention kernel (no heavy-hitter
-scores, no re-rotated keys) and there are fewer rows than the norm kernel serves. Anything else runs
+sequence of the step attends through the in-place attention kernel (a decode or a speculative
+verify chunk; no heavy-hitter scores, no re-rotated keys) and there are fewer rows than the norm
+kernel serves. Anything else runs
 layer by layer (LlamaModel.forward).
 
 Each call is the kernel, with the same arguments, that the layer-by-layer forward makes, and the
@@ -52,7 +53,7 @@ class DecodePrograms:
         if (not self._usable or rows >= NORM_KERNEL_ROWS or not isinstance(attention, PagedAttention)
                 or not attention.decodes_in_place() or attention.cache.k[0].dtype != self._model.dtype):
             return None
-        groups = tuple((g.first_row, g.mask.shape[0]) for g in attention.meta.groups)
+        groups = tuple((g.first_row, g.mask.shape[0], g.mask.shape[2]) for g in attention.meta.groups)
         key = (rows, groups, id(attention.cache), torch.get_num_threads())
         program = self._programs.get(key)
         if key in self._programs and (program is None or program.serves(attention.cache)):
@@ -90,13 +91,14 @@ class DecodeProgram:
         torch.index_select(sin_table, 0, positions, out=b["sin"].view(-1, sin_table.shape[1]))
         b["slots"].copy_(attention.meta.slot_mapping)
         for decode, group in zip(self._decodes, attention.meta.groups):
-            decode.set_blocks(group.kv_blocks, group.mask.view(group.mask.shape[0], -1))
+            batch, _, num_queries, length = group.mask.shape
+            decode.set_blocks(group.kv_blocks, group.mask.view(batch * num_queries, length))
         self._calls()
         return b["h"].clone()
 
     @classmethod
     def build(cls, model: LlamaModel, cache: PagedKVCache, decode_kernel: PagedDecode, rows: int,
-              groups: tuple[tuple[int, int], ...]) -> DecodeProgram | None:
+              groups: tuple[tuple[int, int, int], ...]) -> DecodeProgram | None:
         """The program, or None where a layer has no kernel call (a bias, a wrapped or torch layer)."""
         cfg, layers = model.config, model.layers
         heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -115,9 +117,9 @@ class DecodeProgram:
             converts_after.append(step.convert_call(b["attn32"], attn))
             queries, attn = b["q32"], b["attn32"]
         pools = list(zip(cache.k, cache.v))
-        decodes = [decode_kernel.decode_calls(queries[first : first + batch], pools, cache.block_size,
-                                              attn[first : first + batch])
-                   for first, batch in groups]
+        decodes = [decode_kernel.decode_calls(queries[first : first + batch * num_queries], pools, cache.block_size,
+                                              attn[first : first + batch * num_queries], num_queries)
+                   for first, batch, num_queries in groups]
         eps = cfg.rms_norm_eps
         calls: list[KernelCall | None] = [norm.call(b["x"], layers[0].input_norm, eps, b["h"])]
         for index, layer in enumerate(layers):

@@ -60,6 +60,32 @@ def test_a_window_composes_with_fused_steps(stories_bin):
     assert_same_bits(fused, layered)
 
 
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_speculative_verify_steps_run_fused_with_the_layered_bits(stories_bin, quantization):
+    """A verify chunk (a decode and its K proposed tokens) attends in place too, so every step after
+    the prompts' runs from C: ngram proposals on repetitive prompts, three sequences of up to K + 1
+    = 4 rows each."""
+    prompts = [list(range(100, 120)) * 3, [7, 8, 9] * 12, list(range(300, 310)) * 4]
+    options = dict(quantization=quantization, speculative_method="ngram", num_speculative_tokens=3,
+                   adaptive_speculation=False)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+    results = []
+    for fused_decode in (True, False):
+        engine = LLM(stories_bin, enable_prefix_caching=False, fused_decode=fused_decode, **options).engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        outputs, steps = [], 0
+        while engine.has_unfinished():
+            outputs += [o for o in engine.step() if o.finished]
+            steps += 1
+        results.append((sorted(outputs, key=lambda o: o.request_id), steps,
+                        engine.runner.model.decode_programs.fused_steps))
+    (fused, steps, fused_steps), (layered, _, none) = results
+    assert fused_steps == steps - 1 and none == 0  # all but the prompts' step (96+ rows)
+    assert sum(o.metrics.spec_accepted for o in fused) > 0
+    assert_same_bits(fused, layered)
+
+
 @pytest.mark.parametrize("options", [dict(kv_cache_dtype="int8"), dict(dtype="bfloat16", quantization="int4"),
                                      dict(attention_backend="sdpa"), dict(max_num_seqs=16)])
 def test_steps_without_a_kernel_for_every_piece_run_layer_by_layer(stories_bin, options):

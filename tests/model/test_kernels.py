@@ -117,6 +117,36 @@ def test_paged_decode_reads_quantized_pools_as_their_dequantized_values(pool_dty
     assert (got - exact).abs().max().item() <= 4 * step * values
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("queries", [2, 9])
+@pytest.mark.parametrize("build", KERNELS)
+def test_a_verify_chunk_attends_each_query_as_the_decode_of_its_token(dtype, queries, build):
+    """Q queries per sequence (a speculative verify chunk: query i sees the keys up to its own
+    position) give the bits that decoding each of those tokens alone gives, over a block table cut
+    to the blocks it needs (as a plain decode's is). So speculation changes no attention output."""
+    float_cache, _, block_ids, _ = ragged_batch(torch.float32, 3, 3, 4, window=None, head_dim=64, long=600)
+    cache = PagedKVCache(1, float_cache.num_blocks, 4, 3, 64, CPU, dtype, compute_dtype=torch.float32)
+    stored = dtype if dtype.is_floating_point else torch.float32  # int8 pools quantize what they are given
+    cache.write(0, torch.arange(cache.k[0].shape[1]), float_cache.k[0].transpose(0, 1).to(stored),
+                float_cache.v[0].transpose(0, 1).to(stored))
+    scales = (cache.k_scale[0], cache.v_scale[0]) if dtype == torch.int8 else None
+    lengths = torch.tensor([queries, 70, 17, 600])  # keys up to and including each chunk's last token
+    block_ids = block_ids[[0, 1, 2, 6]]
+    batch = len(lengths)
+    positions = torch.arange(block_ids.shape[1] * 4)
+    last = lengths[:, None] - queries + torch.arange(queries)[None, :]  # [B, Q]: each query's position
+    mask = (positions[None, None, :] <= last[:, :, None]).view(batch * queries, -1)
+    q = torch.randn(batch * queries, 9, 64, generator=torch.Generator().manual_seed(1))
+    kernel = KERNELS[build]()
+    got = kernel(q, cache.k[0], cache.v[0], block_ids, 4, mask, scales)
+    for row in range(batch * queries):
+        b, position = row // queries, int(last.flatten()[row])
+        needed = position // 4 + 1
+        alone = kernel(q[row : row + 1], cache.k[0], cache.v[0], block_ids[b : b + 1, :needed], 4,
+                       mask[row : row + 1, : needed * 4], scales)
+        assert torch.equal(got[row], alone[0]), row
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_gives_the_same_bits_on_two_threads(dtype):
     """Each (sequence, KV head, span of keys) is one thread's work with its own scores buffer, and

@@ -1,9 +1,10 @@
 """Compiled CPU kernels, built from their C source on first use and called through ctypes.
 
-    paged_decode.c   decode attention (one query per sequence) reading K/V in place from the block
-                     pool. Gathering each sequence's blocks into a padded copy and running SDPA on it
-                     reads the KV cache three times (gather read, gather write, SDPA read) and pads
-                     every sequence to the longest; this reads each allowed key once. At batch 64
+    paged_decode.c   decode attention (one query per sequence, or a verify chunk's few) reading
+                     K/V in place from the block pool. Gathering each sequence's blocks into a
+                     padded copy and running SDPA on it reads the KV cache three times (gather
+                     read, gather write, SDPA read) and pads every sequence to the longest; this
+                     reads each allowed key once. At batch 64
                      of the throughput bench it takes a third of the time of gather + SDPA.
     bf16_matmul.c    bf16 linear layers on CPUs with AVX-512 BF16 (kernels/bf16.py)
     f32_matmul.c     fp32 linear layers on CPUs with AVX-512 (kernels/f32.py); both
@@ -52,7 +53,8 @@ class _Args(ctypes.Structure):
         ("q", ctypes.c_void_p), ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p),
         ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
         ("block_ids", ctypes.c_void_p), ("mask", ctypes.c_void_p), ("out", ctypes.c_void_p),
-        ("batch", ctypes.c_int64), ("q_stride", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+        ("batch", ctypes.c_int64), ("queries", ctypes.c_int64), ("q_stride", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
         ("group", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("num_slots", ctypes.c_int64),
         ("blocks_per_seq", ctypes.c_int64), ("block_size", ctypes.c_int64), ("scale", ctypes.c_float),
         ("num_threads", ctypes.c_int32),
@@ -71,18 +73,19 @@ def dtype_functions(library: ctypes.CDLL, names: dict[torch.dtype, str], argtype
 
 
 def _block_tables(args: _Args, block_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Points `args` at a group's block_ids [B, N] and mask [B, N * block_size] (bool); returns the
-    int64 / contiguous tensors it points into, which the caller keeps alive."""
+    """Points `args` at a group's block_ids [B, N] and mask [B * Q, N * block_size] (bool, a row per
+    query); returns the int64 / contiguous tensors it points into, which the caller keeps alive."""
     batch, blocks_per_seq = block_ids.shape
-    assert batch == args.batch and mask.shape == (batch, blocks_per_seq * args.block_size) and mask.dtype == torch.bool
+    assert (batch * args.queries == args.batch and mask.shape == (args.batch, blocks_per_seq * args.block_size)
+            and mask.dtype == torch.bool)
     block_ids, mask = block_ids.to(torch.int64).contiguous(), mask.contiguous()
     args.block_ids, args.mask, args.blocks_per_seq = block_ids.data_ptr(), mask.data_ptr(), blocks_per_seq
     return block_ids, mask
 
 
 def _layer(args: _Args, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor) -> None:
-    """Points `args` at fp32 queries q [B, heads, D] (heads contiguous, rows q.stride(0) apart), a
-    layer's pools [kv_heads, num_slots, D] and fp32 out [B, heads, D] (contiguous)."""
+    """Points `args` at fp32 queries q [B * Q, heads, D] (heads contiguous, rows q.stride(0) apart), a
+    layer's pools [kv_heads, num_slots, D] and fp32 out [B * Q, heads, D] (contiguous)."""
     batch, heads, head_dim = q.shape
     kv_heads, num_slots, _ = k_pool.shape
     assert (batch == args.batch and q.dtype == out.dtype == torch.float32 and q.stride()[1:] == (head_dim, 1)
@@ -156,13 +159,14 @@ class PagedDecode:
                           keep=(slots, k, v))
 
     def decode_calls(self, q: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                     out: torch.Tensor) -> DecodeCalls:
+                     out: torch.Tensor, queries: int = 1) -> DecodeCalls:
         """Decode attention of one group of sequences in every layer, as KernelCalls: see DecodeCalls."""
-        return DecodeCalls(self._functions, q, pools, block_size, out)
+        return DecodeCalls(self._functions, q, pools, block_size, out, queries)
 
     def for_group(self, block_ids: torch.Tensor, block_size: int, mask: torch.Tensor) -> GroupDecode:
-        """The call for one group of sequences, block_ids [B, N] and mask [B, N * block_size] (bool):
-        what every layer of a step shares is converted and filled in once."""
+        """The call for one group of B sequences of Q queries each: block_ids [B, N] and mask
+        [B * Q, N * block_size] (bool), a row per query; what every layer of a step shares is
+        converted and filled in once."""
         return GroupDecode(self._functions, block_ids, block_size, mask)
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: torch.Tensor,
@@ -178,13 +182,14 @@ class GroupDecode:
     def __init__(self, functions: dict[torch.dtype, ctypes._CFuncPtr], block_ids: torch.Tensor, block_size: int,
                  mask: torch.Tensor) -> None:
         self._functions = functions
-        self._args = _Args(batch=block_ids.shape[0], block_size=block_size, num_threads=torch.get_num_threads())
+        self._args = _Args(batch=mask.shape[0], queries=mask.shape[0] // block_ids.shape[0], block_size=block_size,
+                           num_threads=torch.get_num_threads())
         self._blocks = _block_tables(self._args, block_ids, mask)  # kept alive while args point into them
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """q [B, heads, D], pools [kv_heads, num_slots, D], scales (k, v) [kv_heads, num_slots]
-        float32 for a quantized pool -> [B, heads, D] in q's dtype."""
+        """q [B * Q, heads, D], pools [kv_heads, num_slots, D], scales (k, v) [kv_heads, num_slots]
+        float32 for a quantized pool -> [B * Q, heads, D] in q's dtype."""
         kv_heads, num_slots, _ = k_pool.shape
         args = self._args
         assert (scales is not None) == (k_pool.dtype in (torch.int8, torch.float8_e4m3fn))
@@ -205,23 +210,25 @@ class GroupDecode:
 
 class DecodeCalls:
     """Decode attention of one group of sequences in every layer, a KernelCall each (`calls`), over
-    fixed queries q [B, heads, D] (heads contiguous, rows q.stride(0) apart: a view into the q/k/v
-    projection's output), fp32 / bf16 pools (k, v) per layer [kv_heads, num_slots, D] and an output
-    [B, heads, D] of fp32; the group's block tables change each step (set_blocks). The pools belong
-    to their KV cache, which must outlive the calls."""
+    fixed queries q [B * Q, heads, D] (heads contiguous, rows q.stride(0) apart: a view into the
+    q/k/v projection's output), fp32 / bf16 pools (k, v) per layer [kv_heads, num_slots, D] and an
+    output [B * Q, heads, D] of fp32; the group's block tables change each step (set_blocks). The
+    pools belong to their KV cache, which must outlive the calls."""
 
     def __init__(self, functions: dict[torch.dtype, ctypes._CFuncPtr], q: torch.Tensor,
-                 pools: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, out: torch.Tensor) -> None:
+                 pools: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, out: torch.Tensor,
+                 queries: int) -> None:
         self.calls = []
         for k_pool, v_pool in pools:
             assert k_pool.dtype in STORE_DTYPES
-            args = _Args(batch=q.shape[0], block_size=block_size, num_threads=torch.get_num_threads())
+            args = _Args(batch=q.shape[0], queries=queries, block_size=block_size,
+                         num_threads=torch.get_num_threads())
             _layer(args, q, k_pool, v_pool, out)
             self.calls.append(KernelCall(functions[k_pool.dtype], args, keep=(q, out)))
         self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_blocks(self, block_ids: torch.Tensor, mask: torch.Tensor) -> None:
-        """This step's block_ids [B, N] and mask [B, N * block_size] (bool), for every layer's call."""
+        """This step's block_ids [B, N] and mask [B * Q, N * block_size] (bool), for every layer's call."""
         first = self.calls[0].args
         self._blocks = _block_tables(first, block_ids, mask)  # kept alive while the calls point into them
         tables = first.block_ids, first.mask, first.blocks_per_seq

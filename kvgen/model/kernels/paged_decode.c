@@ -1,9 +1,14 @@
-/* Paged decode attention on the CPU: one query per sequence, its keys and values read in place
- * from the block pool, so no gathered copy of K/V is ever written; and `paged_store`, which writes
- * a step's K/V rows into the pool.
+/* Paged decode attention on the CPU: one query per sequence (or a speculative verify chunk's few),
+ * its keys and values read in place from the block pool, so no gathered copy of K/V is ever
+ * written; and `paged_store`, which writes a step's K/V rows into the pool.
+ *
+ * A verify chunk's `queries` rows per sequence share its block table; each row has its own mask
+ * row (causal: keys up to its own position) and is attended exactly as the decode of its token
+ * would be, through the same spans in the same order: the same bits, so speculating changes no
+ * attention output. Only the mask says which keys a row reads.
  *
  * Built by kvgen/model/kernels/__init__.py with the system's C compiler (-O3 -march=native -fopenmp)
- * and called through ctypes. One work item is one (sequence, KV head, span of SPLIT_KEYS key
+ * and called through ctypes. One work item is one (query row, KV head, span of SPLIT_KEYS key
  * positions): the `group` query heads that share the KV head, over the span's keys,
  *
  *     scores_j = scale * q . k_j     for each key j the mask allows     (one pass over K)
@@ -40,10 +45,12 @@ struct paged_decode_args {
     const void *v_pool;       /* same */
     const float *k_scale;     /* [kv_heads, num_slots] for int8 / fp8 pools, else NULL */
     const float *v_scale;     /* same */
-    const int64_t *block_ids; /* [batch, blocks_per_seq]: pool block of each of a sequence's blocks */
+    const int64_t *block_ids; /* [batch / queries, blocks_per_seq]: pool block of each of a sequence's blocks */
     const uint8_t *mask;      /* [batch, blocks_per_seq * block_size]: 1 where the query attends */
     float *out;               /* [batch, kv_heads * group, head_dim] */
-    int64_t batch, q_stride; /* elements from one sequence's queries to the next (heads contiguous) */
+    int64_t batch;            /* query rows: `queries` per sequence, a sequence's rows one after another */
+    int64_t queries;          /* 1 for decodes; a verify chunk's K + 1 */
+    int64_t q_stride;         /* elements from one query row to the next (heads contiguous) */
     int64_t kv_heads, group, head_dim, num_slots, blocks_per_seq, block_size;
     float scale;
     int32_t num_threads;
@@ -87,7 +94,7 @@ static inline __attribute__((always_inline)) float row_scale(const float *scales
 #define SPLIT_KEYS 256
 #endif
 
-/* One work item: sequence b, KV head h, key positions [first, last). */
+/* One work item: query row b (of sequence b / queries), KV head h, key positions [first, last). */
 struct span {
     int64_t b, h, first, last;
 };
@@ -104,7 +111,7 @@ static inline __attribute__((always_inline)) struct span span_of(const struct pa
 static inline __attribute__((always_inline)) int64_t allowed_rows(const struct paged_decode_args *a, struct span w,
                                                                   int64_t dim, int64_t *restrict rows) {
     const int64_t block_size = a->block_size, head_first_slot = w.h * a->num_slots;
-    const int64_t *restrict blocks = a->block_ids + w.b * a->blocks_per_seq;
+    const int64_t *restrict blocks = a->block_ids + w.b / a->queries * a->blocks_per_seq;
     const uint8_t *restrict mask = a->mask + w.b * a->blocks_per_seq * block_size;
     int64_t count = 0;
     for (int64_t n = w.first / block_size, p = w.first; p < w.last; n++) {

@@ -5,16 +5,21 @@ preemption; no block leaks; sampled output keeps the target's distribution; bad 
 import random
 
 import pytest
+import torch
 from scipy.stats import chi2_contingency
 
+from kvgen import LLM
 from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.spec.adaptive import MAX_PROBE_EVERY, MIN_SAMPLES, PROBE_EVERY, AdaptiveSwitch
 from kvgen.errors import InvalidRequestError, ModelLoadError
 from kvgen.loaders import load_model
+from kvgen.model.kernels import paged_decode_for
+from kvgen.model.kernels.f32 import f32_kernel
 from tests.engine.test_continuous_batching import finished_outputs, prompts, run_all
 
+CPU = torch.device("cpu")
 ALPHA = 1e-3  # significance of the distribution tests (fixed seeds: they pass or fail deterministically)
 STORY = "Lily and Tom went to the park. They saw a big ball. Lily and Tom played with the ball in the park."
 
@@ -64,6 +69,24 @@ def test_greedy_alone_equals_plain(loaded, stories_bin, method, k):
         assert_clean(eng)
         assert eng.speculator.counters.proposed > 0
     assert eng.stats().spec_accepted > 0 or method == "ngram"
+
+
+@pytest.mark.skipif(f32_kernel() is None or paged_decode_for("auto", CPU, torch.float32) is None,
+                    reason="needs kvgen's fp32 matmul (AVX-512) and attention kernels")
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_speculation_keeps_the_plain_log_probabilities_bit_for_bit(stories_bin, method):
+    """A verify chunk's queries attend in place, each as the decode of its token would, and the fp32
+    matmuls give a row the same bits whatever rows are beside it: so speculation changes not only
+    no token but no bit of a log-probability."""
+    texts = [STORY, "Once upon a time", "Lily"]
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=3, ignore_eos=True)
+    plain = LLM(stories_bin, enable_prefix_caching=False).generate(texts, params)
+    llm = LLM(stories_bin, enable_prefix_caching=False, **spec_options(method, 4, stories_bin))
+    spec = llm.generate(texts, params)
+    assert llm.engine.stats().spec_accepted > 0
+    for got, want in zip(spec, plain, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].logprobs == want.outputs[0].logprobs  # floats compared exactly
 
 
 @pytest.mark.parametrize("method, k", [("ngram", 3), ("draft", 3),
