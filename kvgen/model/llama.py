@@ -16,7 +16,7 @@ from kvgen.model.attention import Attention
 from kvgen.model.fused import DecodePrograms
 from kvgen.model.layers import RotaryEmbedding, make_rms_norm, make_rope, make_silu_mul
 from kvgen.model.linear import Linear, RowKernels
-from kvgen.model.projections import Embedding, LayerBuilder, Weight, describe
+from kvgen.model.projections import ACTIVATIONS, Embedding, LayerBuilder, Weight, describe
 
 
 @dataclass
@@ -34,16 +34,17 @@ class LayerWeights:
 class LlamaModel:
     """Weights plus the forward pass. Built from Hugging Face-named weights (see `kvgen.loaders`):
     float tensors, or GGUF matrices kept packed (`LoadedModel.quantized`), which get quantized
-    linear layers (kvgen.model.projections). `quantization` "int8" / "int4" packs float matrices.
+    linear layers (kvgen.model.projections). `quantization` "int8" / "int4" packs float matrices;
+    `activations` is how packed layers quantize x (kvgen.model.projections.ACTIVATIONS by default).
     `fused_decode` lets decode steps run as one list of C kernel calls (kvgen.model.fused)."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight],
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 quantization: str = "none", fused_decode: bool = True) -> None:
+                 quantization: str = "none", fused_decode: bool = True, activations: str = ACTIVATIONS) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        build = LayerBuilder(self.device, dtype, quantization)
+        build = LayerBuilder(self.device, dtype, quantization, activations)
         self.embed = Embedding(weights["model.embed_tokens.weight"], build)
         self.layers = [_layer_weights(weights, i, config, build) for i in range(config.num_layers)]
         self.final_norm = build.float(weights["model.norm.weight"])

@@ -37,11 +37,13 @@ BF16_FROM_ROWS = 16
 
 
 class LayerBuilder:
-    """Builds the model's linear layers on `device` in `dtype`; `quantization` as EngineConfig has it.
+    """Builds the model's linear layers on `device` in `dtype`; `quantization` as EngineConfig has it,
+    `activations` how packed layers quantize x (a key of kvgen.model.quant.kernel.ACTIVATION_PARTS).
     Each weight is converted once, so a tied embedding and LM head share one table, packed or float."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, quantization: str = "none") -> None:
-        self.device, self.dtype, self.quantization = device, dtype, quantization
+    def __init__(self, device: torch.device, dtype: torch.dtype, quantization: str = "none",
+                 activations: str = ACTIVATIONS) -> None:
+        self.device, self.dtype, self.quantization, self.activations = device, dtype, quantization, activations
         self._conversions: dict[str, PackedWeight | None] = {}
         self._many_rows = ManyRows(BF16_FROM_ROWS, Bf16Tiles())  # one buffer for every layer's tiles
         self._floats: dict[int, tuple[Weight, torch.Tensor]] = {}
@@ -60,7 +62,7 @@ class LayerBuilder:
                 return self._packed(packed, bias)
         weight = torch.cat([self.float(p) for p in parts]) if len(parts) > 1 else self.float(parts[0])
         if self.quantization in ("int8", "int4") and weight.shape[1] % GROUP == 0:
-            return quantize_linear(weight, self.quantization, bias, ACTIVATIONS, self._many_rows)
+            return quantize_linear(weight, self.quantization, bias, self.activations, self._many_rows)
         return make_linear(weight, bias)
 
     def float(self, weight: Weight) -> torch.Tensor:
@@ -77,9 +79,9 @@ class LayerBuilder:
             stacked = concat_rows(packed) if len(packed) > 1 else packed[0]
         except ValueError:  # formats that do not stack: one layer each, outputs side by side
             biases = [None] * len(packed) if bias is None else bias.split([p.shape[0] for p in packed])
-            return ConcatLinear([packed_linear(p, b, self.device, self.dtype, ACTIVATIONS, self._many_rows)
+            return ConcatLinear([packed_linear(p, b, self.device, self.dtype, self.activations, self._many_rows)
                                  for p, b in zip(packed, biases)])
-        return packed_linear(stacked, bias, self.device, self.dtype, ACTIVATIONS, self._many_rows)
+        return packed_linear(stacked, bias, self.device, self.dtype, self.activations, self._many_rows)
 
 
 class ConcatLinear(Linear):
