@@ -9,14 +9,16 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
 
 from kvgen import LLM
-from kvgen.cache.kv_manager import BLOCK_STATES
+from kvgen.cache.kv_manager import BLOCK_STATES, NO_OWNER, BlockStates
 from kvgen.server.app import create_app
+from kvgen.server.dashboard.state import compact_pool
 from tests.server.harness import API_KEY, Server, blocks_used, running
 
 MODEL = "stories260K"
@@ -103,11 +105,14 @@ def test_shared_blocks_of_an_n3_request(server):
     assert shared and min(shared) >= 2
 
 
-def decode_compact(pool: dict) -> tuple[list[str], list[int | None], list[int]]:
-    names = {name[0]: name for name in BLOCK_STATES}
-    owner = np.frombuffer(base64.b64decode(pool["owner"]), "<i4").tolist()
-    refs = np.frombuffer(base64.b64decode(pool["ref_count"]), "<i4").tolist()
-    return [names[c] for c in pool["codes"]], [None if o < 0 else o for o in owner], refs
+def decode_compact(state: dict) -> tuple[list[str], list[int | None], list[int]]:
+    """The compact pool as the full one has it: owners are indices into the sequences, counts bytes."""
+    pool, names = state["pool"], {name[0]: name for name in BLOCK_STATES}
+    ids = [s["seq_id"] for s in state["sequences"]]
+    none = 256 ** pool["owner_bytes"] - 1
+    indices = np.frombuffer(base64.b64decode(pool["owner"]), f"<u{pool['owner_bytes']}").tolist()
+    refs = np.frombuffer(base64.b64decode(pool["ref_count"]), np.uint8).tolist()
+    return [names[c] for c in pool["codes"]], [None if i == none else ids[i] for i in indices], refs
 
 
 def test_events_are_compact_snapshots_at_most_ten_a_second(server):
@@ -125,9 +130,21 @@ def test_events_are_compact_snapshots_at_most_ten_a_second(server):
     assert steps == sorted(steps) and len(set(steps)) == len(steps)  # each one new: nothing sent twice
     last = received[-1]
     full = state(server, snapshot=last["snapshot"])
-    assert decode_compact(last["pool"]) == (full["pool"]["state"], full["pool"]["owner"], full["pool"]["ref_count"])
+    assert decode_compact(last) == (full["pool"]["state"], full["pool"]["owner"], full["pool"]["ref_count"])
     assert {k: v for k, v in last.items() if k != "pool"} == {k: v for k, v in full.items() if k != "pool"}
     assert state(server, snapshot=last["snapshot"], compact="true") == last
+
+
+def test_thecompact_pool_widens_owner_indices_for_many_sequences_and_saturates_counts():
+    """Owners index the sequences list in 2 bytes, or 4 from 65,535 sequences on; counts are bytes."""
+    codes = np.array([BLOCK_STATES.index(s) for s in ("shared", "free", "used")], dtype=np.int8)
+    blocks = BlockStates(codes=codes, owner=np.array([70_000, NO_OWNER, 5]), ref_count=np.array([300, 0, 1]))
+    for count, width in ((70_001, 4), (6, 2)):
+        sequences = [SimpleNamespace(seq_id=i) for i in range(count)][::-1]  # the list's order is the index
+        state = {"pool": compact_pool(blocks, sequences), "sequences": [{"seq_id": s.seq_id} for s in sequences]}
+        assert state["pool"]["owner_bytes"] == width
+        owners = [70_000 if count > 70_000 else None, None, 5]
+        assert decode_compact(state) == (["shared", "free", "used"], owners, [255, 0, 1])
 
 
 def next_event(lines: Iterator[str]) -> dict:

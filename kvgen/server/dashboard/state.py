@@ -6,9 +6,11 @@
      "sequences": [...], "steps": [...], "metrics": {...}}
 
 or, for the event stream, a compact pool: "codes", one letter per block (f free, c cached, u used,
-s shared, r released), and "owner" / "ref_count" as base64 of little-endian int32 arrays (-1: no
-owner), which a page decodes into typed arrays in a millisecond where 50,000-element JSON lists would
-cost tens.
+s shared, r released); "owner", base64 of little-endian unsigned ints of `owner_bytes` (2, or 4 for
+a list of 65,535 sequences or more) each: the owner's index in "sequences", all ones for none; and
+"ref_count", base64 of bytes (255 for 255 or more). A page decodes them into typed arrays in a
+millisecond where 50,000-element JSON lists would cost tens; at 50,000 blocks the pool is 250 KB,
+where int32 owner ids and counts made it 580 KB (formatting it took 2 of a snapshot's 2.6 ms).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvgen.cache.kv_manager import BLOCK_STATES, NO_OWNER, BlockStates
-from kvgen.engine.snapshot import EngineSnapshot
+from kvgen.engine.snapshot import EngineSnapshot, SequenceInfo
 
 STATE_LETTERS = np.frombuffer(b"".join(name[0].encode() for name in BLOCK_STATES), np.uint8)
 
@@ -42,7 +44,7 @@ class DashboardSnapshot:
 def state_json(snap: DashboardSnapshot, compact: bool = False) -> dict:
     engine = snap.engine
     pool = {"num_blocks": engine.num_blocks, "block_size": engine.block_size, "counts": engine.blocks.counts()}
-    pool.update(_compact_pool(engine.blocks) if compact else _full_pool(engine.blocks))
+    pool.update(compact_pool(engine.blocks, engine.sequences) if compact else _full_pool(engine.blocks))
     return {"snapshot": snap.id, "step": engine.step, "taken_at": engine.taken_at, "pool": pool,
             "sequences": [s.as_dict() for s in engine.sequences], "steps": [r.as_dict for r in engine.steps],
             "metrics": snap.metrics}
@@ -55,10 +57,26 @@ def _full_pool(blocks: BlockStates) -> dict:
             "ref_count": blocks.ref_count.tolist()}
 
 
-def _compact_pool(blocks: BlockStates) -> dict:
+def compact_pool(blocks: BlockStates, sequences: list[SequenceInfo]) -> dict:
+    dtype = "<u2" if len(sequences) < 0xFFFF else "<u4"
     return {"codes": STATE_LETTERS[blocks.codes].tobytes().decode("ascii"),
-            "owner": _b64_int32(blocks.owner), "ref_count": _b64_int32(blocks.ref_count)}
+            "owner": _b64(owner_indices(blocks.owner, sequences).astype(dtype)), "owner_bytes": int(dtype[-1]),
+            "ref_count": _b64(np.minimum(blocks.ref_count, 255).astype(np.uint8))}
 
 
-def _b64_int32(values: np.ndarray) -> str:
-    return base64.b64encode(values.astype("<i4").tobytes()).decode("ascii")
+def owner_indices(owner: np.ndarray, sequences: list[SequenceInfo]) -> np.ndarray:
+    """owner [num_blocks] seq ids (NO_OWNER for none) -> each one's index in `sequences`, -1 for none
+    (all ones once unsigned). Owners are live sequences, so in the list (one that is not shows none)."""
+    ids = np.array([s.seq_id for s in sequences], dtype=np.int64)
+    indices = np.full(owner.shape, -1, dtype=np.int64)
+    if not len(ids):
+        return indices
+    order = np.argsort(ids)
+    at = np.minimum(np.searchsorted(ids[order], owner), len(ids) - 1)
+    found = ids[order][at] == owner
+    indices[found] = order[at[found]]
+    return indices
+
+
+def _b64(values: np.ndarray) -> str:
+    return base64.b64encode(values.tobytes()).decode("ascii")

@@ -84,17 +84,25 @@ function onEvent(block) {
   if (!paused) show(latest);
 }
 
+// The compact pool (kvgen/server/dashboard/state.py): owners as indices into the sequences (all ones
+// for none), reference counts as bytes.
 function decode(state) {
-  state.pool.owner = int32s(state.pool.owner);
-  state.pool.ref_count = int32s(state.pool.ref_count);
+  const pool = state.pool, ids = state.sequences.map((s) => s.seq_id);
+  const raw = bytesOf(pool.owner);
+  const indices = pool.owner_bytes === 4 ? new Uint32Array(raw.buffer) : new Uint16Array(raw.buffer);
+  const none = pool.owner_bytes === 4 ? 0xFFFFFFFF : 0xFFFF;
+  const owner = new Int32Array(indices.length);
+  for (let b = 0; b < indices.length; b++) owner[b] = indices[b] === none ? -1 : ids[indices[b]];
+  pool.owner = owner;
+  pool.ref_count = bytesOf(pool.ref_count);
   return state;
 }
 
-function int32s(b64) {
+function bytesOf(b64) {
   const bin = atob(b64);
   const bytes = new Uint8Array(bin.length);
   for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
-  return new Int32Array(bytes.buffer);
+  return bytes;
 }
 
 $("pause").addEventListener("click", () => {
@@ -222,14 +230,18 @@ function describeCell(pool, cell) {
     const letter = pool.codes[cell], owner = pool.owner[cell];
     let text = `block ${cell}: ${STATES[letter]}`;
     if (owner >= 0) text += `\nsequence ${owner}`;
-    if (pool.ref_count[cell] > 0) text += `\nref_count ${pool.ref_count[cell]}`;
+    if (pool.ref_count[cell] > 0) text += `\nref_count ${refCount(pool.ref_count[cell])}`;
     return text;
   }
   const { tally, start, end } = binOf(pool, cell, layout.bin);
   const parts = RANK.filter((l) => tally[l]).map((l) => `${STATES[l]} ${tally[l]}`);
   let maxRef = 0;
   for (let b = start; b < end; b++) maxRef = Math.max(maxRef, pool.ref_count[b]);
-  return `blocks ${start}–${end - 1}\n${parts.join("\n")}` + (maxRef > 1 ? `\nmax ref_count ${maxRef}` : "");
+  return `blocks ${start}–${end - 1}\n${parts.join("\n")}` + (maxRef > 1 ? `\nmax ref_count ${refCount(maxRef)}` : "");
+}
+
+function refCount(count) {
+  return count === 255 ? "255 or more" : `${count}`;  // the compact pool's counts are bytes
 }
 
 function drawSteps(steps) {
