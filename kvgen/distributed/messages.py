@@ -2,7 +2,7 @@
 
     header  int64 [8] on the control group: op, then the sizes that follow (see `Header`)
     ints    int64 [n_ints]: token ids [T], positions [T], slot mapping [T], logit rows [S], then per
-            attention group (first_row, B, N, Q, L, causal, rotated) and its block table [B * N]
+            attention group (first_row, B, N, Q, L, causal_from or -1, rotated) and its block table [B * N]
     mask    bool [n_mask]: every group's mask [B, 1, Q, L], flattened, in group order
     floats  model dtype [n_floats]: the key re-rotation (cos, sin) [B, 1, L, D] of groups that have one
 
@@ -90,7 +90,8 @@ def encode_step(inputs: StepInputs) -> Message:
     masks, floats = [], []
     for g in meta.groups:
         batch, _, num_queries, length = g.mask.shape
-        fields = [g.first_row, batch, g.kv_blocks.shape[1], num_queries, length, int(g.causal),
+        causal_from = -1 if g.causal_from is None else g.causal_from
+        fields = [g.first_row, batch, g.kv_blocks.shape[1], num_queries, length, causal_from,
                   int(g.key_rotation is not None)]
         ints += [torch.tensor(fields, device=g.kv_blocks.device), g.kv_blocks.flatten()]
         masks.append(g.mask.flatten())
@@ -112,7 +113,7 @@ def decode_step(message: Message, head_dim: int) -> StepInputs:
     at, mask_at, float_at = 3 * t + s, 0, 0
     groups = []
     for _ in range(h.num_groups):
-        first_row, batch, width, num_queries, length, causal, rotated = ints[at : at + GROUP_FIELDS].tolist()
+        first_row, batch, width, num_queries, length, causal_from, rotated = ints[at : at + GROUP_FIELDS].tolist()
         at += GROUP_FIELDS
         kv_blocks = ints[at : at + batch * width].view(batch, width)
         at += batch * width
@@ -125,7 +126,7 @@ def decode_step(message: Message, head_dim: int) -> StepInputs:
             cos, sin = floats[float_at : float_at + n], floats[float_at + n : float_at + 2 * n]
             rotation = (cos.view(batch, 1, length, head_dim), sin.view(batch, 1, length, head_dim))
             float_at += 2 * n
-        groups.append(PagedGroup(first_row, kv_blocks, group_mask, bool(causal), rotation))
+        groups.append(PagedGroup(first_row, kv_blocks, group_mask, None if causal_from < 0 else causal_from, rotation))
     return StepInputs(token_ids, positions, PagedMetadata(slots, groups), logit_rows, [])
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.model.kernels import STORE_DTYPES, GroupDecode, PagedDecode
+from kvgen.model.kernels.prefill import prefill_attention_kernel
 from kvgen.model.kv_quant import as_bytes, dequantize, is_quantized, quantize
 from kvgen.model.layers import apply_rope
 
@@ -127,8 +128,10 @@ class PagedGroup:
     kv_blocks   [B, N]:    pool blocks the sequence reads, in order (padding -> the scratch block);
                            its L = N * block_size keys are read in that order
     mask        [B, 1, Q, L]: True where query i of sequence b may attend to key j
-    causal                 `mask` is plain causal from position 0 (a prompt's first chunk): SDPA's own
-                           causal mask replaces it and skips the blocks above the diagonal
+    causal_from            or None: `mask` is plain causal over the sequence's keys from position 0 and
+                           its queries sit at positions causal_from, causal_from + 1, ... (a prompt
+                           chunk of one sequence that keeps every token): the prefill kernel, or
+                           from 0 SDPA's own causal mask, replaces the mask
     key_rotation (cos, sin) [B, 1, L, D] or None: re-rotates cached keys whose RoPE position has
                  moved since they were written (attention sinks rank keys by their place in the cache)
     score_rows  [b] or None: rows whose attention weights are accumulated into `scores` [b, L]
@@ -138,7 +141,7 @@ class PagedGroup:
     first_row: int
     kv_blocks: torch.Tensor
     mask: torch.Tensor
-    causal: bool = False
+    causal_from: int | None = None
     key_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
     score_rows: torch.Tensor | None = None
     scores: torch.Tensor | None = None
@@ -262,6 +265,9 @@ class PagedAttention(Attention):
         self.cache = cache
         self.meta = meta
         self.decode_kernel = decode_kernel
+        # The CPU kernels come together: where decodes read the pools in place, causal prompt chunks
+        # take the prefill kernel (kvgen.model.kernels.prefill).
+        self.prefill_kernel = prefill_attention_kernel() if decode_kernel is not None else None
         self._group_calls: dict[int, GroupDecode] = {}  # by group index: the kernel's per-step arguments
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -284,8 +290,9 @@ class PagedAttention(Attention):
             cache.write(layer, self.meta.slot_mapping, k, v)
 
     def _attend(self, layer: int, index: int, group: PagedGroup, rows: torch.Tensor) -> torch.Tensor:
-        """rows [B * Q, heads, D] -> [B * Q, heads, D]: through the kernel where it applies, else
-        through a gathered copy of the group's K/V (also gathered to record heavy-hitter weights)."""
+        """rows [B * Q, heads, D] -> [B * Q, heads, D]: through the decode kernel where it applies, else
+        through a gathered copy of the group's K/V (also gathered to record heavy-hitter weights): the
+        prefill kernel for a causal prompt chunk, SDPA for the rest."""
         in_place = self._in_place(group)
         if in_place and group.score_rows is None:  # a decode step's usual path: nothing else to build
             return self._decode(layer, index, group, rows)
@@ -298,7 +305,12 @@ class PagedAttention(Attention):
         if in_place:
             return self._decode(layer, index, group, rows)
         keys, values = gathered
-        out = sdpa_heads_first(queries, keys, values, None if group.causal else group.mask, group.causal)
+        if self.prefill_kernel is not None and group.causal_from is not None and batch == 1:
+            out = self.prefill_kernel(rows, keys[0], values[0], group.causal_from)
+            if out is not None:
+                return out
+        causal = group.causal_from == 0
+        out = sdpa_heads_first(queries, keys, values, None if causal else group.mask, causal)
         return out.transpose(1, 2).reshape(rows.shape)
 
     def _decode(self, layer: int, index: int, group: PagedGroup, rows: torch.Tensor) -> torch.Tensor:

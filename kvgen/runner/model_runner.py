@@ -9,8 +9,9 @@ The flat batch puts decode tokens first, then prefill chunks:
 Each group's queries are consecutive rows, so its outputs come back in row order. Decodes are
 sorted by how many blocks they read and cut into groups of similar length, so that padding each
 sequence's keys to the longest of its group costs little where they are gathered for SDPA (the
-CPU decode kernel skips padding unread); a prompt that starts at position 0 attends with SDPA's
-causal mask, which skips the blocks above the diagonal.
+CPU decode kernel skips padding unread); a prompt chunk of a sequence that keeps every token is
+plainly causal (`causal_from`): the CPU prefill kernel, or SDPA's causal mask from position 0,
+skips the blocks above the diagonal.
 
 Each sequence reads only the blocks its cache policy still holds (null entries are skipped), so a
 bounded cache costs the same per token however long the text grows. Per-step metadata is built
@@ -155,8 +156,8 @@ class ModelRunner:
         kv_blocks, k_pos = self._live_keys([reads[c.seq.seq_id] for c in chunks])  # [B, N], [B, L]
         policies = [c.seq.policy for c in chunks]
         mask = self._policy_mask(policies, q_pos, k_pos)  # [B, Q, L]
-        causal = num_queries > 1 and chunks[0].start == 0 and policies[0].kind == "full"
-        group = PagedGroup(first_row, kv_blocks, mask[:, None], causal)
+        one_whole_sequence = len(chunks) == 1 and num_queries > 1 and policies[0].kind == "full"
+        group = PagedGroup(first_row, kv_blocks, mask[:, None], chunks[0].start if one_whole_sequence else None)
         self._add_sink_rotation(group, policies, q_pos[:, -1], k_pos)
         target = self._add_heavy_hitters(group, chunks, k_pos)
         return group, self._rope_positions(policies, q_pos).flatten(), target
