@@ -12,8 +12,10 @@
     Bf16Linear    bf16 on a CPU with AVX-512 BF16: kvgen's own kernel (kernels/bf16_matmul.c) on
                   weights packed once into tiles of 4 rows. At decode's few rows it reads the
                   weights 1.3-2.5x faster than oneDNN's GEMV, which at one row is slower than fp32
-                  OpenBLAS on the mid-size matrices; at prefill's hundreds of rows it runs ~20%
-                  slower than oneDNN's GEMM (BENCHMARKS.md), a trade for one copy of the weights.
+                  OpenBLAS on the mid-size matrices; at prefill's hundreds of rows it runs ~30%
+                  slower than oneDNN's GEMM, so there (ONEDNN_FROM_ROWS) the layer unpacks its
+                  weight into a buffer the model's layers share and calls oneDNN: one copy of the
+                  weights kept.
     OneDnnLinear  bf16 where the CPU has native bf16 but not that kernel's features: the weights
                   are reordered once into oneDNN's blocked layout.
     TorchLinear   everything else (CUDA, fp16...): `F.linear`.
@@ -43,11 +45,16 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.model.kernels import KernelCall
-from kvgen.model.kernels.bf16 import Bf16Matmul, bf16_kernel
+from kvgen.model.kernels.bf16 import Bf16Matmul, Bf16Tiles, bf16_kernel
 from kvgen.model.kernels.bf16 import pack as pack_bf16
 from kvgen.model.kernels.f32 import F32Matmul, f32_kernel
 from kvgen.threads import WORKERS_SLEEP
 
+# From this many rows of x on (prefill), a bf16 layer unpacks its weight to row-major (~0.2 ms for
+# 3072 x 576) and runs oneDNN's GEMM, which does there what kvgen's few-row kernel cannot: SmolLM2's
+# layer matrices at 128 / 256 / 512 rows 98 / 198 / 398 ms -> 83 / 150 / 270 (microbenchmark, both
+# without the unpack), with no second copy of the weights kept.
+ONEDNN_FROM_ROWS = 128
 # Many GEMV rows over a large matrix (an LM head) go tile by tile so each tile is read from memory
 # once and then from cache; a tile's GEMV gives the same bits as the whole matrix's.
 GEMV_TILE_BYTES = 4 << 20
@@ -155,12 +162,20 @@ class OneDnnLinear(Linear):
 
 
 class Bf16Linear(Linear):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Bf16Matmul) -> None:
+    """bf16 on kvgen's kernel; given a shared `scratch` buffer, calls of ONEDNN_FROM_ROWS rows or more
+    (prefill) unpack the weight into it and run oneDNN's GEMM instead."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Bf16Matmul,
+                 scratch: Bf16Tiles | None = None) -> None:
         super().__init__(weight, bias)
         self.packed = pack_bf16(weight)  # [ceil(out/4), ceil(in/32), 4, 32]
         self._matmul = kernel
+        self._scratch = scratch if _onednn_bf16() else None
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        if self._scratch is not None and x.shape[0] >= ONEDNN_FROM_ROWS:
+            weight = self._matmul.unpack(self.packed, self.out_features, self.in_features, self._scratch)
+            return F.linear(x, weight, self.bias)
         out = self._matmul(x.contiguous(), self.packed, self.out_features)
         return out if self.bias is None else out.add_(self.bias)
 
@@ -177,15 +192,16 @@ class TorchLinear(Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-    """The fastest kernel for the weight's device and dtype (see the module docstring)."""
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, scratch: Bf16Tiles | None = None) -> Linear:
+    """The fastest kernel for the weight's device and dtype (see the module docstring); `scratch`, a
+    buffer the model's layers share, lets bf16 layers take oneDNN at many rows."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32:
         if (f32 := f32_kernel()) is not None:
             return F32Linear(weight, bias, f32)
         return BlasLinear(weight, bias)
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
         if (kernel := bf16_kernel()) is not None:
-            return Bf16Linear(weight, bias, kernel)
+            return Bf16Linear(weight, bias, kernel, scratch)
         if _onednn_bf16():
             return OneDnnLinear(weight, bias)
     return TorchLinear(weight, bias)

@@ -63,7 +63,7 @@ class LayerBuilder:
         weight = torch.cat([self.float(p) for p in parts]) if len(parts) > 1 else self.float(parts[0])
         if self.quantization in ("int8", "int4") and weight.shape[1] % GROUP == 0:
             return quantize_linear(weight, self.quantization, bias, self.activations, self._many_rows)
-        return make_linear(weight, bias)
+        return make_linear(weight, bias, self._many_rows.tiles)
 
     def float(self, weight: Weight) -> torch.Tensor:
         """The weight on the model's device and dtype; converted once, so that a tied embedding and

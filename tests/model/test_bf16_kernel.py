@@ -9,8 +9,8 @@ the inputs here are normal.
 import pytest
 import torch
 
-from kvgen.model.kernels.bf16 import bf16_kernel, pack
-from kvgen.model.linear import Bf16Linear, make_linear
+from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel, pack
+from kvgen.model.linear import ONEDNN_FROM_ROWS, Bf16Linear, make_linear
 from tests.tolerances import gamma
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
@@ -53,6 +53,21 @@ def test_bf16_on_this_cpu_takes_the_kernel_with_its_bias():
     # the bias is added in bf16 after the product's rounding: one more bf16 rounding of the sum
     total = exact + b.double()
     assert ((linear(x).double() - total).abs() <= 2 * bound + BF16_UNIT_ROUNDOFF * total.abs() + 1e-30).all()
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 here")
+def test_many_rows_run_onednn_on_the_unpacked_weight_within_the_same_bound():
+    """From ONEDNN_FROM_ROWS rows (prefill) a layer given the model's scratch buffer unpacks its
+    tiles to row-major and runs oneDNN's GEMM: fp32 sums of exact products too, so the same bound."""
+    torch.manual_seed(2)
+    w, b = torch.randn(101, 70).bfloat16(), torch.randn(101).bfloat16()
+    assert torch.equal(bf16_kernel().unpack(pack(w), 101, 70, Bf16Tiles()), w)
+    linear, kernel_only = make_linear(w, b, Bf16Tiles()), make_linear(w, b)
+    x = torch.randn(ONEDNN_FROM_ROWS + 3, 70).bfloat16()
+    exact, bound = reference_and_bound(x, w)
+    total = exact + b.double()
+    assert ((linear(x).double() - total).abs() <= 2 * bound + BF16_UNIT_ROUNDOFF * total.abs() + 1e-30).all()
+    assert torch.equal(linear(x[:5]), kernel_only(x[:5]))  # fewer rows: the kernel, as without scratch
 
 
 def test_x_that_does_not_fit_the_weight_is_refused():

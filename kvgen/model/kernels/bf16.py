@@ -37,9 +37,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class Bf16Tiles:
-    """One growable buffer of weights in this kernel's layout, which a model's packed layers share for
-    their weights dequantized at many rows (kvgen.model.quant.linear): each layer's tiles live only
-    during its own call, and a fresh multi-MB tensor per call is page-faulted in every time."""
+    """One growable buffer of bf16 weights, which a model's layers share for their weights laid out
+    anew at many rows: dequantized into this kernel's tiles (kvgen.model.quant.linear), or unpacked to
+    row-major for oneDNN (kvgen.model.linear.Bf16Linear). Each layer's copy lives only during its own
+    call, and a fresh multi-MB tensor per call is page-faulted in every time."""
 
     def __init__(self) -> None:
         self._buffer = torch.empty(0, dtype=torch.bfloat16)
@@ -66,6 +67,9 @@ class Bf16Matmul:
         function.restype = None
         self._function = function
         self._call = library.bf16_matmul_call
+        self._unpack = library.bf16_unpack
+        self._unpack.argtypes = [_P, _I64, _I64, _P, ctypes.c_int32]
+        self._unpack.restype = None
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -76,6 +80,13 @@ class Bf16Matmul:
         if x.shape[0]:
             self._function(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out_features, out.data_ptr(),
                            out_dtype == torch.float32, torch.get_num_threads())
+        return out
+
+    def unpack(self, packed: torch.Tensor, out_features: int, in_features: int, tiles: Bf16Tiles) -> torch.Tensor:
+        """`packed` back to row-major bf16 [out_features, in_features], in `tiles`' buffer."""
+        assert packed.shape[:2] == (-(-out_features // TILE_ROWS), -(-in_features // SPAN))
+        out = tiles.take((out_features, in_features))
+        self._unpack(packed.data_ptr(), out_features, in_features, out.data_ptr(), torch.get_num_threads())
         return out
 
     def call(self, x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> KernelCall:

@@ -43,3 +43,17 @@ int bf16_matmul_call(const struct bf16_matmul_args *a) {
     bf16_matmul(a->x, a->T, a->K, a->w, a->N, a->y, a->f32, a->num_threads);
     return 0;
 }
+
+/* The packed weight back to row-major bf16 [N, K] (tiles of 4 rows, span by span, as pack() lays
+ * them out; the padding dropped): for the many-row path, which hands it to oneDNN's GEMM. */
+void bf16_unpack(const uint16_t *w, int64_t N, int64_t K, uint16_t *out, int32_t num_threads) {
+    const int64_t spans = (K + SPAN - 1) / SPAN, tiles = (N + WROWS - 1) / WROWS;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t b = 0; b < tiles; b++)
+        for (int64_t s = 0; s < spans; s++)
+            for (int64_t r = 0; r < WROWS && b * WROWS + r < N; r++) {
+                const int64_t count = K - s * SPAN < SPAN ? K - s * SPAN : SPAN;
+                memcpy(out + (b * WROWS + r) * K + s * SPAN, w + ((b * spans + s) * WROWS + r) * SPAN,
+                       sizeof(uint16_t) * count);
+            }
+}
