@@ -46,6 +46,15 @@ def test_prefill_attention_equals_causal_sdpa(dtype, kv_heads, group, head_dim, 
     assert (got.float() - want).abs().max().item() <= tolerance
 
 
+def test_a_query_gets_the_same_bits_in_whatever_chunk_it_comes():
+    """Each query runs over the same blocks of keys in the same order, whichever queries share its
+    tile: a prompt cut into chunks differently attends with the same bits."""
+    q, keys, values = torch.randn(70, 9, 64), torch.randn(3, 80, 64), torch.randn(3, 80, 64)
+    whole = prefill_attention_kernel()(q, keys, values, 0)
+    for start, end in ((0, 25), (25, 70), (60, 70)):
+        assert torch.equal(prefill_attention_kernel()(q[start:end].contiguous(), keys, values, start), whole[start:end])
+
+
 def test_prefill_attention_ignores_what_lies_after_the_last_key():
     q, keys, values = torch.randn(20, 4, 64), torch.randn(2, 40, 64), torch.randn(2, 40, 64)
     want = prefill_attention_kernel()(q, keys, values, 5)
