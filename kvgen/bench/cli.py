@@ -50,6 +50,9 @@ def register(subparsers: argparse._SubParsersAction, add_engine_options: Callabl
     _add_workload(p)
     p.add_argument("--sequential", action="store_true",
                    help="also run the same requests one at a time through the same engine")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="kvgen and its variants (--compare-speculation) take turns over this many rounds of "
+                        "fresh requests, so that the machine's drift falls on both (default: 1)")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 16, 32, 64],
                    help="static batch sizes peers try, fastest kept (default: 1,8,16,32,64)")
     _add_compare(p)

@@ -29,14 +29,12 @@ METRICS = (
 def run(args: argparse.Namespace, vocab_size: int, kvgen: KvgenSystem, peers: Sequence[System],
         settings: dict, variants: Sequence[KvgenSystem] = ()) -> Report:
     """`variants`: other kvgen engines run like kvgen (such as kvgen-plain, without speculation)."""
-    requests = make_requests(args.num_requests, args.prompt_len_range, args.output_len_range, vocab_size, args.seed)
+    rounds = [make_requests(args.num_requests, args.prompt_len_range, args.output_len_range, vocab_size,
+                            args.seed + 2 * r) for r in range(args.rounds)]
+    requests = rounds[0]
     warmup = make_requests(1, args.prompt_len_range, (8, 8), vocab_size, args.seed + 1)
-    kvgen.run_batch(warmup)
     device = kvgen.engine.model.device
-    results = {"kvgen": rates(requests, timed(lambda: kvgen.run_batch(requests), device))}
-    for variant in variants:
-        variant.run_batch(warmup)
-        results[variant.name] = rates(requests, timed(lambda v=variant: v.run_batch(requests), device))
+    results = alternate_rounds([kvgen, *variants], rounds, warmup, device)
     if args.sequential:
         results["kvgen-sequential"] = rates(requests, timed(lambda: kvgen.run_at(requests, 1), device))
     notes = []
@@ -49,12 +47,30 @@ def run(args: argparse.Namespace, vocab_size: int, kvgen: KvgenSystem, peers: Se
     title = (f"throughput: {settings['model']}, {settings['dtype']}, {len(requests)} requests, prompts "
              f"{args.prompt_len_range[0]}-{args.prompt_len_range[1]}, outputs "
              f"{args.output_len_range[0]}-{args.output_len_range[1]} tokens")
+    if args.rounds > 1:
+        title += f"; kvgen engines over {args.rounds} alternating rounds of such requests, peers over the first"
     table, ratios = comparison_table(title, METRICS, results)
     settings = settings | {"num_requests": len(requests), "prompt_len_range": args.prompt_len_range,
-                           "output_len_range": args.output_len_range, "batch_sizes": args.batch_sizes}
+                           "output_len_range": args.output_len_range, "batch_sizes": args.batch_sizes,
+                           "rounds": args.rounds}
     data = {"settings": settings, "results": results, "ratios": ratios,
             "requests": [{"prompt_len": len(r.prompt), "output_len": r.output_len} for r in requests]}
     return Report("throughput", data, [table], notes)
+
+
+def alternate_rounds(engines: Sequence[KvgenSystem], rounds: Sequence[Sequence[BenchRequest]],
+                     warmup: Sequence[BenchRequest], device: torch.device) -> dict[str, dict]:
+    """Each engine runs each round's requests, the engines taking turns round by round, so that this
+    machine's drift over minutes falls on all of them alike; rates over every round's requests.
+    Rounds have their own prompts: none finds another's in the prefix cache."""
+    for engine in engines:
+        engine.run_batch(warmup)
+    elapsed = {engine.name: 0.0 for engine in engines}
+    for requests in rounds:
+        for engine in engines:
+            elapsed[engine.name] += timed(lambda e=engine: e.run_batch(requests), device)
+    every = [r for requests in rounds for r in requests]
+    return {name: rates(every, seconds) | {"rounds": len(rounds)} for name, seconds in elapsed.items()}
 
 
 def best_batch_size(peer: System, requests: Sequence[BenchRequest], sizes: Sequence[int],

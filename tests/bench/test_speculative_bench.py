@@ -59,5 +59,19 @@ def test_throughput_compare_speculation(tmp_path):
     assert "adaptive" in data["speculative"]
 
 
+def test_throughput_rounds_alternate_the_engines_over_fresh_requests(tmp_path):
+    """--rounds 2: kvgen and kvgen-plain each run two sets of 6 requests, in turns; the rates count
+    all 12."""
+    data = bench(tmp_path, "throughput", *TINY, "--num-requests", "6", "--prompt-len-range", "8", "32",
+                 "--output-len-range", "4", "16", "--speculative-method", "ngram", "--compare-speculation",
+                 "--rounds", "2")
+    assert data["settings"]["rounds"] == 2 and len(data["requests"]) == 6
+    for name in ("kvgen", "kvgen-plain"):
+        result = data["results"][name]
+        assert result["rounds"] == 2
+        assert result["output_tokens"] > sum(r["output_len"] for r in data["requests"])  # both rounds' tokens
+        assert result["requests_per_s"] == pytest.approx(12 / result["elapsed_s"])
+
+
 def test_compare_speculation_needs_a_method(tmp_path):
     assert main(["bench", "latency", *TINY, "--compare-speculation", "--output-dir", str(tmp_path)]) == 2
