@@ -50,11 +50,11 @@ from kvgen.model.kernels.bf16 import pack as pack_bf16
 from kvgen.model.kernels.f32 import F32Matmul, f32_kernel
 from kvgen.threads import WORKERS_SLEEP
 
-# From this many rows of x on (prefill), a bf16 layer unpacks its weight to row-major (~0.2 ms for
-# 3072 x 576) and runs oneDNN's GEMM, which does there what kvgen's few-row kernel cannot: SmolLM2's
-# layer matrices at 128 / 256 / 512 rows 98 / 198 / 398 ms -> 83 / 150 / 270 (microbenchmark, both
-# without the unpack), with no second copy of the weights kept.
-ONEDNN_FROM_ROWS = 128
+# From this many rows of x on (prefill), a bf16 layer unpacks its weight to row-major and runs
+# oneDNN's GEMM, which does there what kvgen's few-row kernel cannot. SmolLM2's 120 layer matrices
+# at 128 / 256 / 512 rows: 98 / 198 / 398 ms on the kernel, 83 / 150 / 270 on oneDNN plus ~24 ms
+# of unpacking (microbenchmarks): a loss at 128 rows, a gain from 256. No second copy is kept.
+ONEDNN_FROM_ROWS = 256
 # Many GEMV rows over a large matrix (an LM head) go tile by tile so each tile is read from memory
 # once and then from cache; a tile's GEMV gives the same bits as the whole matrix's.
 GEMV_TILE_BYTES = 4 << 20
