@@ -28,6 +28,11 @@ def test_two_nodes_under_torchrun_match_one_process():
                                       stderr=subprocess.PIPE, text=True))
     try:
         outputs = [node.communicate(timeout=120) for node in nodes]
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            node.kill()
+        tails = [node.communicate()[1][-2000:] for node in nodes]  # what each agent said before the hang
+        raise AssertionError(f"the two torchrun agents did not finish within 120 s: {tails}") from None
     finally:
         for node in nodes:
             node.kill()
