@@ -4,8 +4,9 @@
                      K/V in place from the block pool. Gathering each sequence's blocks into a
                      padded copy and running SDPA on it reads the KV cache three times (gather
                      read, gather write, SDPA read) and pads every sequence to the longest; this
-                     reads each allowed key once. At batch 64
-                     of the throughput bench it takes a third of the time of gather + SDPA.
+                     reads each allowed key once. At batch 64 of the throughput bench it takes a
+                     third of the time of gather + SDPA.
+    prefill_attention.c  causal attention for a prompt chunk (kernels/prefill.py).
     bf16_matmul.c    bf16 linear layers on CPUs with AVX-512 BF16 (kernels/bf16.py)
     f32_matmul.c     fp32 linear layers on CPUs with AVX-512 (kernels/f32.py); both
                      matmuls run the loop of few_rows.h. The quantized layers' kernel lives with its
