@@ -30,7 +30,7 @@ from kvgen.distributed.group import (
     torchrun_rank,
 )
 from kvgen.distributed.liveness import WorkerWatch
-from kvgen.distributed.worker import serve_worker, worker_main
+from kvgen.distributed.worker import exit_now, serve_worker, worker_main
 from kvgen.errors import KVGenError
 from kvgen.loaders import LoadedModel
 
@@ -49,7 +49,7 @@ def local_rank_of(config: EngineConfig) -> int:
 
 def build_tensor_parallel_engine(loaded: LoadedModel, config: EngineConfig) -> TensorParallelEngine:
     """Rank 0's engine, once every rank has joined. Under torchrun, a worker rank serves here and
-    exits the process (SystemExit) when rank 0 stops."""
+    exits the process when rank 0 stops."""
     world = config.tensor_parallel_size
     backend = default_backend(config.device) if config.distributed_backend == "auto" else config.distributed_backend
     rank = torchrun_rank()
@@ -64,7 +64,7 @@ def build_tensor_parallel_engine(loaded: LoadedModel, config: EngineConfig) -> T
             except DistributedError as error:
                 raise SystemExit(f"kvgen: error: {error}") from None
             group.destroy()
-            raise SystemExit(0)
+            exit_now()
         return TensorParallelEngine(loaded, config, group)
     if loaded.reload is None:
         raise ValueError("spawning tensor-parallel workers needs LoadedModel.reload (kvgen.llm.load sets it)")
