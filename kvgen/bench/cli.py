@@ -229,7 +229,8 @@ def _peers(args: argparse.Namespace, model: BenchModel, dtype: str, max_len: int
 
 def _check_args(args: argparse.Namespace) -> None:
     """Rejects values no mode can run with (one line, exit 2, like the rest of the CLI)."""
-    for name in ("prompt_len", "repeats", "num_requests", "steps", "max_len", "bandwidth_size", "threads", "rate"):
+    for name in ("prompt_len", "repeats", "num_requests", "steps", "max_len", "bandwidth_size", "threads", "rate",
+                 "rounds"):
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")

@@ -73,5 +73,9 @@ def test_throughput_rounds_alternate_the_engines_over_fresh_requests(tmp_path):
         assert result["requests_per_s"] == pytest.approx(12 / result["elapsed_s"])
 
 
+def test_rounds_must_be_positive(tmp_path):
+    assert main(["bench", "throughput", *TINY, "--rounds", "0", "--output-dir", str(tmp_path)]) == 2
+
+
 def test_compare_speculation_needs_a_method(tmp_path):
     assert main(["bench", "latency", *TINY, "--compare-speculation", "--output-dir", str(tmp_path)]) == 2

@@ -99,12 +99,12 @@ BLOCK(4, ACC(0) ACC(1) ACC(2) ACC(3), DOTS_OF(0) DOTS_OF(1) DOTS_OF(2) DOTS_OF(3
  * the last 1-3 rows of larger ones; block_x4 does the rest (compute-bound, where its 16
  * accumulators need fewer loads per multiply-add). Each output accumulates over the same spans in
  * the same order in both: the same bits.
- * A call under ROW_PASS_BELOW rows is one pass, so its weights are read once: a 9-row verify chunk
+ * A call of up to ROW_PASS rows is one pass, so its weights are read once: a 9-row verify chunk
  * (K = 8) over a SmolLM2 fp32 step's matrices went 32.0 -> 28.7 ms against passes of 8 and 1. */
 #ifndef ROW_PASS_BELOW
 #define ROW_PASS_BELOW 16
 #endif
-#define ROW_PASS (ROW_PASS_BELOW - 1) /* rows_x1 .. rows_x15 below */
+#define ROW_PASS 15 /* the most rows of x one pass takes: rows_x1 .. rows_x15 below */
 #define ROW_ACC(t) __m512 a##t = _mm512_setzero_ps();
 #define ROW_DOT(t) a##t = DOT(a##t, LOAD(m, x + (t0 + t) * K + k), v);
 #define ROW_STORE(t) store(y, (t0 + t) * N + n0 + r, f32, _mm512_reduce_add_ps(a##t));
