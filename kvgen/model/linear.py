@@ -1,10 +1,11 @@
 """Linear layers whose kernel is chosen once, when the weights load, for their device and dtype.
 
-    F32Linear     fp32 on a CPU with AVX-512: kvgen's own kernel (kernels/f32_matmul.c) on the
-                  weights as loaded. At one row it reads them ~20% faster than OpenBLAS's GEMV, at
-                  2-16 rows (a speculative verify chunk) it costs 1.1-1.8x one row where OpenBLAS
-                  costs 1.5-2.2x, and at prefill's hundreds of rows it is within a few percent of
-                  OpenBLAS's GEMM (BENCHMARKS.md). Every row goes through the same operations
+    F32Linear     fp32 on a CPU with AVX-512: kvgen's own kernel (kernels/f32_matmul.c) on weights
+                  packed once into panels of 32 output features (one copy: a tied embedding looks
+                  its rows up there). At one row it reads them ~20% faster than OpenBLAS's GEMV, at
+                  2-16 rows (a speculative verify chunk) it costs 1.1-1.6x one row where OpenBLAS
+                  costs 1.5-2.2x, and at prefill's hundreds of rows it runs ~35% faster than
+                  oneDNN's GEMM (BENCHMARKS.md). Every row goes through the same operations
                   whatever the row count, so a row's bits never depend on the rows beside it.
     BlasLinear    fp32 on other CPUs, through OpenBLAS (numpy, on the same memory): its GEMV (one row)
                   reads the weights near memory bandwidth, about twice as fast as MKL's (torch's
@@ -47,7 +48,8 @@ import torch.nn.functional as F
 from kvgen.model.kernels import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Matmul, Bf16Tiles, bf16_kernel
 from kvgen.model.kernels.bf16 import pack as pack_bf16
-from kvgen.model.kernels.f32 import F32Matmul, f32_kernel
+from kvgen.model.kernels.f32 import F32Matmul, f32_kernel, unpacked_rows
+from kvgen.model.kernels.f32 import pack as pack_f32
 from kvgen.threads import WORKERS_SLEEP
 
 # From this many rows of x on (prefill), a bf16 layer unpacks its weight to row-major and runs
@@ -141,15 +143,20 @@ class BlasLinear(Linear):
 class F32Linear(Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: F32Matmul) -> None:
         super().__init__(weight, bias)
-        self.weight = weight.contiguous()
+        self.packed = pack_f32(weight)  # [ceil(out/32), in, 32]
         self._matmul = kernel
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
-        out = self._matmul(x.contiguous(), self.weight)
+        out = self._matmul(x.contiguous(), self.packed, self.out_features)
         return out if self.bias is None else out.add_(self.bias)
 
     def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
-        return self._matmul.call(x, self.weight, out) if self.bias is None else None
+        return self._matmul.call(x, self.packed, out) if self.bias is None else None
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of the weight, [T, in], from the packed copy: a tied embedding looks its
+        tokens up here instead of keeping a second one."""
+        return unpacked_rows(self.packed, ids)
 
 
 class OneDnnLinear(Linear):

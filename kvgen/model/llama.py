@@ -45,11 +45,12 @@ class LlamaModel:
         self.device = torch.device(device)
         self.dtype = dtype
         build = LayerBuilder(self.device, dtype, quantization, activations)
-        self.embed = Embedding(weights["model.embed_tokens.weight"], build)
-        self.layers = [_layer_weights(weights, i, config, build) for i in range(config.num_layers)]
-        self.final_norm = build.float(weights["model.norm.weight"])
         head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
         self.lm_head = build.linear([head])
+        self.embed = Embedding(weights["model.embed_tokens.weight"], build,
+                               self.lm_head if config.tie_word_embeddings else None)
+        self.layers = [_layer_weights(weights, i, config, build) for i in range(config.num_layers)]
+        self.final_norm = build.float(weights["model.norm.weight"])
         self.rope = RotaryEmbedding(config, config.max_position_embeddings, self.device, dtype)
         self.norm = make_rms_norm(self.device, dtype)
         self.rotate = make_rope(self.device, dtype)  # may rotate in place: q/k are the qkv layer's fresh output

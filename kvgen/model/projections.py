@@ -19,7 +19,7 @@ import torch
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
 from kvgen.model.kernels.bf16 import Bf16Tiles
-from kvgen.model.linear import Linear, RowKernels, make_linear
+from kvgen.model.linear import F32Linear, Linear, RowKernels, make_linear
 from kvgen.model.quant.float_weights import GROUP
 from kvgen.model.quant.formats import PackedWeight, concat_rows, dequantize_rows
 from kvgen.model.quant.gguf_blocks import convert
@@ -109,16 +109,21 @@ def describe(layer: Linear) -> tuple[str, int]:
 
 class Embedding:
     """Token embedding rows [vocab, hidden]: a float table, or a packed one whose rows are dequantized
-    as they are looked up (a step looks up a few hundred rows at most)."""
+    as they are looked up (a step looks up a few hundred rows at most). A tied LM head on fp32
+    panels (F32Linear) holds the table in its own layout: then the rows are looked up there, and no
+    second copy is kept."""
 
-    def __init__(self, weight: Weight, builder: LayerBuilder) -> None:
+    def __init__(self, weight: Weight, builder: LayerBuilder, tied_head: Linear | None = None) -> None:
         self.packed = builder.packed(weight) if isinstance(weight, GGUFWeight) else None
-        self.table = None if self.packed is not None else builder.float(weight)
+        self.head = tied_head if self.packed is None and isinstance(tied_head, F32Linear) else None
+        self.table = None if self.packed is not None or self.head is not None else builder.float(weight)
         self.device, self.dtype = builder.device, builder.dtype
 
     def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden], a fresh tensor (the model adds to it in place)."""
         if self.table is not None:
             return self.table[token_ids]
+        if self.head is not None:
+            return self.head.weight_rows(token_ids)
         rows = dequantize_rows(self.packed, token_ids.cpu())
         return rows.to(device=self.device, dtype=self.dtype)

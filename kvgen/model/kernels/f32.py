@@ -1,4 +1,4 @@
-"""The compiled AVX-512 fp32 matmul (f32_matmul.c): loading it and calling it.
+"""The compiled AVX-512 fp32 matmul (f32_matmul.c): packing weights for it, loading it, calling it.
 
 Built with explicit flags, never -march=native (which would also enable AMX on CPUs that advertise
 it, and AMX traps in some VMs), and loaded only where /proc/cpuinfo lists AVX-512 F; elsewhere
@@ -22,12 +22,29 @@ SOURCE = Path(__file__).with_name("f32_matmul.c")
 FLAGS = ("-O3", "-mavx512f", "-fopenmp", "-shared", "-fPIC")
 CPU_FEATURES = ("avx512f",)
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+PANEL = 32  # output features per panel of the packed layout (f32_matmul.c)
 
 
 class _Args(ctypes.Structure):
     """`struct f32_matmul_args` of f32_matmul.c."""
 
-    _fields_ = [("x", _P), ("T", _I64), ("K", _I64), ("w", _P), ("N", _I64), ("y", _P), ("num_threads", ctypes.c_int32)]
+    _fields_ = [("x", _P), ("T", _I64), ("K", _I64), ("packed", _P), ("N", _I64), ("y", _P),
+                ("num_threads", ctypes.c_int32)]
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] -> panels [ceil(N / 32), K, 32]: panel p holds rows 32p .. 32p + 31 as columns,
+    zeros past N (f32_matmul.c reads a panel as one stream, 32 outputs per k)."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    if n % PANEL:
+        weight = torch.cat((weight, weight.new_zeros(panels * PANEL - n, k)))
+    return weight.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpacked_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of the weight that `pack` laid out -> [T, K] (a tied embedding's lookup)."""
+    return packed[ids // PANEL, :, ids % PANEL]
 
 
 class F32Matmul:
@@ -38,31 +55,32 @@ class F32Matmul:
         self._function = function
         self._call = library.f32_matmul_call
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x fp32 [T, K] contiguous, weight fp32 [N, K] contiguous -> x @ weight^T [T, N]."""
-        self._check(x, weight)
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """x fp32 [T, K] contiguous, `packed` = pack(W) for W [n, K] -> x @ W^T [T, n]."""
+        self._check(x, packed, n)
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
         if x.shape[0]:
-            self._function(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], out.data_ptr(),
+            self._function(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n, out.data_ptr(),
                            torch.get_num_threads())
         return out
 
-    def call(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> KernelCall:
-        """out = x @ weight^T (out fp32 [T, N] contiguous) as a KernelCall."""
-        self._check(x, weight)
-        assert (x.shape[0] and out.dtype == torch.float32 and out.is_contiguous()
-                and out.shape == (x.shape[0], weight.shape[0]))
-        args = _Args(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], out.data_ptr(),
+    def call(self, x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> KernelCall:
+        """out = x @ W^T (out fp32 [T, n] contiguous) as a KernelCall."""
+        n = out.shape[1]
+        self._check(x, packed, n)
+        assert x.shape[0] and out.dtype == torch.float32 and out.is_contiguous() and out.shape[0] == x.shape[0]
+        args = _Args(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n, out.data_ptr(),
                      torch.get_num_threads())
-        return KernelCall(self._call, args, keep=(x, weight, out))
+        return KernelCall(self._call, args, keep=(x, packed, out))
 
     @staticmethod
-    def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    def _check(x: torch.Tensor, packed: torch.Tensor, n: int) -> None:
         if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2:
             raise ValueError(f"f32 matmul: x must be contiguous fp32 [T, K], not {x.dtype} {list(x.shape)}")
-        if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.shape[1:] != x.shape[1:]:
-            raise ValueError(f"f32 matmul: the weight must be contiguous fp32 [N, {x.shape[1]}], "
-                             f"not {weight.dtype} {list(weight.shape)}")
+        expected = (-(-n // PANEL), x.shape[1], PANEL)
+        if packed.dtype != torch.float32 or not packed.is_contiguous() or packed.shape != expected:
+            raise ValueError(f"f32 matmul: the weight must be packed fp32 {list(expected)} (pack() of [{n}, "
+                             f"{x.shape[1]}]), not {packed.dtype} {list(packed.shape)}")
 
 
 @functools.cache

@@ -1,46 +1,121 @@
-/* y = x @ W^T in fp32 (AVX-512 FMA), made for decode's few rows of x (one row, or a speculative
- * verify chunk of up to ~16) and run by fp32 layers at every row count: at prefill's hundreds of rows
- * it keeps within a few percent of OpenBLAS's GEMM, and a row's bits then never depend on the batch.
+/* y = x @ W^T in fp32 (AVX-512 F FMA), for fp32 layers at every row count: decode's one row, a
+ * speculative verify chunk's few, prefill's hundreds.
  *
  * Built by kvgen/model/kernels/f32.py with explicit flags (AVX-512 F; never -march=native, never
  * AMX) and called through ctypes, only on CPUs that report AVX-512 F.
  *
- * W [N, K] fp32 row-major, as loaded: the same memory OpenBLAS's GEMM reads for many rows, so fp32
- * layers keep one copy of their weights. A block's 4 rows are 4 streams.
- * x [T, K] fp32, y [T, N] fp32. The loop is few_rows.h's.
+ * W [N, K] is packed once at load (kernels/f32.py's pack) into panels of PANEL = 32 output
+ * features, packed [ceil(N / 32), K, 32]: panel p holds W[32p + j, k] at [p, k, j], zeros past N.
+ * x [T, K] fp32, y [T, N] fp32.
  *
- * Why not OpenBLAS's GEMV/GEMM: at one row its GEMV reads a small model's weights at ~19 GB/s here
- * where this reads them at ~23; at 2-16 rows its GEMM costs 1.5-2.2x its GEMV, this 1.1-1.8x
- * (BENCHMARKS.md), which is what a speculative verify chunk needs.
+ * A pass of up to MAX_ROWS rows of x over one panel keeps their 32 outputs each in registers (2
+ * vectors a row) and, for each k, loads the panel's 32 weights once and multiplies them by every
+ * row's x[t, k], broadcast: 28 multiply-adds per 2 weight loads and no horizontal sums. So each
+ * output is one chain of fused multiply-adds over k = 0 .. K-1 from zero, whatever T and however the
+ * threads split the work: a row's bits never depend on the rows beside it (what speculation's
+ * exactness rests on). A panel is one sequential stream of K x 128 bytes, prefetched into L2 ahead;
+ * further passes over the same panel (rows past the first 14) read it from cache.
+ *
+ * Against the kernel it replaced (dot products over 16 lanes summed at the end, on W as loaded), on
+ * a SmolLM2 layer's four matrices x 30, alternated in one process: 171 -> 216 GFLOP/s at 512 rows,
+ * the same ~30 GB/s at one row, 1.1-1.3x faster at 2-9 rows and 1.7x at 16 (BENCHMARKS.md).
  */
-#define ELEM float
-#define SPAN 16
-#define MASK __mmask16
-#define VEC __m512
-#define LOAD(m, p) _mm512_maskz_loadu_ps((m), (p))
-#define DOT(acc, x, w) _mm512_fmadd_ps((x), (w), (acc))
-#define ROW_STRIDE(K) (K)
-#define SPAN_STEP SPAN
-#define BLOCK_START(b, K) ((b) * WROWS * (K))
-#define ROWS_CONTIGUOUS
-#include "few_rows.h"
+#include <immintrin.h>
+#include <stdint.h>
 
-/* x [T, K] fp32, w [N, K] fp32 row-major, y [T, N] fp32. */
-void f32_matmul(const float *x, int64_t T, int64_t K, const float *w, int64_t N, float *y, int32_t num_threads) {
-    few_rows_matmul(x, T, K, w, N, y, 1, num_threads);
+#define PANEL 32
+#define MAX_ROWS 14 /* 28 accumulators of the 32 vector registers */
+/* Software prefetch into L2, this far ahead in the panel's stream (both lines of a k step). */
+#define PREFETCH_L2 (16 << 10)
+/* Below this much work (the weights' bytes, and a share more per 14 rows of x), one thread: the
+ * second's share would cost more to hand over than it saves. */
+#define PARALLEL_BYTES (256 << 10)
+
+/* One pass of R rows of x (row t at x + t * K) over a panel, into y (row t at y + t * N); the
+ * masks say which of the panel's 32 outputs exist (the last panel of an N that is no multiple of
+ * 32). The accumulators are named variables, not an array: gcc keeps an array of vectors on the
+ * stack. */
+#define ACC(t) __m512 lo##t = _mm512_setzero_ps(), hi##t = _mm512_setzero_ps();
+#define FMA(t)                                                                                            \
+    {                                                                                                     \
+        const __m512 xt = _mm512_set1_ps(x[(t) * K + k]);                                                 \
+        lo##t = _mm512_fmadd_ps(xt, w_lo, lo##t);                                                         \
+        hi##t = _mm512_fmadd_ps(xt, w_hi, hi##t);                                                         \
+    }
+#define STORE(t)                                                                                          \
+    _mm512_mask_storeu_ps(y + (t) * N, first, lo##t);                                                     \
+    _mm512_mask_storeu_ps(y + (t) * N + 16, second, hi##t);
+#define PASS(R)                                                                                           \
+    static void pass_x##R(const float *x, int64_t K, const float *panel, float *y, int64_t N,              \
+                          __mmask16 first, __mmask16 second) {                                            \
+        UP_TO_##R(ACC)                                                                                    \
+        for (int64_t k = 0; k < K; k++, panel += PANEL) {                                                 \
+            _mm_prefetch((const char *)panel + PREFETCH_L2, _MM_HINT_T1);                                 \
+            _mm_prefetch((const char *)panel + PREFETCH_L2 + 64, _MM_HINT_T1);                            \
+            const __m512 w_lo = _mm512_loadu_ps(panel), w_hi = _mm512_loadu_ps(panel + 16);              \
+            UP_TO_##R(FMA)                                                                                \
+        }                                                                                                 \
+        UP_TO_##R(STORE)                                                                                  \
+    }
+#define UP_TO_1(F) F(0)
+#define UP_TO_2(F) UP_TO_1(F) F(1)
+#define UP_TO_3(F) UP_TO_2(F) F(2)
+#define UP_TO_4(F) UP_TO_3(F) F(3)
+#define UP_TO_5(F) UP_TO_4(F) F(4)
+#define UP_TO_6(F) UP_TO_5(F) F(5)
+#define UP_TO_7(F) UP_TO_6(F) F(6)
+#define UP_TO_8(F) UP_TO_7(F) F(7)
+#define UP_TO_9(F) UP_TO_8(F) F(8)
+#define UP_TO_10(F) UP_TO_9(F) F(9)
+#define UP_TO_11(F) UP_TO_10(F) F(10)
+#define UP_TO_12(F) UP_TO_11(F) F(11)
+#define UP_TO_13(F) UP_TO_12(F) F(12)
+#define UP_TO_14(F) UP_TO_13(F) F(13)
+PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7)
+PASS(8) PASS(9) PASS(10) PASS(11) PASS(12) PASS(13) PASS(14)
+
+typedef void (*pass_fn)(const float *, int64_t, const float *, float *, int64_t, __mmask16, __mmask16);
+static const pass_fn PASSES[MAX_ROWS + 1] = {0, pass_x1, pass_x2, pass_x3, pass_x4, pass_x5, pass_x6, pass_x7,
+                                             pass_x8, pass_x9, pass_x10, pass_x11, pass_x12, pass_x13, pass_x14};
+
+/* Every row of x over panel p, in passes of up to MAX_ROWS rows. */
+static void panel_rows(const float *x, int64_t T, int64_t K, const float *packed, int64_t p, int64_t N, float *y) {
+    const int64_t n0 = p * PANEL, left = N - n0;
+    const __mmask16 first = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+    const __mmask16 second = left >= 32 ? (__mmask16)0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1u);
+    const float *panel = packed + p * K * PANEL;
+    for (int64_t t = 0; t < T; t += MAX_ROWS) {
+        const int64_t rows = T - t < MAX_ROWS ? T - t : MAX_ROWS;
+        PASSES[rows](x + t * K, K, panel, y + t * N + n0, N, first, second);
+    }
+}
+
+/* x [T, K] fp32, packed [ceil(N / 32), K, 32] (see above), y [T, N] fp32. */
+void f32_matmul(const float *x, int64_t T, int64_t K, const float *packed, int64_t N, float *y, int32_t num_threads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const int64_t work = N * K * (int64_t)sizeof(float) * (1 + T / MAX_ROWS);
+    const int threads = num_threads > 1 && work >= PARALLEL_BYTES ? num_threads : 1;
+    if (threads == 1) { /* no parallel region at all: entering even a serial one costs time */
+        for (int64_t p = 0; p < panels; p++)
+            panel_rows(x, T, K, packed, p, N, y);
+        return;
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        panel_rows(x, T, K, packed, p, N, y);
 }
 
 /* One call's arguments as a struct, for a call list (kvgen/model/kernels/step.c). */
 struct f32_matmul_args {
     const float *x;
     int64_t T, K;
-    const float *w;
+    const float *packed;
     int64_t N;
     float *y;
     int32_t num_threads;
 };
 
 int f32_matmul_call(const struct f32_matmul_args *a) {
-    f32_matmul(a->x, a->T, a->K, a->w, a->N, a->y, a->num_threads);
+    f32_matmul(a->x, a->T, a->K, a->packed, a->N, a->y, a->num_threads);
     return 0;
 }

@@ -1,7 +1,8 @@
-/* The loop of kvgen's few-row matmul kernels, y = x @ W^T, shared by bf16_matmul.c and f32_matmul.c.
+/* The loop of kvgen's few-row bf16 matmul kernel (bf16_matmul.c), y = x @ W^T, on weights in
+ * tiles of 4 rows.
  *
  * Made for decode's few rows of x (a speculative verify chunk: up to ~16): each 64-byte load of a
- * weight row feeds up to 4 rows of x (15 in the row passes below; x stays in cache), so the weights
+ * weight row feeds up to 4 rows of x (x stays in cache), so the weights
  * stream from memory once per call, with software prefetch into L2 ahead (PREFETCH_L2). Work:
  * OpenMP over blocks of 4 weight rows; one thread below PARALLEL_BYTES of work (the weights' bytes,
  * and a share more for each 4 rows of x).
@@ -18,7 +19,6 @@
  *   ROW_STRIDE(K)        elements from one row of a 4-row weight block to the next
  *   SPAN_STEP            elements from one span of a block's row to the next
  *   BLOCK_START(b, K)    the element where block b (rows 4b..4b+3) starts
- *   ROWS_CONTIGUOUS      (optional) weight rows are contiguous: few rows of x go row by row
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -28,10 +28,9 @@
 #define WROWS 4 /* weight rows per block */
 #define XROWS 4 /* rows of x per pass over a block */
 /* Software prefetch into L2, this far ahead of the first row's stream of a block pass (one line per
- * span: the hardware prefetchers fetch the rest) and of a row pass of 2-8 rows of x. Builds
- * alternated in one process over a SmolLM2 step's matrices: bf16 at one row of x 7-19% faster
- * (13.5 -> 11.4 ms, 12.8 -> 11.9, 17.8 -> 14.5), fp32 at 5 rows 32.7 -> 20.2 ms and at 9 41.6 ->
- * 32.9, 3-4% at 64 rows; software prefetch into L1 1 KiB ahead had made one row slower instead. */
+ * span: the hardware prefetchers fetch the rest). Builds alternated in one process over a SmolLM2
+ * step's matrices: bf16 at one row of x 7-19% faster (13.5 -> 11.4 ms, 12.8 -> 11.9, 17.8 -> 14.5);
+ * software prefetch into L1 1 KiB ahead had made one row slower instead. */
 #ifndef PREFETCH_L2
 #define PREFETCH_L2 (16 << 10)
 #endif
@@ -90,109 +89,6 @@ static inline void store(void *y, int64_t at, int f32, float sum) {
     }
 BLOCK(4, ACC(0) ACC(1) ACC(2) ACC(3), DOTS_OF(0) DOTS_OF(1) DOTS_OF(2) DOTS_OF(3), STORE(0) STORE(1) STORE(2) STORE(3))
 
-#ifdef ROWS_CONTIGUOUS
-/* For a layout whose weight rows are contiguous (ROW_STRIDE(K) == K, SPAN_STEP == SPAN): passes of
- * up to ROW_PASS rows of x that go one weight row at a time, so the block is read as one sequential
- * stream, which the hardware prefetchers follow faster than block_x4's 4 interleaved ones. They run
- * every pass of a call with fewer than ROW_PASS_BELOW rows of x (decode, a speculative verify chunk:
- * memory-bound; a SmolLM2 fp32 step's matrices at one row, in a microbenchmark, 24 -> 32 GB/s) and
- * the last 1-3 rows of larger ones; block_x4 does the rest (compute-bound, where its 16
- * accumulators need fewer loads per multiply-add). Each output accumulates over the same spans in
- * the same order in both: the same bits.
- * A call of up to ROW_PASS rows is one pass, so its weights are read once: a 9-row verify chunk
- * (K = 8) over a SmolLM2 fp32 step's matrices went 32.0 -> 28.7 ms against passes of 8 and 1. */
-#ifndef ROW_PASS_BELOW
-#define ROW_PASS_BELOW 16
-#endif
-#define ROW_PASS 15 /* the most rows of x one pass takes: rows_x1 .. rows_x15 below */
-#define ROW_ACC(t) __m512 a##t = _mm512_setzero_ps();
-#define ROW_DOT(t) a##t = DOT(a##t, LOAD(m, x + (t0 + t) * K + k), v);
-#define ROW_STORE(t) store(y, (t0 + t) * N + n0 + r, f32, _mm512_reduce_add_ps(a##t));
-#define ROWS(XR, ACCS, DOTS, STORES)                                                                      \
-    static void rows_x##XR(const ELEM *x, int64_t t0, int64_t K, const ELEM *block, int64_t n0, int rows, \
-                           int64_t N, void *y, int f32) {                                                 \
-        const int64_t full = K / SPAN * SPAN, end = K % SPAN ? full + SPAN : full;                        \
-        const MASK tail = (MASK)((1ull << (K % SPAN)) - 1u);                                              \
-        for (int r = 0; r < rows; r++) {                                                                  \
-            const ELEM *w = block + r * K;                                                                \
-            ACCS                                                                                          \
-            for (int64_t k = 0; k < end; k += SPAN) {                                                     \
-                const MASK m = k < full ? (MASK)~(MASK)0 : tail;                                          \
-                if (XR > 1)                                                                               \
-                    _mm_prefetch((const char *)(w + k) + PREFETCH_L2, _MM_HINT_T1);                      \
-                const VEC v = LOAD(m, w + k);                                                             \
-                DOTS                                                                                      \
-            }                                                                                             \
-            STORES                                                                                        \
-        }                                                                                                 \
-    }
-#define UP_TO_1(F) F(0)
-#define UP_TO_2(F) UP_TO_1(F) F(1)
-#define UP_TO_3(F) UP_TO_2(F) F(2)
-#define UP_TO_4(F) UP_TO_3(F) F(3)
-#define UP_TO_5(F) UP_TO_4(F) F(4)
-#define UP_TO_6(F) UP_TO_5(F) F(5)
-#define UP_TO_7(F) UP_TO_6(F) F(6)
-#define UP_TO_8(F) UP_TO_7(F) F(7)
-#define UP_TO_9(F) UP_TO_8(F) F(8)
-#define UP_TO_10(F) UP_TO_9(F) F(9)
-#define UP_TO_11(F) UP_TO_10(F) F(10)
-#define UP_TO_12(F) UP_TO_11(F) F(11)
-#define UP_TO_13(F) UP_TO_12(F) F(12)
-#define UP_TO_14(F) UP_TO_13(F) F(13)
-#define UP_TO_15(F) UP_TO_14(F) F(14)
-#define ROWS_OF(XR) ROWS(XR, UP_TO_##XR(ROW_ACC), UP_TO_##XR(ROW_DOT), UP_TO_##XR(ROW_STORE))
-ROWS_OF(1)
-ROWS_OF(2)
-ROWS_OF(3)
-ROWS_OF(4)
-ROWS_OF(5)
-ROWS_OF(6)
-ROWS_OF(7)
-ROWS_OF(8)
-ROWS_OF(9)
-ROWS_OF(10)
-ROWS_OF(11)
-ROWS_OF(12)
-ROWS_OF(13)
-ROWS_OF(14)
-ROWS_OF(15)
-
-/* Rows t0 .. t0 + count - 1 of x (count <= ROW_PASS) by the block, row by row. */
-static void row_pass(const ELEM *x, int64_t t0, int count, int64_t K, const ELEM *block, int64_t n0, int rows,
-                     int64_t N, void *y, int f32) {
-    switch (count) {
-    case 1: rows_x1(x, t0, K, block, n0, rows, N, y, f32); break;
-    case 2: rows_x2(x, t0, K, block, n0, rows, N, y, f32); break;
-    case 3: rows_x3(x, t0, K, block, n0, rows, N, y, f32); break;
-    case 4: rows_x4(x, t0, K, block, n0, rows, N, y, f32); break;
-    case 5: rows_x5(x, t0, K, block, n0, rows, N, y, f32); break;
-    case 6: rows_x6(x, t0, K, block, n0, rows, N, y, f32); break;
-    case 7: rows_x7(x, t0, K, block, n0, rows, N, y, f32); break;
-    case 8: rows_x8(x, t0, K, block, n0, rows, N, y, f32); break;
-    case 9: rows_x9(x, t0, K, block, n0, rows, N, y, f32); break;
-    case 10: rows_x10(x, t0, K, block, n0, rows, N, y, f32); break;
-    case 11: rows_x11(x, t0, K, block, n0, rows, N, y, f32); break;
-    case 12: rows_x12(x, t0, K, block, n0, rows, N, y, f32); break;
-    case 13: rows_x13(x, t0, K, block, n0, rows, N, y, f32); break;
-    case 14: rows_x14(x, t0, K, block, n0, rows, N, y, f32); break;
-    default: rows_x15(x, t0, K, block, n0, rows, N, y, f32); break;
-    }
-}
-
-static void weight_block(const ELEM *x, int64_t T, int64_t K, const ELEM *w, int64_t b, int64_t N, void *y,
-                         int f32) {
-    const int64_t n0 = b * WROWS;
-    const int rows = N - n0 < WROWS ? (int)(N - n0) : WROWS;
-    const ELEM *block = w + BLOCK_START(b, K);
-    int64_t t0 = 0;
-    if (T >= ROW_PASS_BELOW)
-        for (; t0 + XROWS <= T; t0 += XROWS)
-            block_x4(x, t0, K, block, n0, rows, N, y, f32);
-    for (; t0 < T; t0 += ROW_PASS)
-        row_pass(x, t0, T - t0 < ROW_PASS ? (int)(T - t0) : ROW_PASS, K, block, n0, rows, N, y, f32);
-}
-#else
 BLOCK(1, ACC(0), DOTS_OF(0), STORE(0))
 BLOCK(2, ACC(0) ACC(1), DOTS_OF(0) DOTS_OF(1), STORE(0) STORE(1))
 BLOCK(3, ACC(0) ACC(1) ACC(2), DOTS_OF(0) DOTS_OF(1) DOTS_OF(2), STORE(0) STORE(1) STORE(2))
@@ -211,7 +107,6 @@ static void weight_block(const ELEM *x, int64_t T, int64_t K, const ELEM *w, int
         }
     }
 }
-#endif
 
 /* x [T, K], W [N, K] in the including file's layout, y [T, N] as fp32 (f32 set) or bf16. */
 static void few_rows_matmul(const ELEM *x, int64_t T, int64_t K, const ELEM *w, int64_t N, void *y, int f32,
