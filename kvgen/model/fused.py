@@ -29,12 +29,12 @@ from kvgen.model.kernels import KernelCall, PagedDecode
 from kvgen.model.kernels.norm import rms_norm_kernel
 from kvgen.model.kernels.rope import rope_kernel
 from kvgen.model.kernels.step import CallList, step_kernels
-from kvgen.model.layers import NORM_KERNEL_ROWS
 
 if TYPE_CHECKING:
     from kvgen.model.llama import LlamaModel
 
 MAX_PROGRAMS = 32  # step shapes kept (rows and their groups); the least recently used goes first
+FUSED_BELOW_ROWS = 16  # steps of fewer rows run fused: decode batches and verify chunks of a few sequences
 
 
 class DecodePrograms:
@@ -50,7 +50,7 @@ class DecodePrograms:
 
     def find(self, rows: int, attention: Attention) -> DecodeProgram | None:
         """The program for this step, or None where it must run layer by layer."""
-        if (not self._usable or rows >= NORM_KERNEL_ROWS or not isinstance(attention, PagedAttention)
+        if (not self._usable or rows >= FUSED_BELOW_ROWS or not isinstance(attention, PagedAttention)
                 or not attention.decodes_in_place() or attention.cache.k[0].dtype != self._model.dtype):
             return None
         groups = tuple((g.first_row, g.mask.shape[0], g.mask.shape[2]) for g in attention.meta.groups)
