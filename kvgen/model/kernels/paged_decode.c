@@ -33,6 +33,7 @@
 #include <immintrin.h>
 
 #include "exp16.h"
+#include "widen16.h"
 #endif
 #include <math.h>
 #include <stdint.h>
@@ -182,8 +183,7 @@ static inline __attribute__((always_inline)) __m512 load16(const void *pool, int
     if (kind == F32)
         return _mm512_loadu_ps((const float *)pool + i);
     if (kind == BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)pool + i))), 16));
+        return widen_bf16x16((const uint16_t *)pool + i);
     const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)pool + i));
     if (kind == INT8)
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));

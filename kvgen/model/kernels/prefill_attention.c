@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "exp16.h"
+#include "widen16.h"
 #endif
 
 struct prefill_attention_args {
@@ -49,10 +50,7 @@ struct prefill_attention_args {
 
 /* 16 consecutive elements from element i, as fp32. */
 static inline __m512 load16(const void *p, int64_t i, int bf16) {
-    if (!bf16)
-        return _mm512_loadu_ps((const float *)p + i);
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+    return bf16 ? widen_bf16x16((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
 }
 
 /* keys [kv_heads, L, D] -> kt [kv_heads, blocks, D, 16] fp32 (zeros past L); values -> vf
