@@ -17,8 +17,9 @@
  * further passes over the same panel (rows past the first 14) read it from cache.
  *
  * Against the kernel it replaced (dot products over 16 lanes summed at the end, on W as loaded), on
- * a SmolLM2 layer's four matrices x 30, alternated in one process: 171 -> 216 GFLOP/s at 512 rows,
- * the same ~30 GB/s at one row, 1.1-1.3x faster at 2-9 rows and 1.7x at 16 (BENCHMARKS.md).
+ * four matrices of a layer's shapes (1,728 / 576 / 3,072 x 576, 576 x 1,536; 30 copies for few
+ * rows), alternated in one process: 171 -> 216 GFLOP/s at 512 rows, level at one row (~30 GB/s),
+ * 1.05-1.3x faster at 2-9 rows and 1.7x at 16 (BENCHMARKS.md).
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -2,8 +2,8 @@
  * tiles of 4 rows.
  *
  * Made for decode's few rows of x (a speculative verify chunk: up to ~16): each 64-byte load of a
- * weight row feeds up to 4 rows of x (x stays in cache), so the weights
- * stream from memory once per call, with software prefetch into L2 ahead (PREFETCH_L2). Work:
+ * weight row feeds up to 4 rows of x (x stays in cache), so the weights stream from memory once per
+ * call, with software prefetch into L2 ahead (PREFETCH_L2). Work:
  * OpenMP over blocks of 4 weight rows; one thread below PARALLEL_BYTES of work (the weights' bytes,
  * and a share more for each 4 rows of x).
  * Every output goes through the same operations whatever T is, so a row's result does not depend on
