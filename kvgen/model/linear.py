@@ -116,6 +116,11 @@ class Linear(ABC):
         layer has none."""
         return None
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weight takes as this layer holds it (a layout's padding included)."""
+        return self.weight.numel() * self.weight.element_size()
+
 
 class BlasLinear(Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -153,6 +158,10 @@ class F32Linear(Linear):
     def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
         return self._matmul.call(x, self.packed, out) if self.bias is None else None
 
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, [T, in], from the packed copy: a tied embedding looks its
         tokens up here instead of keeping a second one."""
@@ -166,6 +175,10 @@ class OneDnnLinear(Linear):
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.out_features * self.in_features * 2  # bf16, reordered
 
 
 class Bf16Linear(Linear):
@@ -188,6 +201,10 @@ class Bf16Linear(Linear):
 
     def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
         return self._matmul.call(x, self.packed, out) if self.bias is None else None
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.out_features * self.in_features * 2  # bf16, in tiles
 
 
 class TorchLinear(Linear):

@@ -33,7 +33,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from kvgen.model.kernels import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
-from kvgen.model.linear import F32Linear, Linear, RowKernels, make_linear
+from kvgen.model.linear import Linear, RowKernels, make_linear
 from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
 from kvgen.model.quant.formats import PackedWeight, dequantize
 from kvgen.model.quant.gguf_blocks import convert
@@ -129,14 +129,9 @@ def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None, device
 
 
 def describe(layer: Linear) -> tuple[str, int]:
-    """(kernel name, weight bytes) of any kvgen layer: a quantized layer's own, or the float layer's
-    class and its weight's bytes."""
-    if isinstance(layer, QuantLinear):
-        return layer.kernel, layer.weight_bytes
-    weight = layer.packed if isinstance(layer, F32Linear) else getattr(layer, "weight", None)
-    if weight is None:  # Bf16Linear and OneDnnLinear keep only their reordered bf16 copy
-        return type(layer).__name__, layer.out_features * layer.in_features * 2
-    return type(layer).__name__, weight.numel() * weight.element_size()
+    """(kernel name, weight bytes) of any kvgen layer: a quantized layer's kernel, or the float
+    layer's class, and the bytes its weight takes as held."""
+    return (layer.kernel if isinstance(layer, QuantLinear) else type(layer).__name__), layer.weight_bytes
 
 
 def make_quantized_linear(ggml_type: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int],
