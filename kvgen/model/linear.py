@@ -1,13 +1,13 @@
 """Linear layers whose kernel is chosen once, when the weights load, for their device and dtype.
 
-    F32Linear     fp32 on a CPU with AVX-512: kvgen's own kernel (kernels/f32_matmul.c) on weights
+    F32Linear     fp32 on a CPU with AVX-512 or AVX2: kvgen's own kernel (kernels/f32_matmul.c) on weights
                   packed once into panels of 32 output features (one copy: a tied embedding looks
                   its rows up there). At one row it reads them ~20% faster than OpenBLAS's GEMV, at
                   2-16 rows (a speculative verify chunk) it costs 1.1-1.6x one row where OpenBLAS
                   costs 1.5-2.2x, and at prefill's hundreds of rows it runs ~35% faster than
                   oneDNN's GEMM (BENCHMARKS.md). Every row goes through the same operations
                   whatever the row count, so a row's bits never depend on the rows beside it.
-    BlasLinear    fp32 on other CPUs, through OpenBLAS (numpy, on the same memory): its GEMV (one row)
+    BlasLinear    fp32 on other CPUs (without AVX2), through OpenBLAS (numpy, on the same memory): its GEMV (one row)
                   reads the weights near memory bandwidth, about twice as fast as MKL's (torch's
                   default) one-row path, and its GEMM handles many rows at compute speed.
     Bf16Linear    bf16 on a CPU with AVX-512 BF16: kvgen's own kernel (kernels/bf16_matmul.c) on
@@ -30,6 +30,9 @@ whole sequence (`none`) gives exactly what the contiguous cache gives:
     prompt tokens      one GEMM over all of them (padded to 2 rows if alone): OpenBLAS's GEMM gives a
                        row the same bits whatever the row count (2 or more)
     generated tokens   one GEMV each
+
+(That holds on OpenBLAS's SkylakeX kernels, where it was measured; its Haswell GEMM changes a row's
+bits with the row count, but CPUs with AVX2 run F32Linear.)
 
 (MKL changes code paths with the row count: 1-3, 5-7 and 9-11 rows round differently.)
 """

@@ -1,8 +1,10 @@
-"""The compiled AVX-512 fp32 matmul (f32_matmul.c): packing weights for it, loading it, calling it.
+"""The compiled fp32 matmul (f32_matmul.c): packing weights for it, loading it, calling it.
 
-Built with explicit flags, never -march=native (which would also enable AMX on CPUs that advertise
-it, and AMX traps in some VMs), and loaded only where /proc/cpuinfo lists AVX-512 F; elsewhere
-`f32_kernel()` is None and fp32 layers use OpenBLAS alone.
+One source, two builds: AVX-512 F where the CPU has it, else AVX2 with FMA; both give the same bits
+(each output is the same chain of fused multiply-adds). Built with explicit flags, never
+-march=native (which would also enable AMX on CPUs that advertise it, and AMX traps in some VMs),
+and loaded only where /proc/cpuinfo lists the build's features; elsewhere `f32_kernel()` is None
+and fp32 layers use OpenBLAS alone.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from kvgen.model.kernels import KernelCall, build_library, cpu_has
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("f32_matmul.c")
-FLAGS = ("-O3", "-mavx512f", "-fopenmp", "-shared", "-fPIC")
-CPU_FEATURES = ("avx512f",)
+COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+# (ISA flags, the /proc/cpuinfo features they need), the first that fits wins
+BUILDS = ((("-mavx512f",), ("avx512f",)), (("-mavx2", "-mfma"), ("avx2", "fma")))
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 PANEL = 32  # output features per panel of the packed layout (f32_matmul.c)
 
@@ -85,11 +88,13 @@ class F32Matmul:
 
 @functools.cache
 def f32_kernel() -> F32Matmul | None:
-    """The kernel, built once per machine, or None where this CPU lacks AVX-512 F or it cannot be built."""
-    if not cpu_has(CPU_FEATURES):
+    """The kernel, built once per machine for the first of BUILDS this CPU has, or None where it has
+    neither or the build fails."""
+    flags = next((flags for flags, features in BUILDS if cpu_has(features)), None)
+    if flags is None:
         return None
     try:
-        return F32Matmul(ctypes.CDLL(str(build_library(SOURCE, FLAGS))))
+        return F32Matmul(ctypes.CDLL(str(build_library(SOURCE, (*COMMON_FLAGS, *flags)))))
     except OSError as e:
         log.warning("f32 matmul kernel unavailable (%s); fp32 layers use OpenBLAS alone", e)
         return None

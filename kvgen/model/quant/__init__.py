@@ -22,7 +22,8 @@ all exact: the kernel's weights equal gguf's dequantization bit for bit):
     anything else       dequantized with gguf to `dtype`, then kvgen.model.linear.make_linear
     int8 / int4         qmatmul_u8_g32_* / qmatmul_u4_g32_* (fp16 scales where they fit)
 
-The qmatmul_* kernels (qmatmul.c) need AVX-512 F/BW/VL/VNNI, FMA and F16C. On CUDA the same packed
+The qmatmul_* kernels (qmatmul.c) need AVX-512 F/BW/VL/VNNI, FMA and F16C, or else AVX2, FMA and
+F16C (a second build of the same source, kernel.py). On CUDA the same packed
 weights go through TorchQuantLinear (dequantize, then F.linear); a CPU without those features gets
 the dequantized fp32 weights through kvgen.model.linear. `describe(layer)` gives (kernel, weight
 bytes) for the start-up log and `generate --json`.

@@ -1,8 +1,10 @@
-"""The compiled AVX-512 VNNI kernel (qmatmul.c): when it can run, loading it, and calling it.
+"""The compiled quantized matmul (qmatmul.c): when it can run, loading it, and calling it.
 
-It is built with explicit flags, not -march=native (which would also enable AMX on CPUs that
-advertise it, and AMX traps in some VMs), and only loaded when /proc/cpuinfo lists every feature
-those flags use; elsewhere `vnni_kernel()` is None and the layers dequantize and call torch.
+One source, two builds (qvec.h): AVX-512 VNNI where the CPU has it, else AVX2 with FMA and F16C
+(most x86-64 CPUs since 2013), which give the same bits. Each is built with explicit flags, not
+-march=native (which would also enable AMX on CPUs that advertise it, and AMX traps in some VMs),
+and only loaded when /proc/cpuinfo lists every feature its flags use; elsewhere `qmatmul_kernel()`
+is None and the layers dequantize and call torch.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ from kvgen.model.quant.formats import PackedWeight
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmatmul.c")
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", "-fopenmp",
-         "-shared", "-fPIC")
-CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
+COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+# (the build's name, its ISA flags, the /proc/cpuinfo features they need), the first that fits wins
+BUILDS = (
+    ("avx512-vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"),
+     ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")),
+    ("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+)
 _P = ctypes.c_void_p
 _ARGTYPES = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int32, ctypes.c_int64, _P, ctypes.c_int32,
              ctypes.c_int32]
@@ -48,9 +54,10 @@ def kernel_name(w: PackedWeight) -> str:
     return f"qmatmul_u{w.bits}_g{w.group}_{'f16' if w.scale.dtype == torch.float16 else 'f32'}"
 
 
-class VnniKernel:
-    def __init__(self, library: ctypes.CDLL) -> None:
+class QMatmulKernel:
+    def __init__(self, library: ctypes.CDLL, isa: str) -> None:
         self._library = library
+        self.isa = isa  # which of BUILDS it is
         quantize = library.quantize_activations
         quantize.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, _P, _P]
         quantize.restype = ctypes.c_int
@@ -124,13 +131,14 @@ class BoundKernel:
         return KernelCall(self._call, args, keep=(x, out, self._weight))
 
 @functools.cache
-def vnni_kernel() -> VnniKernel | None:
-    """The kernel, built once per machine, or None where this CPU lacks its features or it cannot be
-    built (then the layers use torch)."""
-    if not cpu_has(CPU_FEATURES):
+def qmatmul_kernel() -> QMatmulKernel | None:
+    """The kernel, built once per machine for the first of BUILDS this CPU has, or None where it has
+    none of them or the build fails (then the layers use torch)."""
+    isa, flags = next(((name, flags) for name, flags, features in BUILDS if cpu_has(features)), (None, ()))
+    if isa is None:
         return None
     try:
-        return VnniKernel(ctypes.CDLL(str(build_library(SOURCE, FLAGS))))
+        return QMatmulKernel(ctypes.CDLL(str(build_library(SOURCE, (*COMMON_FLAGS, *flags)))), isa)
     except OSError as e:
         log.warning("quantized matmul kernel unavailable (%s); quantized layers dequantize and use torch", e)
         return None

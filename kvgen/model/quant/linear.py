@@ -1,6 +1,7 @@
 """Linear layers over weights that stay quantized in memory (kvgen.model.quant.formats).
 
-    VnniQuantLinear   CPU with AVX-512 VNNI: the compiled kernel (qmatmul.c); x is quantized inside
+    KernelQuantLinear   CPU with AVX-512 VNNI or AVX2: the compiled kernel (qmatmul.c, the same bits
+                      from either build); x is quantized inside
                       the call, per group of 32: to int8 (`activations="int8"`, as ggml), or to two
                       int8 parts, the second quantizing the first's rounding error (`"int8x2"`, ~15
                       bits; on the real Q4_1 file top-1 agreement with the fp32 model is 97.8% with
@@ -15,7 +16,7 @@
     TorchQuantLinear  CUDA and other devices: dequantizes on each call and runs F.linear, so the
                       weights stay packed in memory; also the kernel's CPU twin in the tests.
 
-A CPU without VNNI gets the float layer of kvgen.model.linear on the dequantized weights (exact
+A CPU with neither gets the float layer of kvgen.model.linear on the dequantized weights (exact
 values, fp32 bytes): dequantizing every matrix on every call would cost more than the step.
 
 `describe(layer)` says which kernel a layer runs and how many bytes its weights take, for the log.
@@ -37,7 +38,7 @@ from kvgen.model.linear import Linear, RowKernels, make_linear
 from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
 from kvgen.model.quant.formats import PackedWeight, dequantize
 from kvgen.model.quant.gguf_blocks import convert
-from kvgen.model.quant.kernel import ACTIVATION_PARTS, kernel_name, vnni_kernel
+from kvgen.model.quant.kernel import ACTIVATION_PARTS, kernel_name, qmatmul_kernel
 
 CPU = torch.device("cpu")
 FLOAT_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
@@ -61,24 +62,24 @@ class QuantLinear(Linear):
 
 @dataclass(frozen=True)
 class ManyRows:
-    """From `from_rows` rows of x on, a packed layer runs in bf16 (see VnniQuantLinear), dequantizing
+    """From `from_rows` rows of x on, a packed layer runs in bf16 (see KernelQuantLinear), dequantizing
     its weight into `tiles`."""
 
     from_rows: int
     tiles: Bf16Tiles
 
 
-class VnniQuantLinear(QuantLinear):
+class KernelQuantLinear(QuantLinear):
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None, activations: str = "int8",
                  many_rows: ManyRows | None = None) -> None:
         super().__init__(weight, bias)
-        kernel = vnni_kernel()
-        assert kernel is not None, "VnniQuantLinear needs the VNNI kernel (see vnni_kernel())"
+        kernel = qmatmul_kernel()
+        assert kernel is not None, "KernelQuantLinear needs the compiled kernel (see qmatmul_kernel())"
         self._matmul = kernel.bind(weight, activations)
         self._bf16 = bf16_kernel() if many_rows is not None else None
         self.many_rows = many_rows if self._bf16 is not None else None
         many = f"; from {self.many_rows.from_rows} rows bf16_matmul" if self.many_rows is not None else ""
-        self.kernel = f"{kernel_name(weight)} (x {activations}{many})"
+        self.kernel = f"{kernel_name(weight)} [{kernel.isa}] (x {activations}{many})"
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
@@ -118,13 +119,13 @@ def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None, device
     """The layer for a packed weight on `device` (see the module docstring). `dtype` is the float
     layer's where a CPU lacks the kernel's features; `activations` how the kernel quantizes x;
     `many_rows` (None: never) from how many rows of x on, where the CPU has AVX-512 BF16, the weight
-    is dequantized to bf16 per call and x runs in bf16 (see VnniQuantLinear)."""
+    is dequantized to bf16 per call and x runs in bf16 (see KernelQuantLinear)."""
     if activations not in ACTIVATION_PARTS:
         raise ValueError(f"activations {activations!r}: expected one of {', '.join(ACTIVATION_PARTS)}")
     if device.type != "cpu":
         return TorchQuantLinear(weight.to(device), None if bias is None else bias.to(device))
-    if vnni_kernel() is not None:
-        return VnniQuantLinear(weight, bias, activations, many_rows)
+    if qmatmul_kernel() is not None:
+        return KernelQuantLinear(weight, bias, activations, many_rows)
     return make_linear(dequantize(weight).to(dtype), bias)
 
 

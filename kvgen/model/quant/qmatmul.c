@@ -23,9 +23,10 @@
  * a block, x's rows go four at a time over each tile (then two, then one). Every output goes through the same operations
  * whatever the number of rows, so a row's result does not depend on the rows beside it.
  */
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "qvec.h"
 
 #define TILE 4            /* weight rows per tile */
 #define XTILE 4           /* rows of x per pass over a tile */
@@ -59,21 +60,24 @@ struct xq {
     float *sum;      /* [T, K / G] */
 };
 
+/* The sum of 4 int32 lanes. */
+static inline int lane_total(__m128i v) {
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
 static void quantize_span(const float *x, int32_t offset, int group, int8_t *q, __m128i *init, float *scale,
                           float *sum) {
-    __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
-    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    float amax = abs_max32(x);
     float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv))));
-    __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv))));
+    __m128i qa = vf_to_i8x16(vf_mul(vf_loadu(x), vf_set1(inv)));
+    __m128i qb = vf_to_i8x16(vf_mul(vf_loadu(x + 16), vf_set1(inv)));
     _mm_storeu_si128((__m128i *)q, qa);
     _mm_storeu_si128((__m128i *)(q + 16), qb);
     *scale = s;
-    const __m128i ones = _mm_set1_epi8(1), minus_offset = _mm_set1_epi32(-offset);
-    __m128i sums_a = _mm_dpbusd_epi32(_mm_setzero_si128(), ones, qa);
-    __m128i sums_b = _mm_dpbusd_epi32(_mm_setzero_si128(), ones, qb);
-    int total_a = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(qa));
-    int total_b = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(qb));
+    const __m128i minus_offset = _mm_set1_epi32(-offset);
+    __m128i sums_a = sums_of_4(qa), sums_b = sums_of_4(qb);
+    int total_a = lane_total(sums_a), total_b = lane_total(sums_b);
     if (group == 32) {
         init[0] = _mm_mullo_epi32(_mm_add_epi32(sums_a, sums_b), minus_offset);
         init[1] = _mm_setzero_si128();
@@ -83,51 +87,6 @@ static void quantize_span(const float *x, int32_t offset, int group, int8_t *q, 
         init[1] = _mm_mullo_epi32(sums_b, minus_offset);
         sum[0] = s * (float)total_a;
         sum[1] = s * (float)total_b;
-    }
-}
-
-/* `count` (<= 16) consecutive fp16 or fp32 values as fp32, zeros after them. */
-static inline __attribute__((always_inline)) __m512 load_values(const void *p, int64_t at, int count, const int f16) {
-    __mmask16 m = (__mmask16)((1u << count) - 1);
-    if (f16)
-        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + at));
-    return _mm512_maskz_loadu_ps(m, (const float *)p + at);
-}
-
-/* Lane l of the result is lane idx[l] of v, for idx = {base + l / width}. */
-static inline __attribute__((always_inline)) __m512 spread(__m512 v, int base, int width) {
-    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(base), _mm512_srli_epi32(lanes, width == 4 ? 2 : 3));
-    return _mm512_permutexvar_ps(idx, v);
-}
-
-/* acc lanes 4i..4i+3 belong to row i -> the 4 rows' sums. */
-static inline __m128 row_sums(__m512 acc) {
-    __m128 h01 = _mm_hadd_ps(_mm512_castps512_ps128(acc), _mm512_extractf32x4_ps(acc, 1));
-    __m128 h23 = _mm_hadd_ps(_mm512_extractf32x4_ps(acc, 2), _mm512_extractf32x4_ps(acc, 3));
-    return _mm_hadd_ps(h01, h23);
-}
-
-/* acc lanes 4q+i belong to row i -> the 4 rows' sums. */
-static inline __m128 quarter_sums(__m512 acc) {
-    __m128 a = _mm_add_ps(_mm512_castps512_ps128(acc), _mm512_extractf32x4_ps(acc, 1));
-    return _mm_add_ps(a, _mm_add_ps(_mm512_extractf32x4_ps(acc, 2), _mm512_extractf32x4_ps(acc, 3)));
-}
-
-static inline __attribute__((always_inline)) __m512i bcast16(const void *p) {
-    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
-}
-
-/* One tile's span of codes: elements 0-15 of the 4 rows (A) and 16-31 (B), a byte each: the low and
- * high nibbles of one load for 4-bit codes, two loads for 8-bit. */
-static inline __attribute__((always_inline)) void load_codes(const uint8_t *p, const int bits, __m512i *a, __m512i *b) {
-    if (bits == 4) {
-        const __m512i v = _mm512_loadu_si512(p);
-        *a = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-        *b = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-    } else {
-        *a = _mm512_loadu_si512(p);
-        *b = _mm512_loadu_si512(p + 64);
     }
 }
 
@@ -144,9 +103,9 @@ static inline __attribute__((always_inline)) void tile(const struct xq *x, int64
     const int64_t wv = w * groups * TILE; /* first scale/min of the tile */
     /* Sized by XTILE, not RX: arrays sized by a parameter are variable-length to GCC even when
      * inlining makes it a constant, and then live on the stack, not in registers. */
-    __m512 acc[XTILE], macc[XTILE], prod[XTILE];
+    vf acc[XTILE], macc[XTILE], prod[XTILE];
     for (int r = 0; r < RX; r++)
-        acc[r] = macc[r] = _mm512_setzero_ps();
+        acc[r] = macc[r] = vf_zero();
     for (int64_t c0 = 0; c0 < groups; c0 += 4) {
         const int count = groups - c0 >= 4 ? 4 : (int)(groups - c0); /* groups in this chunk */
         const int64_t span0 = c0 / per_span;
@@ -155,14 +114,13 @@ static inline __attribute__((always_inline)) void tile(const struct xq *x, int64
             if (min)
                 _mm_prefetch((const char *)min + (wv + c0 * TILE) * (f16 ? 2 : 4) + PREFETCH_BYTES / 4, PREFETCH_HINT);
         }
-        __m512 sw = load_values(scale, wv + c0 * TILE, count * TILE, f16);
-        __m512 mw = min ? load_values(min, wv + c0 * TILE, count * TILE, f16) : _mm512_setzero_ps();
+        vf sw = load_values(scale, wv + c0 * TILE, count * TILE, f16);
+        vf mw = min ? load_values(min, wv + c0 * TILE, count * TILE, f16) : vf_zero();
         for (int r = 0; r < RX; r++) {
-            __m512 sx = load_values(x->scale, (t0 + r) * spans + span0, count / per_span, 0);
-            prod[r] = _mm512_mul_ps(sw, spread(sx, 0, 4 * per_span));
+            vf sx = load_values(x->scale, (t0 + r) * spans + span0, count / per_span, 0);
+            prod[r] = vf_mul(sw, spread(sx, 0, 4 * per_span));
             if (min)
-                macc[r] = _mm512_fmadd_ps(mw, spread(load_values(x->sum, (t0 + r) * groups + c0, count, 0), 0, 4),
-                                          macc[r]);
+                macc[r] = vf_fmadd(mw, spread(load_values(x->sum, (t0 + r) * groups + c0, count, 0), 0, 4), macc[r]);
         }
         for (int j = 0; j < count / per_span; j++) {
             const uint8_t *p = wc + (span0 + j) * span_bytes;
@@ -171,20 +129,20 @@ static inline __attribute__((always_inline)) void tile(const struct xq *x, int64
                 if (bits == 8)
                     _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, PREFETCH_HINT);
             }
-            __m512i a, b;
+            vi a, b;
             load_codes(p, bits, &a, &b);
             for (int r = 0; r < RX; r++) {
                 const int64_t span = (t0 + r) * spans + span0 + j;
-                __m512i xa = bcast16(x->q + 32 * span), xb = bcast16(x->q + 32 * span + 16);
+                vi xa = bcast16(x->q + 32 * span), xb = bcast16(x->q + 32 * span + 16);
                 if (group == 32) {
-                    __m512i dot = _mm512_dpbusd_epi32(_mm512_broadcast_i32x4(x->init[2 * span]), a, xa);
-                    dot = _mm512_dpbusd_epi32(dot, b, xb);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), spread(prod[r], 4 * j, 4), acc[r]);
+                    vi dot = dot4(bcast_i32x4(x->init[2 * span]), a, xa, bits);
+                    dot = dot4(dot, b, xb, bits);
+                    acc[r] = vf_fmadd(vi_to_vf(dot), spread(prod[r], 4 * j, 4), acc[r]);
                 } else {
-                    __m512i da = _mm512_dpbusd_epi32(_mm512_broadcast_i32x4(x->init[2 * span]), a, xa);
-                    __m512i db = _mm512_dpbusd_epi32(_mm512_broadcast_i32x4(x->init[2 * span + 1]), b, xb);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), spread(prod[r], 8 * j, 4), acc[r]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), spread(prod[r], 8 * j + 4, 4), acc[r]);
+                    vi da = dot4(bcast_i32x4(x->init[2 * span]), a, xa, bits);
+                    vi db = dot4(bcast_i32x4(x->init[2 * span + 1]), b, xb, bits);
+                    acc[r] = vf_fmadd(vi_to_vf(da), spread(prod[r], 8 * j, 4), acc[r]);
+                    acc[r] = vf_fmadd(vi_to_vf(db), spread(prod[r], 8 * j + 4, 4), acc[r]);
                 }
             }
         }
@@ -194,7 +152,7 @@ static inline __attribute__((always_inline)) void tile(const struct xq *x, int64
         __m128 y = row_sums(acc[r]);
         if (min)
             y = _mm_add_ps(y, quarter_sums(macc[r]));
-        _mm_mask_storeu_ps(out + (t0 + r) * N + TILE * w, (__mmask8)((1u << rows) - 1), y);
+        store_rows(out + (t0 + r) * N + TILE * w, y, rows);
     }
 }
 
@@ -227,8 +185,8 @@ static inline __attribute__((always_inline)) void work_item(const struct xq *x, 
 /* r = x - s * q over one span: the rounding error of the first part, for the second. */
 static void residual(const float *x, const int8_t *q, float s, float *r) {
     for (int h = 0; h < 32; h += 16) {
-        __m512 q_h = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + h))));
-        _mm512_storeu_ps(r + h, _mm512_sub_ps(_mm512_loadu_ps(x + h), _mm512_mul_ps(_mm512_set1_ps(s), q_h)));
+        vf q_h = i8x16_to_vf(_mm_loadu_si128((const __m128i *)(q + h)));
+        vf_storeu(r + h, vf_sub(vf_loadu(x + h), vf_mul(vf_set1(s), q_h)));
     }
 }
 
@@ -284,7 +242,7 @@ static void add_parts(const float *parts, int64_t T, int64_t N, float *out) {
         const int64_t rows = parts * T, work = num_tiles * TILE * K * bits / 8 * (1 + rows / 4);              \
         const int threads = num_threads > 1 && work >= PARALLEL_BYTES ? num_threads : 1;                      \
         struct xq xq;                                                                                         \
-        if (quantize_x(x, T, K, offset, group, parts, threads, &xq))                                          \
+        if (quantize_x(x, T, K, offset - CODE_BIAS(bits), group, parts, threads, &xq))                                          \
             return 1;                                                                                         \
         float *y = parts == 1 ? out : malloc(sizeof(float) * rows * N);                                       \
         if (!y) {                                                                                             \
@@ -339,21 +297,13 @@ KERNELS(qmatmul_u8_g16_f32, 8, 16, 0)
  * runs in bf16 through AVX-512 BF16 dot products (kvgen/model/quant/linear.py). Values are rounded to
  * the nearest bf16 (ties to even) from w = s * (u - o) + m in fp32. */
 
-static inline __attribute__((always_inline)) __m256i bf16_of(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-}
-
 static inline __attribute__((always_inline)) float value_at(const void *p, int64_t at, const int f16) {
     return f16 ? _cvtsh_ss(((const uint16_t *)p)[at]) : ((const float *)p)[at];
 }
 
 /* 16 codes (bytes) of one row -> 16 bf16 values s * (u - o) + m. */
 static inline __attribute__((always_inline)) __m256i dequantize16(__m128i codes, int32_t offset, float s, float m) {
-    __m512 u = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(codes), _mm512_set1_epi32(offset)));
-    return bf16_of(_mm512_fmadd_ps(_mm512_set1_ps(s), u, _mm512_set1_ps(m)));
+    return bf16_of(vf_fmadd(vf_set1(s), u8x16_minus_to_vf(codes, offset), vf_set1(m)));
 }
 
 #define DEQUANTIZE_ROW(i)                                                                                     \
@@ -361,8 +311,8 @@ static inline __attribute__((always_inline)) __m256i dequantize16(__m128i codes,
         const int64_t ga = first_group * TILE + i, gb = (first_group + (group == 32 ? 0 : 1)) * TILE + i;      \
         const float sa = value_at(scale, ga, f16), sb = value_at(scale, gb, f16);                             \
         const float ma = min ? value_at(min, ga, f16) : 0.0f, mb = min ? value_at(min, gb, f16) : 0.0f;       \
-        _mm256_storeu_si256((__m256i *)(o + 32 * i), dequantize16(_mm512_extracti32x4_epi32(a, i), offset, sa, ma)); \
-        _mm256_storeu_si256((__m256i *)(o + 32 * i + 16), dequantize16(_mm512_extracti32x4_epi32(b, i), offset, sb, mb)); \
+        _mm256_storeu_si256((__m256i *)(o + 32 * i), dequantize16(row_codes(a, i), offset, sa, ma)); \
+        _mm256_storeu_si256((__m256i *)(o + 32 * i + 16), dequantize16(row_codes(b, i), offset, sb, mb)); \
     }
 
 /* Tile w of W^ (every span) into `out`, the bf16 layout's tile w. */
@@ -375,7 +325,7 @@ static inline __attribute__((always_inline)) void dequantize_tile(const uint8_t 
         const uint8_t *p = codes + (w * spans + j) * span_bytes;
         const int64_t first_group = w * groups + j * (32 / group);
         uint16_t *o = out + (w * spans + j) * TILE * 32;
-        __m512i a, b;
+        vi a, b;
         load_codes(p, bits, &a, &b);
         DEQUANTIZE_ROW(0) DEQUANTIZE_ROW(1) DEQUANTIZE_ROW(2) DEQUANTIZE_ROW(3)
     }

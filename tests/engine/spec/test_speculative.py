@@ -17,7 +17,7 @@ from kvgen.errors import InvalidRequestError, ModelLoadError
 from kvgen.loaders import load_model
 from kvgen.model.kernels import paged_decode_for
 from kvgen.model.kernels.f32 import f32_kernel
-from kvgen.model.quant.kernel import vnni_kernel
+from kvgen.model.quant.kernel import qmatmul_kernel
 from tests.engine.test_continuous_batching import finished_outputs, prompts, run_all
 
 CPU = torch.device("cpu")
@@ -197,7 +197,7 @@ def test_bad_speculative_options_are_refused():
         EngineConfig(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
 
 
-@pytest.mark.skipif(vnni_kernel() is None, reason="needs the AVX-512 VNNI kernel")
+@pytest.mark.skipif(qmatmul_kernel() is None, reason="needs the quantized kernel (AVX-512 VNNI or AVX2)")
 def test_a_packed_draft_quantizes_activations_to_one_int8_part(loaded, stories_bin):
     """The draft only steers proposals: one int8 part per 32 values of x (as ggml), half the integer
     kernel's work; an int4 target keeps two (its outputs are the ones that count)."""

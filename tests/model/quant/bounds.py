@@ -1,4 +1,4 @@
-"""Error bounds of the VNNI kernel, derived from its roundings.
+"""Error bounds of the quantized kernel, derived from its roundings.
 
 The kernel quantizes each row of x per span of 32 to x^ = s_x * q (q = round(x / s_x),
 s_x = max|x| / 127); with activations "int8x2" a second part quantizes the rounding error
@@ -16,7 +16,7 @@ products and sums. Two bounds follow, both against float64 references:
 import torch
 
 from kvgen.model.quant.formats import PackedWeight, dequantize, unpack_codes, untile
-from kvgen.model.quant.kernel import vnni_kernel
+from kvgen.model.quant.kernel import qmatmul_kernel
 
 U = 2.0 ** -24
 
@@ -33,7 +33,7 @@ def term_magnitudes(w: PackedWeight) -> torch.Tensor:
 
 def quantized_x(x: torch.Tensor, activations: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(x^ of each part float64 [parts, T, K], each part's s_x repeated over its span [parts, T, K])"""
-    q, scale = vnni_kernel().quantize_activations(x, activations)
+    q, scale = qmatmul_kernel().quantize_activations(x, activations)
     spans = scale.double().repeat_interleave(32, dim=2)
     return q.double() * spans, spans
 

@@ -1,4 +1,4 @@
-"""The VNNI kernel against the dequantized matmul, for every mapped GGUF type and the float
+"""The quantized kernel (either build) against the dequantized matmul, for every mapped GGUF type and the float
 quantizers, at 1 row (decode) and many (prefill), on one thread and two; bounds.py derives the
 tolerances."""
 
@@ -9,17 +9,17 @@ from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
 from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
 from kvgen.model.quant.formats import PackedWeight, dequantize
 from kvgen.model.quant.gguf_blocks import convert
-from kvgen.model.quant.kernel import vnni_kernel
-from kvgen.model.quant.linear import ManyRows, VnniQuantLinear
+from kvgen.model.quant.kernel import qmatmul_kernel
+from kvgen.model.quant.linear import ManyRows, KernelQuantLinear
 from tests.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix
 
-pytestmark = pytest.mark.skipif(vnni_kernel() is None, reason="CPU without AVX-512 VNNI: layers use torch")
+pytestmark = pytest.mark.skipif(qmatmul_kernel() is None, reason="CPU with neither AVX-512 VNNI nor AVX2: layers use torch")
 
 
 def check(w: PackedWeight, x: torch.Tensor, activations: str = "int8") -> None:
-    check_kernel_output(vnni_kernel().bind(w, activations)(x), w, x, activations)
+    check_kernel_output(qmatmul_kernel().bind(w, activations)(x), w, x, activations)
 
 
 def gguf_weight(ggml_type, out=12, cols=512) -> PackedWeight:
@@ -37,7 +37,7 @@ def test_kernel_equals_dequantized_matmul(ggml_type, rows, activations):
 def test_two_parts_are_some_hundred_times_closer_to_x():
     """The second part's step is the first's rounding error / 127, so at most ~1/254 of the first."""
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
-    q, scale = vnni_kernel().quantize_activations(x, "int8x2")
+    q, scale = qmatmul_kernel().quantize_activations(x, "int8x2")
     assert q.shape == (2, 3, 256) and scale.shape == (2, 3, 8)
     assert (scale[1] <= scale[0] * (0.5 + 1e-4) / 127).all()
 
@@ -55,7 +55,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(activations):
     """Rows go four at a time, then two, then one, through the same operations."""
     w = gguf_weight(MAPPED[1])
     x = torch.randn(67, 512, generator=torch.Generator().manual_seed(1))
-    kernel = vnni_kernel().bind(w, activations)
+    kernel = qmatmul_kernel().bind(w, activations)
     all_rows = kernel(x)
     for rows in (1, 3, 5, 64):
         assert torch.equal(kernel(x[:rows].contiguous()), all_rows[:rows])
@@ -69,7 +69,7 @@ def test_two_threads_give_the_same_bits(rows, activations):
     gen = torch.Generator().manual_seed(2)
     w = quantize_int8(torch.randn(1024 if rows == 1 else 256, 1024, generator=gen))
     x = torch.randn(rows, 1024, generator=gen)
-    kernel = vnni_kernel().bind(w, activations)
+    kernel = qmatmul_kernel().bind(w, activations)
     one = kernel(x)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -83,13 +83,13 @@ def test_two_threads_give_the_same_bits(rows, activations):
 
 def test_zero_rows_and_all_zero_groups():
     w = quantize_int4(torch.zeros(4, 64))
-    kernel = vnni_kernel().bind(w)
+    kernel = qmatmul_kernel().bind(w)
     assert kernel(torch.empty(0, 64)).shape == (0, 4)
     assert torch.equal(kernel(torch.zeros(2, 64)), torch.zeros(2, 4))
 
 
 def test_x_of_the_wrong_shape_or_dtype_is_refused():
-    kernel = vnni_kernel().bind(quantize_int8(torch.randn(4, 64)))
+    kernel = qmatmul_kernel().bind(quantize_int8(torch.randn(4, 64)))
     with pytest.raises(ValueError, match=r"contiguous fp32 \[T, 64\]"):
         kernel(torch.randn(2, 32))
     with pytest.raises(ValueError, match="float64"):
@@ -112,7 +112,7 @@ def test_dequantized_bf16_tiles_are_the_weights_rounded_to_bf16(ggml_type):
     """Each value is s * (u - o) + m from one fp32 FMA, then rounded to the nearest bf16: the exact
     dequantized value, rounded, or (where the FMA's rounding crosses a tie) its bf16 neighbour."""
     w = gguf_weight(ggml_type, out=13)
-    got = bf16_tiles_to_rows(vnni_kernel().bind(w).dequantize_bf16(), 13).float()
+    got = bf16_tiles_to_rows(qmatmul_kernel().bind(w).dequantize_bf16(), 13).float()
     exact = dequantize(w)
     assert torch.equal(got, exact.bfloat16().float()) or (
         (got - exact).abs() <= BF16_UNIT_ROUNDOFF * exact.abs() * (1 + 2**-15)).all()
@@ -128,11 +128,11 @@ def test_many_rows_run_in_bf16_within_its_rounding(ggml_type, rows):
         pytest.skip("this CPU has no AVX-512 BF16")
     w = gguf_weight(ggml_type, out=13)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-    layer = VnniQuantLinear(w, None, "int8x2", ManyRows(16, Bf16Tiles()))
+    layer = KernelQuantLinear(w, None, "int8x2", ManyRows(16, Bf16Tiles()))
     dense = dequantize(w).double()
     u = BF16_UNIT_ROUNDOFF
     bound = ((1 + u) ** 2 - 1 + gamma(512) * (1 + u) ** 2) * (x.double().abs() @ dense.abs().T)
     assert ((layer(x).double() - x.double() @ dense.T).abs() <= bound).all()
     assert "from 16 rows bf16_matmul" in layer.kernel
     below = layer(x[:15])  # the integer kernel, as without the bf16 path
-    assert torch.equal(below, vnni_kernel().bind(w, "int8x2")(x[:15]))
+    assert torch.equal(below, qmatmul_kernel().bind(w, "int8x2")(x[:15]))

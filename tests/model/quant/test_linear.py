@@ -11,33 +11,33 @@ from kvgen.model.quant import describe, make_quantized_linear, quantize_linear
 from kvgen.model.quant import linear as quant_linear
 from kvgen.model.quant.formats import dequantize
 from kvgen.model.quant.gguf_blocks import convert
-from kvgen.model.quant.kernel import vnni_kernel
+from kvgen.model.quant.kernel import qmatmul_kernel
 from tests.model.quant.bounds import bounds
 from tests.model.quant.raw_blocks import Q, raw_matrix
 
 FP32_LAYER = type(make_linear(torch.zeros(1, 1)))  # this CPU's float layer (F32Linear or BlasLinear)
 
-needs_vnni = pytest.mark.skipif(vnni_kernel() is None, reason="CPU without AVX-512 VNNI")
+needs_kernel = pytest.mark.skipif(qmatmul_kernel() is None, reason="CPU with neither AVX-512 VNNI nor AVX2")
 U = 2.0 ** -24
 
 
-@needs_vnni
+@needs_kernel
 @pytest.mark.parametrize("ggml_type, kernel", [(Q.Q4_1, "qmatmul_u4_g32_f16"), (Q.Q8_0, "qmatmul_u8_g32_f16"),
                                                (Q.Q4_K, "qmatmul_u4_g32_f32"), (Q.Q6_K, "qmatmul_u8_g16_f32")],
                          ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("activations", ["int8", "int8x2"])
-def test_gguf_matrix_gets_the_vnni_kernel_and_reports_it(ggml_type, kernel, activations):
+def test_gguf_matrix_gets_the_qmatmul_kernel_and_reports_it(ggml_type, kernel, activations):
     raw = raw_matrix(ggml_type, 8, 256)
     bias = torch.randn(8)
     layer = make_quantized_linear(ggml_type, raw, (8, 256), bias=bias, activations=activations)
-    assert isinstance(layer, quant_linear.VnniQuantLinear)
-    assert layer.kernel == f"{kernel} (x {activations})"
+    assert isinstance(layer, quant_linear.KernelQuantLinear)
+    assert layer.kernel == f"{kernel} [{qmatmul_kernel().isa}] (x {activations})"
     packed = layer.packed
     parts = [packed.codes, packed.scale] + ([packed.min] if packed.min is not None else [])
     assert layer.weight_bytes == sum(t.numel() * t.element_size() for t in parts)
     assert (layer.out_features, layer.in_features) == (8, 256)
     x = torch.randn(3, 256)
-    assert torch.equal(layer(x), vnni_kernel().bind(packed, activations)(x) + bias)
+    assert torch.equal(layer(x), qmatmul_kernel().bind(packed, activations)(x) + bias)
     assert describe(layer) == (layer.kernel, layer.weight_bytes)
 
 
@@ -51,8 +51,8 @@ def test_a_type_without_a_kernel_format_is_dequantized_to_a_float_layer():
     assert describe(bf16)[1] == 4 * 32 * 2
 
 
-def test_a_cpu_without_vnni_gets_the_dequantized_weights_in_a_float_layer(monkeypatch):
-    monkeypatch.setattr(quant_linear, "vnni_kernel", lambda: None)
+def test_a_cpu_without_the_kernel_gets_the_dequantized_weights_in_a_float_layer(monkeypatch):
+    monkeypatch.setattr(quant_linear, "qmatmul_kernel", lambda: None)
     layer = make_quantized_linear(Q.Q5_1, raw_matrix(Q.Q5_1, 6, 64), (6, 64))
     assert isinstance(layer, FP32_LAYER)
     assert torch.equal(layer(torch.eye(64)).T, dequantize(convert(Q.Q5_1, raw_matrix(Q.Q5_1, 6, 64), (6, 64))))
@@ -69,7 +69,7 @@ def test_torch_twin_is_dequantize_then_f_linear():
     assert torch.equal(layer(x), F.linear(x, dequantize(packed), bias))
 
 
-@needs_vnni
+@needs_kernel
 def test_kernel_and_torch_twin_agree_within_the_kernels_bound():
     """The twin is fp32 F.linear on W^ (within K ulps of sum |x| |w^| of x W^T); the kernel within
     its bound (tests/model/quant/bounds.py) of x W^T."""
@@ -82,7 +82,7 @@ def test_kernel_and_torch_twin_agree_within_the_kernels_bound():
     assert ((fast(x).double() - twin(x).double()).abs() <= kernel_bound + twin_bound).all()
 
 
-@needs_vnni
+@needs_kernel
 def test_bfloat16_activations_come_back_in_bfloat16():
     layer = quantize_linear(torch.randn(8, 64), "int8")
     x = torch.randn(2, 64, dtype=torch.bfloat16)
