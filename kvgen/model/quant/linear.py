@@ -12,7 +12,10 @@
                       in bf16 through kvgen.model.kernels.bf16: there the integer kernel is
                       compute-bound and its two parts of x cost it twice the work, while bf16 dot
                       products do 32 multiply-adds an instruction (top-1 agreement with the fp32
-                      model on the real Q4_1 file: 99.2%; BENCHMARKS.md).
+                      model on the real Q4_1 file: 99.2%; BENCHMARKS.md). Where the CPU has no
+                      AVX-512 BF16 but the fp32 kernel runs (AVX2), from FP32_FROM_ROWS rows on the
+                      weight is dequantized to fp32 per call and x runs through
+                      kvgen.model.kernels.f32 instead: exact weights, fp32 sums.
     TorchQuantLinear  CUDA and other devices: dequantizes on each call and runs F.linear, so the
                       weights stay packed in memory; also the kernel's CPU twin in the tests.
 
@@ -34,6 +37,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from kvgen.model.kernels import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
+from kvgen.model.kernels.f32 import f32_kernel
+from kvgen.model.kernels.f32 import pack as pack_f32
 from kvgen.model.linear import Linear, RowKernels, make_linear
 from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
 from kvgen.model.quant.formats import PackedWeight, dequantize
@@ -42,6 +47,11 @@ from kvgen.model.quant.kernel import ACTIVATION_PARTS, kernel_name, qmatmul_kern
 
 CPU = torch.device("cpu")
 FLOAT_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
+# Without the bf16 kernel, from this many rows of x on a packed layer dequantizes its weight to fp32
+# per call and runs the fp32 kernel on it. A 3,072 x 576 int4 matrix at 64 / 128 / 512 rows took
+# 9.8 / 20.5 / 81.9 ms on the integer kernel (x int8x2) and 10.1 / 11.4 / 16.1 ms dequantized,
+# packed and multiplied (AVX2 build, 2 threads, Zen 3; BENCHMARKS.md).
+FP32_FROM_ROWS = 128
 
 
 class QuantLinear(Linear):
@@ -63,7 +73,7 @@ class QuantLinear(Linear):
 @dataclass(frozen=True)
 class ManyRows:
     """From `from_rows` rows of x on, a packed layer runs in bf16 (see KernelQuantLinear), dequantizing
-    its weight into `tiles`."""
+    its weight into `tiles`; where the CPU has no bf16 kernel, from FP32_FROM_ROWS in fp32."""
 
     from_rows: int
     tiles: Bf16Tiles
@@ -77,16 +87,19 @@ class KernelQuantLinear(QuantLinear):
         assert kernel is not None, "KernelQuantLinear needs the compiled kernel (see qmatmul_kernel())"
         self._matmul = kernel.bind(weight, activations)
         self._bf16 = bf16_kernel() if many_rows is not None else None
-        self.many_rows = many_rows if self._bf16 is not None else None
-        many = f"; from {self.many_rows.from_rows} rows bf16_matmul" if self.many_rows is not None else ""
+        self._f32 = f32_kernel() if many_rows is not None and self._bf16 is None else None
+        self._tiles = many_rows.tiles if self._bf16 is not None else None
+        self._from_rows = (many_rows.from_rows if self._bf16 is not None
+                           else FP32_FROM_ROWS if self._f32 is not None else None)
+        path = "bf16_matmul" if self._bf16 is not None else "f32_matmul"
+        many = f"; from {self._from_rows} rows {path}" if self._from_rows is not None else ""
         self.kernel = f"{kernel_name(weight)} [{kernel.isa}] (x {activations}{many})"
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
-        whatever rows run with it, for a given side of `many_rows.from_rows`."""
-        if self._in_bf16(x):
-            tiles = self._matmul.dequantize_bf16(self.many_rows.tiles)
-            out = self._bf16(x.to(torch.bfloat16).contiguous(), tiles, self.out_features, torch.float32)
+        whatever rows run with it, for a given side of the many-rows threshold."""
+        if self._many_rows(x):
+            out = self._dequantized_matmul(x)
         elif x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == self.in_features:
             out = self._matmul.run(x)
         else:
@@ -95,14 +108,23 @@ class KernelQuantLinear(QuantLinear):
         return out if self.bias is None else out.add_(self.bias)
 
     def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
-        """The integer kernel's call, which is what `self(x)` runs for fp32 x below `many_rows`."""
-        if self.bias is not None or x.dtype != torch.float32 or self._in_bf16(x):
+        """The integer kernel's call, which is what `self(x)` runs for fp32 x below the many-rows
+        threshold."""
+        if self.bias is not None or x.dtype != torch.float32 or self._many_rows(x):
             return None
         return self._matmul.call(x, out)
 
-    def _in_bf16(self, x: torch.Tensor) -> bool:
-        """Whether x has enough rows to run in bf16 on the dequantized weight (see `many_rows`)."""
-        return self.many_rows is not None and x.shape[0] >= self.many_rows.from_rows
+    def _many_rows(self, x: torch.Tensor) -> bool:
+        """Whether x has enough rows to run on the dequantized weight (see ManyRows)."""
+        return self._from_rows is not None and x.shape[0] >= self._from_rows
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] @ W^T -> fp32 [T, out]: in bf16 on W^ rounded to bf16 where the bf16 kernel runs,
+        else in fp32 on W^."""
+        if self._bf16 is not None:
+            tiles = self._matmul.dequantize_bf16(self._tiles)
+            return self._bf16(x.to(torch.bfloat16).contiguous(), tiles, self.out_features, torch.float32)
+        return self._f32(x.float().contiguous(), pack_f32(dequantize(self.packed)), self.out_features)
 
 
 class TorchQuantLinear(QuantLinear):

@@ -10,7 +10,8 @@ from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
 from kvgen.model.quant.formats import PackedWeight, dequantize
 from kvgen.model.quant.gguf_blocks import convert
 from kvgen.model.quant.kernel import qmatmul_kernel
-from kvgen.model.quant.linear import ManyRows, KernelQuantLinear
+from kvgen.model.kernels.f32 import f32_kernel
+from kvgen.model.quant.linear import FP32_FROM_ROWS, ManyRows, KernelQuantLinear
 from tests.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix
@@ -136,3 +137,22 @@ def test_many_rows_run_in_bf16_within_its_rounding(ggml_type, rows):
     assert "from 16 rows bf16_matmul" in layer.kernel
     below = layer(x[:15])  # the integer kernel, as without the bf16 path
     assert torch.equal(below, qmatmul_kernel().bind(w, "int8x2")(x[:15]))
+
+
+@pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
+def test_many_rows_run_in_fp32_where_there_is_no_bf16_kernel(ggml_type):
+    """W^ exact in fp32, x in fp32, one fp32 chain of multiply-adds per output:
+    |y - x W^T| <= gamma(K) sum |x| |W^|; below FP32_FROM_ROWS, the integer kernel as before."""
+    if bf16_kernel() is not None or f32_kernel() is None:
+        pytest.skip("the fp32 path runs only where the fp32 kernel does and the bf16 one does not")
+    w = gguf_weight(ggml_type, out=13)
+    x = torch.randn(FP32_FROM_ROWS + 5, 512, generator=torch.Generator().manual_seed(3))
+    layer = KernelQuantLinear(w, None, "int8x2", ManyRows(16, Bf16Tiles()))
+    dense = dequantize(w).double()
+    bound = gamma(512) * (x.double().abs() @ dense.abs().T)
+    got = layer(x)
+    assert ((got.double() - x.double() @ dense.T).abs() <= bound).all()
+    assert torch.equal(got[:FP32_FROM_ROWS], layer(x[:FP32_FROM_ROWS]))  # a row's bits, whatever beside it
+    assert f"from {FP32_FROM_ROWS} rows f32_matmul" in layer.kernel
+    below = layer(x[:FP32_FROM_ROWS - 1])
+    assert torch.equal(below, qmatmul_kernel().bind(w, "int8x2")(x[:FP32_FROM_ROWS - 1]))
