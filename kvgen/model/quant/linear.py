@@ -1,21 +1,21 @@
 """Linear layers over weights that stay quantized in memory (kvgen.model.quant.formats).
 
-    KernelQuantLinear   CPU with AVX-512 VNNI or AVX2: the compiled kernel (qmatmul.c, the same bits
-                      from either build); x is quantized inside
-                      the call, per group of 32: to int8 (`activations="int8"`, as ggml), or to two
-                      int8 parts, the second quantizing the first's rounding error (`"int8x2"`, ~15
-                      bits; on the real Q4_1 file top-1 agreement with the fp32 model is 97.8% with
-                      int8 and 100% with int8x2, see BENCHMARKS.md). Against fp32 BLAS on the
-                      dequantized weights it is faster at 1, 16 and 64 rows and no slower at 512.
-                      From `many_rows.from_rows` rows on (prefill), where the CPU has AVX-512 BF16, the
-                      weight is instead dequantized per call to bf16 (qmatmul.c, in C) and x runs
-                      in bf16 through kvgen.model.kernels.bf16: there the integer kernel is
-                      compute-bound and its two parts of x cost it twice the work, while bf16 dot
-                      products do 32 multiply-adds an instruction (top-1 agreement with the fp32
-                      model on the real Q4_1 file: 99.2%; BENCHMARKS.md). Where the CPU has no
-                      AVX-512 BF16 but the fp32 kernel runs (AVX2), from FP32_FROM_ROWS rows on the
-                      weight is dequantized to fp32 per call and x runs through
-                      kvgen.model.kernels.f32 instead: exact weights, fp32 sums.
+    KernelQuantLinear CPU with AVX-512 VNNI or AVX2: the compiled kernel (qmatmul.c, the same bits
+                      from either build); x is quantized inside the call, per group of 32: to int8
+                      (`activations="int8"`, as ggml), or to two int8 parts, the second quantizing
+                      the first's rounding error (`"int8x2"`, ~15 bits; on the real Q4_1 file top-1
+                      agreement with the fp32 model is 97.8% with int8 and 100% with int8x2, see
+                      BENCHMARKS.md). Against fp32 BLAS on the dequantized weights it is faster at
+                      1, 16 and 64 rows and no slower at 512. From `many_rows.from_rows` rows on
+                      (prefill), where the CPU has AVX-512 BF16, the weight is instead dequantized
+                      per call to bf16 (qmatmul.c, in C) and x runs in bf16 through
+                      kvgen.model.kernels.bf16: there the integer kernel is compute-bound and its
+                      two parts of x cost it twice the work, while bf16 dot products do 32
+                      multiply-adds an instruction (top-1 agreement with the fp32 model on the real
+                      Q4_1 file: 99.2%; BENCHMARKS.md). Where the CPU has no AVX-512 BF16 but the
+                      fp32 kernel runs (AVX2), from FP32_FROM_ROWS rows on the weight is dequantized
+                      to fp32 per call and x runs through kvgen.model.kernels.f32 instead: exact
+                      weights, fp32 sums.
     TorchQuantLinear  CUDA and other devices: dequantizes on each call and runs F.linear, so the
                       weights stay packed in memory; also the kernel's CPU twin in the tests.
 
@@ -141,7 +141,8 @@ def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None, device
     """The layer for a packed weight on `device` (see the module docstring). `dtype` is the float
     layer's where a CPU lacks the kernel's features; `activations` how the kernel quantizes x;
     `many_rows` (None: never) from how many rows of x on, where the CPU has AVX-512 BF16, the weight
-    is dequantized to bf16 per call and x runs in bf16 (see KernelQuantLinear)."""
+    is dequantized to bf16 per call and x runs in bf16; without it, from FP32_FROM_ROWS in fp32 (see
+    KernelQuantLinear)."""
     if activations not in ACTIVATION_PARTS:
         raise ValueError(f"activations {activations!r}: expected one of {', '.join(ACTIVATION_PARTS)}")
     if device.type != "cpu":
