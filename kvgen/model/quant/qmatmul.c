@@ -1,7 +1,8 @@
-/* y = x @ W^T for weights kept quantized: AVX-512 VNNI integer dot products, as ggml does.
+/* y = x @ W^T for weights kept quantized: integer dot products (AVX-512 VNNI, or AVX2), as ggml does.
  *
- * Built by kvgen/model/quant/kernel.py with explicit flags (AVX-512 F/BW/VL/VNNI, FMA, F16C; never
- * -march=native, never AMX) and called through ctypes, only on CPUs that report those features.
+ * Built by kvgen/model/quant/kernel.py with explicit flags (AVX-512 F/BW/VL/VNNI, FMA, F16C; or AVX2,
+ * FMA, F16C; never -march=native, never AMX) and called through ctypes, only on CPUs that report
+ * those features. qvec.h holds the two builds' vectors; the code below is written once for both.
  *
  * Weights [N, K] (layout in kvgen/model/quant/formats.py): unsigned codes u, an integer offset o,
  * and per group of G (32, or 16 for 8-bit) a scale s and an optional min m: w = s * (u - o) + m.
