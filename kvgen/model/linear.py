@@ -1,15 +1,16 @@
 """Linear layers whose kernel is chosen once, when the weights load, for their device and dtype.
 
-    F32Linear     fp32 on a CPU with AVX-512 or AVX2: kvgen's own kernel (kernels/f32_matmul.c) on weights
-                  packed once into panels of 32 output features (one copy: a tied embedding looks
-                  its rows up there). At one row it reads them ~20% faster than OpenBLAS's GEMV, at
-                  2-16 rows (a speculative verify chunk) it costs 1.1-1.6x one row where OpenBLAS
-                  costs 1.5-2.2x, and at prefill's hundreds of rows it runs ~35% faster than
-                  oneDNN's GEMM (BENCHMARKS.md). Every row goes through the same operations
+    F32Linear     fp32 on a CPU with AVX-512 or AVX2: kvgen's own kernel (kernels/f32_matmul.c) on
+                  weights packed once into panels of 32 output features (one copy: a tied embedding
+                  looks its rows up there). At one row it reads them ~20% faster than OpenBLAS's
+                  GEMV, at 2-16 rows (a speculative verify chunk) it costs 1.1-1.6x one row where
+                  OpenBLAS costs 1.5-2.2x, and at prefill's hundreds of rows it runs ~35% faster
+                  than oneDNN's GEMM (BENCHMARKS.md). Every row goes through the same operations
                   whatever the row count, so a row's bits never depend on the rows beside it.
-    BlasLinear    fp32 on other CPUs (without AVX2), through OpenBLAS (numpy, on the same memory): its GEMV (one row)
-                  reads the weights near memory bandwidth, about twice as fast as MKL's (torch's
-                  default) one-row path, and its GEMM handles many rows at compute speed.
+    BlasLinear    fp32 on other CPUs (without AVX2), through OpenBLAS (numpy, on the same memory):
+                  its GEMV (one row) reads the weights near memory bandwidth, about twice as fast as
+                  MKL's (torch's default) one-row path, and its GEMM handles many rows at compute
+                  speed.
     Bf16Linear    bf16 on a CPU with AVX-512 BF16: kvgen's own kernel (kernels/bf16_matmul.c) on
                   weights packed once into tiles of 4 rows. At decode's few rows it reads the
                   weights 1.3-2.5x faster than oneDNN's GEMV, which at one row is slower than fp32

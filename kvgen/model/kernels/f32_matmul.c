@@ -11,11 +11,11 @@
  * A pass of up to MAX_ROWS rows of x over one panel keeps their 32 outputs each in registers (2
  * vectors a row) and, for each k, loads the panel's 32 weights once and multiplies them by every
  * row's x[t, k], broadcast: 28 multiply-adds per 2 weight loads (AVX-512; AVX2 has registers for 3
- * rows, 12 per 4) and no horizontal sums. So each
- * output is one chain of fused multiply-adds over k = 0 .. K-1 from zero, whatever T and however the
- * threads split the work: a row's bits never depend on the rows beside it (what speculation's
- * exactness rests on). A panel is one sequential stream of K x 128 bytes, prefetched into L2 ahead;
- * further passes over the same panel (rows past the first MAX_ROWS) read it from cache.
+ * rows, 12 per 4) and no horizontal sums. So each output is one chain of fused multiply-adds over k
+ * = 0 .. K-1 from zero, whatever T and however the threads split the work: a row's bits never
+ * depend on the rows beside it (what speculation's exactness rests on). A panel is one sequential
+ * stream of K x 128 bytes, prefetched into L2 ahead; further passes over the same panel (rows past
+ * the first MAX_ROWS) read it from cache.
  *
  * Against the kernel it replaced (dot products over 16 lanes summed at the end, on W as loaded), on
  * four matrices of a layer's shapes (1,728 / 576 / 3,072 x 576, 576 x 1,536; 30 copies for few

@@ -1,6 +1,6 @@
-"""The quantized kernel (either build) against the dequantized matmul, for every mapped GGUF type and the float
-quantizers, at 1 row (decode) and many (prefill), on one thread and two; bounds.py derives the
-tolerances."""
+"""The quantized kernel (either build) against the dequantized matmul, for every mapped GGUF type
+and the float quantizers, at 1 row (decode) and many (prefill), on one thread and two; bounds.py
+derives the tolerances."""
 
 import pytest
 import torch
@@ -16,7 +16,8 @@ from tests.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix
 
-pytestmark = pytest.mark.skipif(qmatmul_kernel() is None, reason="CPU with neither AVX-512 VNNI nor AVX2: layers use torch")
+pytestmark = pytest.mark.skipif(qmatmul_kernel() is None,
+                                reason="CPU with neither AVX-512 VNNI nor AVX2: layers use torch")
 
 
 def check(w: PackedWeight, x: torch.Tensor, activations: str = "int8") -> None:
