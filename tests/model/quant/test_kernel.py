@@ -46,9 +46,13 @@ def test_two_parts_are_some_hundred_times_closer_to_x():
 
 @pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_kernel_on_float_quantized_weights(quantize, rows):
+@pytest.mark.parametrize("magnitude, stored", [(0.05, torch.float16), (1e-7, torch.float32)])
+def test_kernel_on_float_quantized_weights(quantize, rows, magnitude, stored):
+    """96 columns are 3 groups, so the kernel's one chunk of groups is a tail (fewer than 4): the
+    partial loads of fp16 and of fp32 scales."""
     gen = torch.Generator().manual_seed(0)
-    w = quantize(torch.randn(10, 96, generator=gen) * 0.05)
+    w = quantize(torch.randn(10, 96, generator=gen) * magnitude)
+    assert w.scale.dtype == stored
     check(w, torch.randn(rows, 96, generator=gen) * 3)
 
 
