@@ -171,12 +171,15 @@ def test_the_page_keeps_up_with_64_sequences_on_a_50000_block_pool(browser):
         first = page_numbers(browser)["snapshot-id"]
         started = time.monotonic()
         round_trips, renders = [], []
-        while time.monotonic() - started < 3 and not done.done():
+        # Watched until 3 updates or 10 s: snapshots are paced to at most 1% of the engine's time, so
+        # on a slow machine they come further apart (2 in 3 s on a VM with steal time).
+        updates = 0
+        while time.monotonic() - started < 10 and updates < 3 and not done.done():
             t = time.monotonic()
             renders.append(float(browser.execute_script("return document.body.dataset.renderMs")))
             round_trips.append(time.monotonic() - t)
             time.sleep(0.2)
-        updates = page_numbers(browser)["snapshot-id"] - first
+            updates = page_numbers(browser)["snapshot-id"] - first
         assert len(done.result(timeout=120).choices) == 64
         assert browser.find_element(By.ID, "bin-size").text == "7"  # 50,000 blocks in at most 8192 cells
     assert updates >= 3, "the page stopped updating"
