@@ -59,7 +59,7 @@ ABUSE = {
 @pytest.mark.parametrize("case", sorted(ABUSE))
 def test_abusive_request_is_refused_at_once_and_the_server_goes_on(server, case):
     """Refused before admission, so the engine never works on it: no prompt token is counted. Checked
-    by the counter, not by a time bound: a 1 MB body's upload alone took 1.4 s on a VM with steal time."""
+    by the counter, not by a time bound: the round trip of a 1 MB body took 1.4 s on a VM with steal time."""
     body, status, message = ABUSE[case]
     admitted = metric_samples(server)[("kvgen_prompt_tokens_total", ())]
     with server.client() as http:
