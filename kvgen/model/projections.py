@@ -28,7 +28,7 @@ from kvgen.model.quant.linear import ManyRows, packed_linear, quantize_linear
 
 Weight = torch.Tensor | GGUFWeight
 # How the packed kernels quantize activations: two int8 parts per 32 (~15 bits), which keeps top-1
-# agreement with the fp32 model at 100% on the real Q4_1 file where one part gives 97.8% (BENCHMARKS.md).
+# agreement with the fp32 model at 100% on the real Q4_1 file where one part gives 97.8-98.2% (BENCHMARKS.md).
 ACTIVATIONS = "int8x2"
 # From this many rows of x on (prefill chunks, large decode batches) a packed layer dequantizes its
 # weight to bf16 per call and runs x in bf16 where the CPU can (kvgen.model.quant.linear): 1.3-1.9x

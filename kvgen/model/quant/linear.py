@@ -4,7 +4,7 @@
                       from either build); x is quantized inside the call, per group of 32: to int8
                       (`activations="int8"`, as ggml), or to two int8 parts, the second quantizing
                       the first's rounding error (`"int8x2"`, ~15 bits; on the real Q4_1 file top-1
-                      agreement with the fp32 model is 97.8% with int8 and 100% with int8x2, see
+                      agreement with the fp32 model is 97.8-98.2% with int8 and 100% with int8x2, see
                       BENCHMARKS.md). Against fp32 BLAS on the dequantized weights it is faster at
                       1, 16 and 64 rows and no slower at 512. From `many_rows.from_rows` rows on
                       (prefill), where the CPU has AVX-512 BF16, the weight is instead dequantized
