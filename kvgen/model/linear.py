@@ -18,6 +18,9 @@
                   slower than oneDNN's GEMM, so there (ONEDNN_FROM_ROWS) the layer unpacks its
                   weight into a buffer the model's layers share and calls oneDNN: one copy of the
                   weights kept.
+    CodedBf16Linear  the same, on weights stored in 12 bits each, losslessly (kernels/bf16_coded.c):
+                  a low byte and a 4-bit code of the high byte. Decode reads a quarter fewer bytes
+                  for the same bf16 values; rows of whole 64-column spans only.
     OneDnnLinear  bf16 where the CPU has native bf16 but not that kernel's features: the weights
                   are reordered once into oneDNN's blocked layout.
     TorchLinear   everything else (CUDA, fp16...): `F.linear`.
@@ -51,7 +54,7 @@ import torch.nn.functional as F
 
 from kvgen.model.kernels import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Matmul, Bf16Tiles, bf16_kernel
-from kvgen.model.kernels.bf16 import pack as pack_bf16
+from kvgen.model.kernels.bf16_coded import CodedBf16Matmul, coded_bf16_kernel, fits
 from kvgen.model.kernels.f32 import F32Matmul, f32_kernel, unpacked_rows
 from kvgen.model.kernels.f32 import pack as pack_f32
 from kvgen.threads import WORKERS_SLEEP
@@ -61,6 +64,11 @@ from kvgen.threads import WORKERS_SLEEP
 # at 128 / 256 / 512 rows: 98 / 198 / 398 ms on the kernel, 83 / 150 / 270 on oneDNN plus ~24 ms
 # of unpacking (microbenchmarks): a loss at 128 rows, a gain from 256. No second copy is kept.
 ONEDNN_FROM_ROWS = 256
+# From this many rows of x on, a coded bf16 layer decodes its weight to the bf16 kernel's tiles and
+# runs that kernel: the coded kernel, which decodes each span again for every 4 rows, matched the
+# bf16 kernel up to ~8 rows and fell behind from ~15 (0.96x; 0.86x at 64). Fused decode steps run
+# below 16 rows (kvgen.model.fused) on the coded kernel.
+DECODED_FROM_ROWS = 16
 # Many GEMV rows over a large matrix (an LM head) go tile by tile so each tile is read from memory
 # once and then from cache; a tile's GEMV gives the same bits as the whole matrix's.
 GEMV_TILE_BYTES = 4 << 20
@@ -189,10 +197,10 @@ class Bf16Linear(Linear):
     """bf16 on kvgen's kernel; given a shared `scratch` buffer, calls of ONEDNN_FROM_ROWS rows or more
     (prefill) unpack the weight into it and run oneDNN's GEMM instead."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Bf16Matmul,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Bf16Matmul | CodedBf16Matmul,
                  scratch: Bf16Tiles | None = None) -> None:
         super().__init__(weight, bias)
-        self.packed = pack_bf16(weight)  # [ceil(out/4), ceil(in/32), 4, 32]
+        self.packed = kernel.pack(weight)
         self._matmul = kernel
         self._scratch = scratch if _onednn_bf16() else None
 
@@ -208,7 +216,25 @@ class Bf16Linear(Linear):
 
     @property
     def weight_bytes(self) -> int:
-        return self.out_features * self.in_features * 2  # bf16, in tiles
+        return self._matmul.packed_bytes(self.packed)
+
+
+class CodedBf16Linear(Bf16Linear):
+    """Bf16Linear on the coded kernel (kvgen.model.kernels.bf16_coded): the same values, 12 bits each.
+    Given the shared `scratch`, calls of DECODED_FROM_ROWS rows or more decode the weight into it,
+    to the bf16 kernel's tiles (oneDNN's row-major from ONEDNN_FROM_ROWS), instead of decoding each
+    span again for every 4 rows of x."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: CodedBf16Matmul,
+                 tiles_kernel: Bf16Matmul, scratch: Bf16Tiles | None = None) -> None:
+        super().__init__(weight, bias, kernel, scratch)
+        self._tiles, self._tiles_kernel = scratch, tiles_kernel
+
+    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        if self._tiles is None or not DECODED_FROM_ROWS <= x.shape[0] < ONEDNN_FROM_ROWS:
+            return super().__call__(x, rows)
+        out = self._tiles_kernel(x.contiguous(), self._matmul.decode_tiles(self.packed, self._tiles), self.out_features)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class TorchLinear(Linear):
@@ -228,7 +254,10 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, scratch:
             return F32Linear(weight, bias, f32)
         return BlasLinear(weight, bias)
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
-        if (kernel := bf16_kernel()) is not None:
+        kernel = bf16_kernel()
+        if kernel is not None and fits(weight) and (coded := coded_bf16_kernel()) is not None:
+            return CodedBf16Linear(weight, bias, coded, kernel, scratch)
+        if kernel is not None:
             return Bf16Linear(weight, bias, kernel, scratch)
         if _onednn_bf16():
             return OneDnnLinear(weight, bias)

@@ -8,8 +8,9 @@
                      third of the time of gather + SDPA.
     prefill_attention.c  causal attention for a prompt chunk (kernels/prefill.py).
     bf16_matmul.c    bf16 linear layers on CPUs with AVX-512 BF16 (kernels/bf16.py)
+    bf16_coded.c     the same on weights stored losslessly in 12 bits each (kernels/bf16_coded.py)
     f32_matmul.c     fp32 linear layers on CPUs with AVX-512 (kernels/f32.py), on weights packed
-                     in panels of 32 output features; the bf16 one runs the loop of few_rows.h. The
+                     in panels of 32 output features; the bf16 ones run the loop of few_rows.h. The
                      quantized layers' kernel lives with its formats in kvgen/model/quant.
 
 The source is compiled with the system's C compiler (`$CC`, else `cc`) for this CPU

@@ -61,6 +61,8 @@ class _Args(ctypes.Structure):
 
 
 class Bf16Matmul:
+    pack = staticmethod(pack)
+
     def __init__(self, library: ctypes.CDLL) -> None:
         function = library.bf16_matmul
         function.argtypes = [_P, _I64, _I64, _P, _I64, _P, ctypes.c_int32, ctypes.c_int32]
@@ -96,6 +98,10 @@ class Bf16Matmul:
         args = _Args(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out.shape[1], out.data_ptr(),
                      out.dtype == torch.float32, torch.get_num_threads())
         return KernelCall(self._call, args, keep=(x, packed, out))
+
+    @staticmethod
+    def packed_bytes(packed: torch.Tensor) -> int:
+        return packed.numel() * packed.element_size()
 
     @staticmethod
     def _check(x: torch.Tensor, packed: torch.Tensor, out_features: int, out_dtype: torch.dtype) -> None:

@@ -26,7 +26,7 @@
  * spans of 32), y [T, N] bf16, or fp32 (the unrounded sums) when f32 is set. */
 void bf16_matmul(const uint16_t *x, int64_t T, int64_t K, const uint16_t *w, int64_t N, void *y, int32_t f32,
                  int32_t num_threads) {
-    few_rows_matmul(x, T, K, w, N, y, f32, num_threads);
+    few_rows_matmul(x, T, K, w, N, y, f32, num_threads, NULL);
 }
 
 /* One call's arguments as a struct, for a call list (kvgen/model/kernels/step.c). */

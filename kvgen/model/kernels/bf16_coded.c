@@ -1,0 +1,137 @@
+/* y = x @ W^T on bf16 weights stored in 12 bits each, losslessly: the bf16 kernel's loop (few_rows.h)
+ * on a quarter fewer bytes, for decode, which reads every weight once a token at memory speed.
+ *
+ * A bf16's high byte (sign and 7 of the 8 exponent bits) takes few values in a trained matrix: 16
+ * of them hold ~99.96% of SmolLM2's weights. So each weight keeps its low byte (the last exponent
+ * bit and the mantissa) and a 4-bit code for its high byte, looked up in the matrix's 16-entry
+ * table; a weight whose high byte is not in the table (an outlier: ~0.04-0.3%) is stored as +0
+ * (code `zero`, low byte 0) and its product added to the fp32 sum of its row before the sum is
+ * stored (FIX_SUMS). Without outliers a row's sums are bit for bit the bf16 kernel's: the same
+ * weights meet the same x in the same order of vdpbf16ps.
+ *
+ * Layout (kvgen/model/kernels/bf16_coded.py packs it): tiles of 4 rows, K in spans of 64 columns; a
+ * tile's span is 384 bytes, one sequential stream: the 4 rows' 64 low bytes, then their 32 code
+ * bytes. Within a span the columns are stored in the order that vpunpck{l,h}bw of (low bytes,
+ * looked-up high bytes) yields columns 0-31 and 32-63 as words; code byte j holds column j's code
+ * (in that order) in its low nibble and column j + 32's in its high one. K is a multiple of 64.
+ *
+ * Built with explicit flags (AVX-512 F/BW/VL/BF16; never -march=native, never AMX).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Outliers of a packed matrix, by tile: entries start[b]..start[b+1]-1 belong to tile b; entry e is
+ * row 4b + (at[e] & 3), column at[e] >> 2, weight value[e]. */
+struct outliers {
+    const int64_t *start;
+    const int32_t *at;
+    const float *value;
+};
+
+struct coded_args {
+    const uint16_t *x;
+    int64_t T, K;
+    const uint8_t *w;
+    const uint8_t *table; /* 16 high bytes, by code */
+    struct outliers outliers;
+    int64_t N;
+    void *y;
+    int32_t f32, num_threads;
+};
+
+typedef struct {
+    __m512bh lo, hi; /* columns 0-31 and 32-63 of a span */
+} span64;
+
+/* One row's span of weights as bf16 words, from its 64 low bytes at p and its 32 code bytes at c. */
+static inline __attribute__((always_inline)) span64 decode_span(const uint8_t *p, const uint8_t *c, __m512i table) {
+    const __m512i low = _mm512_loadu_si512(p);
+    const __m512i codes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)c));
+    /* bytes 0-31: the low nibbles; bytes 32-63: the high ones */
+    const __m512i index = _mm512_and_si512(_mm512_mask_srli_epi16(codes, 0xFFFF0000u, codes, 4), _mm512_set1_epi8(15));
+    const __m512i high = _mm512_shuffle_epi8(table, index);
+    return (span64){(__m512bh)_mm512_unpacklo_epi8(low, high), (__m512bh)_mm512_unpackhi_epi8(low, high)};
+}
+
+static inline __attribute__((always_inline)) span64 load_x(const uint16_t *p) {
+    return (span64){(__m512bh)_mm512_loadu_si512(p), (__m512bh)_mm512_loadu_si512(p + 32)};
+}
+
+static inline __attribute__((always_inline)) __m512 dot_span(__m512 acc, span64 x, span64 w) {
+    return _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc, x.lo, w.lo), x.hi, w.hi);
+}
+
+/* The outliers of tile n0 / 4 added to x row t0 + t's sums. */
+static inline void fix_sums(const struct outliers *o, const uint16_t *x, int64_t t0, int t, int64_t K, int64_t n0,
+                            float *s) {
+    const int64_t b = n0 / 4;
+    for (int64_t e = o->start[b]; e < o->start[b + 1]; e++) {
+        const uint32_t bits = (uint32_t)x[(t0 + t) * K + (o->at[e] >> 2)] << 16;
+        float xv;
+        memcpy(&xv, &bits, sizeof xv);
+        s[o->at[e] & 3] += o->value[e] * xv;
+    }
+}
+
+struct coded_aux {
+    struct outliers outliers;
+    __m512i table; /* the 16 high bytes in every 128-bit lane: vpshufb looks up within lanes */
+};
+
+#define ELEM uint8_t
+#define XELEM uint16_t
+#define SPAN 64
+#define MASK __mmask64
+#define VEC span64
+#define XLOAD(m, p) ((void)(m), load_x(p))
+#define WLOAD(m, p, r) decode_span((p), (p) + 256 - 32 * (r), ((const struct coded_aux *)aux)->table)
+#define DOT(acc, x, w) dot_span((acc), (x), (w))
+#define FIX_SUMS(t, s) fix_sums(&((const struct coded_aux *)aux)->outliers, x, t0, (t), K, n0, (s))
+#define ROW_STRIDE(K) 64
+#define SPAN_STEP 384
+#define BLOCK_START(b, K) ((b) * ((K) / 64) * 384)
+#include "few_rows.h"
+
+static __m512i table_of(const uint8_t *table) {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table));
+}
+
+/* x [T, K] bf16, w packed as bf16_coded.py lays it out, y [T, N] bf16, or fp32 when f32 is set. */
+int bf16_coded_matmul_call(const struct coded_args *a) {
+    const struct coded_aux aux = {a->outliers, table_of(a->table)};
+    few_rows_matmul(a->x, a->T, a->K, a->w, a->N, a->y, a->f32, a->num_threads, &aux);
+    return 0;
+}
+
+/* Where column k of row r of tile b goes in a decoded copy: row-major [N, K], or the bf16 kernel's
+ * tiles of 4 rows stored 32 columns at a time (kernels/bf16.py). */
+static inline int64_t decoded_at(int tiles_layout, int64_t b, int r, int64_t k, int64_t K) {
+    if (tiles_layout)
+        return ((b * (K / 32) + k / 32) * 4 + r) * 32 + k % 32;
+    return (b * 4 + r) * K + k;
+}
+
+/* The packed weight decoded to bf16, outliers included, in either layout of decoded_at: for many rows
+ * of x, where the bf16 kernel on its own tiles (or oneDNN's GEMM on row-major) beats decoding each
+ * span again for every 4 rows. */
+void bf16_coded_decode(const uint8_t *w, const uint8_t *table, struct outliers outliers, int64_t N, int64_t K,
+                       uint16_t *out, int32_t tiles_layout, int32_t num_threads) {
+    const __m512i lut = table_of(table);
+    const int64_t spans = K / 64, tiles = (N + 3) / 4;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t b = 0; b < tiles; b++) {
+        for (int64_t s = 0; s < spans; s++)
+            for (int r = 0; r < 4 && (tiles_layout || b * 4 + r < N); r++) {
+                const uint8_t *p = w + (b * spans + s) * 384 + 64 * r;
+                const span64 v = decode_span(p, p + 256 - 32 * r, lut);
+                _mm512_storeu_si512(out + decoded_at(tiles_layout, b, r, 64 * s, K), (__m512i)v.lo);
+                _mm512_storeu_si512(out + decoded_at(tiles_layout, b, r, 64 * s + 32, K), (__m512i)v.hi);
+            }
+        for (int64_t e = outliers.start[b]; e < outliers.start[b + 1]; e++) {
+            uint32_t bits;
+            memcpy(&bits, &outliers.value[e], sizeof bits);
+            out[decoded_at(tiles_layout, b, outliers.at[e] & 3, outliers.at[e] >> 2, K)] = (uint16_t)(bits >> 16);
+        }
+    }
+}

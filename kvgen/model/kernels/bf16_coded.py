@@ -1,0 +1,180 @@
+"""bf16 weights in 12 bits each, losslessly, and the kernel that reads them (bf16_coded.c).
+
+A decode step reads every weight once, at the memory's speed, so a bf16 model decodes no faster than
+its bytes allow. A trained matrix's bf16 high bytes (sign and 7 exponent bits) take few values: 16
+of them hold ~99.96% of SmolLM2's weights. Stored as a low byte plus a 4-bit code of the high byte
+(the rest, the outliers, listed apart), a matrix reads 25% fewer bytes and gives the same bf16
+values. The kernel's sums equal the bf16 kernel's bit for bit where a tile has no outlier, and within
+the same fp32 rounding bound where it has (an outlier's product is added after the tile's sum).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvgen.model.kernels import KernelCall, build_library, cpu_has
+from kvgen.model.kernels.bf16 import CPU_FEATURES, FLAGS, Bf16Tiles
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("bf16_coded.c")
+TILE_ROWS, SPAN, SPAN_BYTES = 4, 64, 384  # a tile's span: 4 rows x (64 low bytes + 32 code bytes)
+# The column stored at byte p of a row's span: vpunpck{l,h}bw interleave within 128-bit lanes, so
+# byte 16j + i (i < 8) becomes word 8j + i of columns 0-31, byte 16j + 8 + i word 8j + i of 32-63.
+COLUMN_AT = torch.tensor([8 * (p // 16) + p % 8 + 32 * (p % 16 >= 8) for p in range(SPAN)])
+_PACK_ROWS = 8192  # rows laid out at a time: bounds the int32 intermediates of a large LM head
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class CodedBf16:
+    """A bf16 [N, K] matrix in the coded layout (bf16_coded.c's header)."""
+
+    tiles: torch.Tensor  # uint8 [ceil(N/4), K/64, 384]
+    table: torch.Tensor  # uint8 [16]: the high byte of each code
+    start: torch.Tensor  # int64 [ceil(N/4) + 1]: tile b's outliers are at[start[b]:start[b+1]]
+    at: torch.Tensor  # int32 [outliers]: column * 4 + row within the tile
+    value: torch.Tensor  # float32 [outliers]: the weight
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.tiles, self.table, self.start, self.at, self.value))
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether the coded layout holds this matrix: rows of whole 64-column spans."""
+    return weight.dim() == 2 and weight.shape[1] % SPAN == 0
+
+
+def pack(weight: torch.Tensor) -> CodedBf16:
+    """bf16 [N, K] (K a multiple of 64) -> its coded layout, once at load."""
+    n, k = weight.shape
+    assert k % SPAN == 0, "the coded layout takes whole spans of 64 columns"
+    weight = F.pad(weight.to(torch.bfloat16), (0, 0, 0, -n % TILE_ROWS))
+    bits = weight.view(torch.int16)
+    counts = sum(torch.bincount((chunk.to(torch.int32) >> 8 & 0xFF).flatten(), minlength=256)
+                 for chunk in bits.split(_PACK_ROWS))
+    counts[0] = counts.sum() + 1  # high byte 0 is always in the table: the outliers are stored as +0
+    table = counts.topk(16).indices
+    code_of = torch.full((256,), -1, dtype=torch.int32)
+    code_of[table] = torch.arange(16, dtype=torch.int32)
+    tiles, outliers = [], []
+    for first in range(0, weight.shape[0], _PACK_ROWS):
+        chunk = bits[first : first + _PACK_ROWS].to(torch.int32) & 0xFFFF  # [rows, K]
+        codes, low = code_of[chunk >> 8], chunk & 0xFF
+        rows, columns = (codes < 0).nonzero(as_tuple=True)  # row-major: by tile, as `start` wants them
+        codes[rows, columns], low[rows, columns] = int(code_of[0]), 0
+        outliers.append((rows + first, columns))
+        tiles.append(_layout(codes, low))
+    rows = torch.cat([r for r, _ in outliers])
+    columns = torch.cat([c for _, c in outliers])
+    tile_count = weight.shape[0] // TILE_ROWS
+    start = F.pad(torch.bincount(rows // TILE_ROWS, minlength=tile_count).cumsum(0), (1, 0))
+    return CodedBf16(tiles=torch.cat(tiles), table=table.to(torch.uint8), start=start.to(torch.int64),
+                     at=(columns * 4 + rows % TILE_ROWS).to(torch.int32),
+                     value=weight[rows, columns].float().contiguous(), shape=(n, k))
+
+
+def _layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Codes and low bytes [rows, K] (rows a multiple of 4) -> tiles uint8 [rows/4, K/64, 384]."""
+    rows, k = codes.shape
+    tiled = [t.view(rows // TILE_ROWS, TILE_ROWS, k // SPAN, SPAN)[..., COLUMN_AT].transpose(1, 2) for t in (codes, low)]
+    codes, low = tiled  # [tiles, spans, 4, 64]
+    nibbles = codes[..., :32] | codes[..., 32:] << 4  # [tiles, spans, 4, 32]
+    return torch.cat([low.flatten(2), nibbles.flatten(2)], dim=2).to(torch.uint8).contiguous()
+
+
+class _Outliers(ctypes.Structure):
+    _fields_ = [("start", _P), ("at", _P), ("value", _P)]
+
+
+class _Args(ctypes.Structure):
+    """`struct coded_args` of bf16_coded.c."""
+
+    _fields_ = [("x", _P), ("T", _I64), ("K", _I64), ("w", _P), ("table", _P), ("outliers", _Outliers),
+                ("N", _I64), ("y", _P), ("f32", ctypes.c_int32), ("num_threads", ctypes.c_int32)]
+
+
+def _outliers(packed: CodedBf16) -> _Outliers:
+    return _Outliers(packed.start.data_ptr(), packed.at.data_ptr(), packed.value.data_ptr())
+
+
+class CodedBf16Matmul:
+    """The kernel, with the bf16 kernel's interface (kvgen.model.kernels.bf16.Bf16Matmul) on a
+    CodedBf16 weight."""
+
+    pack = staticmethod(pack)
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._call = library.bf16_coded_matmul_call
+        self._call.argtypes, self._call.restype = [ctypes.POINTER(_Args)], ctypes.c_int
+        self._decode_into = library.bf16_coded_decode
+        self._decode_into.argtypes = [_P, _P, _Outliers, _I64, _I64, _P, ctypes.c_int32, ctypes.c_int32]
+        self._decode_into.restype = None
+
+    def __call__(self, x: torch.Tensor, packed: CodedBf16, out_features: int,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x bf16 [T, K] contiguous -> [T, out_features] in `out_dtype` (bf16, or float32 sums)."""
+        out = torch.empty(x.shape[0], out_features, dtype=out_dtype)
+        if x.shape[0]:
+            self._call(ctypes.byref(self._args(x, packed, out)))
+        return out
+
+    def call(self, x: torch.Tensor, packed: CodedBf16, out: torch.Tensor) -> KernelCall:
+        """out [T, out_features] (bf16 or fp32, contiguous) = this kernel on x, as a KernelCall."""
+        assert x.shape[0] and out.is_contiguous() and out.shape[0] == x.shape[0]
+        return KernelCall(self._call, self._args(x, packed, out), keep=(x, packed, out))
+
+    def unpack(self, packed: CodedBf16, out_features: int, in_features: int, tiles: Bf16Tiles) -> torch.Tensor:
+        """`packed` decoded to row-major bf16 [out_features, in_features], in `tiles`' buffer (for
+        oneDNN's GEMM)."""
+        assert packed.shape == (out_features, in_features)
+        return self._decode(packed, tiles.take(packed.shape), tiles_layout=False)
+
+    def decode_tiles(self, packed: CodedBf16, tiles: Bf16Tiles) -> torch.Tensor:
+        """`packed` decoded to the bf16 kernel's tiles [ceil(N/4), K/32, 4, 32] (kernels/bf16.py), in
+        `tiles`' buffer."""
+        n, k = packed.shape
+        return self._decode(packed, tiles.take((-(-n // TILE_ROWS), k // 32, TILE_ROWS, 32)), tiles_layout=True)
+
+    def _decode(self, packed: CodedBf16, out: torch.Tensor, tiles_layout: bool) -> torch.Tensor:
+        self._decode_into(packed.tiles.data_ptr(), packed.table.data_ptr(), _outliers(packed), *packed.shape,
+                          out.data_ptr(), tiles_layout, torch.get_num_threads())
+        return out
+
+    @staticmethod
+    def packed_bytes(packed: CodedBf16) -> int:
+        return packed.nbytes
+
+    @staticmethod
+    def _args(x: torch.Tensor, packed: CodedBf16, out: torch.Tensor) -> _Args:
+        if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.dim() != 2:
+            raise ValueError(f"bf16 matmul: x must be contiguous bf16 [T, K], not {x.dtype} {list(x.shape)}")
+        if packed.shape != (out.shape[1], x.shape[1]):
+            raise ValueError(f"bf16 matmul: x [{x.shape[1]} columns] does not fit the packed weight {packed.shape}")
+        if out.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"bf16 matmul: out_dtype must be bfloat16 or float32, not {out.dtype}")
+        return _Args(x.data_ptr(), x.shape[0], x.shape[1], packed.tiles.data_ptr(), packed.table.data_ptr(),
+                     _outliers(packed), out.shape[1], out.data_ptr(), out.dtype == torch.float32,
+                     torch.get_num_threads())
+
+
+@functools.cache
+def coded_bf16_kernel() -> CodedBf16Matmul | None:
+    """The kernel, built once per machine, or None where this CPU lacks its features or it cannot be
+    built."""
+    if not cpu_has(CPU_FEATURES):
+        return None
+    try:
+        return CodedBf16Matmul(ctypes.CDLL(str(build_library(SOURCE, FLAGS))))
+    except OSError as e:
+        log.warning("coded bf16 kernel unavailable (%s); bf16 layers keep two bytes a weight", e)
+        return None
