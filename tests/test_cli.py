@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvgen.cli import main
-from kvgen.model.linear import F32Linear, make_linear
+from kvgen.model.linear import BlasLinear, CodedF32Linear, make_linear
 
 JSON_FIELDS = {"text", "token_ids", "prompt_token_ids", "finish_reason", "ttft_s", "decode_tokens_per_s",
                "speculative"}
@@ -71,11 +71,15 @@ def test_generate_json(capsys, stories_bin):
     result = gen_json(capsys, "--model", stories_bin, "--prompt", "Once upon a time", "--max-tokens", 12)
     assert set(result) == JSON_FIELDS | {"weights"}
     # stories260K: fp32, 5 layers of q/k/v 128x64, o 64x64, gate/up 344x64, down 64x172; tied 512x64 head
-    fp32_layer = type(make_linear(torch.zeros(1, 1)))  # F32Linear, or BlasLinear without AVX-512
-    gate_up_rows = 352 if fp32_layer is F32Linear else 344  # F32Linear's panels of 32 rows, zeros past 344
-    assert result["weights"] == {role: {"kernel": fp32_layer.__name__, "bytes": 4 * n} for role, n in (
-        ("qkv", 5 * 128 * 64), ("o", 5 * 64 * 64), ("gate_up", 5 * gate_up_rows * 64), ("down", 5 * 64 * 172),
-        ("lm_head", 512 * 64))}
+    fp32_layer = type(make_linear(torch.zeros(1, 1)))  # (Coded)F32Linear, or BlasLinear without AVX-512
+    gate_up_rows = 344 if fp32_layer is BlasLinear else 352  # panels of 32 rows, zeros past 344
+    assert {role: w["kernel"] for role, w in result["weights"].items()} == dict.fromkeys(
+        ("qkv", "o", "gate_up", "down", "lm_head"), fp32_layer.__name__)
+    for role, n in (("qkv", 5 * 128 * 64), ("o", 5 * 64 * 64), ("gate_up", 5 * gate_up_rows * 64),
+                    ("down", 5 * 64 * 172), ("lm_head", 512 * 64)):
+        held = result["weights"][role]["bytes"]
+        # 4 bytes a weight; coded: 28 bits, and a table and the outliers apart (a few percent at most)
+        assert held == 4 * n if fp32_layer is not CodedF32Linear else 3.5 * n < held < 3.6 * n, role
     assert result["finish_reason"] == "length" and len(result["token_ids"]) == 12
     assert result["prompt_token_ids"][0] == 1 and result["text"].startswith(", there was")
     assert result["ttft_s"] > 0 and result["decode_tokens_per_s"] > 0

@@ -7,6 +7,9 @@
                   OpenBLAS costs 1.5-2.2x, and at prefill's hundreds of rows it runs ~35% faster
                   than oneDNN's GEMM (BENCHMARKS.md). Every row goes through the same operations
                   whatever the row count, so a row's bits never depend on the rows beside it.
+    CodedF32Linear  the same, on weights stored in 28 bits each, losslessly (kernels/f32_coded.c):
+                  the low 3 bytes and a 4-bit code of the top byte, on CPUs with AVX-512 VBMI.
+                  Decode reads an eighth fewer bytes for the same fp32 values.
     BlasLinear    fp32 on other CPUs (without AVX2), through OpenBLAS (numpy, on the same memory):
                   its GEMV (one row) reads the weights near memory bandwidth, about twice as fast as
                   MKL's (torch's default) one-row path, and its GEMM handles many rows at compute
@@ -55,8 +58,8 @@ import torch.nn.functional as F
 from kvgen.model.kernels import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Matmul, Bf16Tiles, bf16_kernel
 from kvgen.model.kernels.bf16_coded import CodedBf16Matmul, coded_bf16_kernel, fits
-from kvgen.model.kernels.f32 import F32Matmul, f32_kernel, unpacked_rows
-from kvgen.model.kernels.f32 import pack as pack_f32
+from kvgen.model.kernels.f32 import F32Matmul, f32_kernel
+from kvgen.model.kernels.f32_coded import CodedF32Matmul, coded_f32_kernel
 from kvgen.threads import WORKERS_SLEEP
 
 # From this many rows of x on (prefill), a bf16 layer unpacks its weight to row-major and runs
@@ -158,9 +161,9 @@ class BlasLinear(Linear):
 
 
 class F32Linear(Linear):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: F32Matmul) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: F32Matmul | CodedF32Matmul) -> None:
         super().__init__(weight, bias)
-        self.packed = pack_f32(weight)  # [ceil(out/32), in, 32]
+        self.packed = kernel.pack(weight)
         self._matmul = kernel
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
@@ -172,12 +175,16 @@ class F32Linear(Linear):
 
     @property
     def weight_bytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size()
+        return self._matmul.packed_bytes(self.packed)
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, [T, in], from the packed copy: a tied embedding looks its
         tokens up here instead of keeping a second one."""
-        return unpacked_rows(self.packed, ids)
+        return self._matmul.rows(self.packed, ids)
+
+
+class CodedF32Linear(F32Linear):
+    """F32Linear on the coded kernel (kvgen.model.kernels.f32_coded): the same values, 28 bits each."""
 
 
 class OneDnnLinear(Linear):
@@ -250,6 +257,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, scratch:
     """The fastest kernel for the weight's device and dtype (see the module docstring); `scratch`, a
     buffer the model's layers share, lets bf16 layers take oneDNN at many rows."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        if (coded := coded_f32_kernel()) is not None:
+            return CodedF32Linear(weight, bias, coded)
         if (f32 := f32_kernel()) is not None:
             return F32Linear(weight, bias, f32)
         return BlasLinear(weight, bias)

@@ -41,7 +41,7 @@ def narrow_weight(n: int, k: int, seed: int) -> torch.Tensor:
 def test_the_layout_keeps_every_bit(shape):
     w = wide_weight(*shape, seed=shape[0])
     packed = pack(w)
-    assert packed.at.numel() > w.numel() // 10  # the wide weight really has outliers
+    assert packed.outliers.at.numel() > w.numel() // 10  # the wide weight really has outliers
     kernel = coded_bf16_kernel()
     assert torch.equal(kernel.unpack(packed, *shape, Bf16Tiles()).view(torch.int16), w.view(torch.int16))
     assert torch.equal(kernel.decode_tiles(packed, Bf16Tiles()), pack_tiles(w))
@@ -64,7 +64,7 @@ def test_matches_the_float64_matmul_within_its_rounding(shape, rows):
 def test_without_outliers_the_bits_are_the_bf16_kernels(rows, out_dtype):
     w, x = narrow_weight(103, 192, seed=rows), torch.randn(rows, 192).bfloat16()
     packed = pack(w)
-    assert packed.at.numel() == 0
+    assert packed.outliers.at.numel() == 0
     assert torch.equal(coded_bf16_kernel()(x, packed, 103, out_dtype), bf16_kernel()(x, pack_tiles(w), 103, out_dtype))
 
 

@@ -18,6 +18,7 @@
  * Built with explicit flags (AVX-512 F/BW/VL/BF16; never -march=native, never AMX).
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -70,7 +71,7 @@ static inline void fix_sums(const struct outliers *o, const uint16_t *x, int64_t
         const uint32_t bits = (uint32_t)x[(t0 + t) * K + (o->at[e] >> 2)] << 16;
         float xv;
         memcpy(&xv, &bits, sizeof xv);
-        s[o->at[e] & 3] += o->value[e] * xv;
+        s[o->at[e] & 3] = fmaf(o->value[e], xv, s[o->at[e] & 3]); /* fused in every variant alike */
     }
 }
 

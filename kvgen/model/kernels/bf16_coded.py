@@ -1,11 +1,10 @@
 """bf16 weights in 12 bits each, losslessly, and the kernel that reads them (bf16_coded.c).
 
 A decode step reads every weight once, at the memory's speed, so a bf16 model decodes no faster than
-its bytes allow. A trained matrix's bf16 high bytes (sign and 7 exponent bits) take few values: 16
-of them hold ~99.96% of SmolLM2's weights. Stored as a low byte plus a 4-bit code of the high byte
-(the rest, the outliers, listed apart), a matrix reads 25% fewer bytes and gives the same bf16
-values. The kernel's sums equal the bf16 kernel's bit for bit where a tile has no outlier, and within
-the same fp32 rounding bound where it has (an outlier's product is added after the tile's sum).
+its bytes allow. Stored as its low byte plus a 4-bit code of its high byte (kernels/coding.py), a
+bf16 matrix reads 25% fewer bytes and gives the same bf16 values. The kernel's sums equal the bf16
+kernel's bit for bit where a tile has no outlier, and within the same fp32 rounding bound where it
+has (an outlier's product is added after the tile's sum).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 
 from kvgen.model.kernels import KernelCall, build_library, cpu_has
 from kvgen.model.kernels.bf16 import CPU_FEATURES, FLAGS, Bf16Tiles
+from kvgen.model.kernels.coding import Outliers, OutliersStruct, outliers_by_group, take_outliers, top_byte_codes
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,12 @@ class CodedBf16:
 
     tiles: torch.Tensor  # uint8 [ceil(N/4), K/64, 384]
     table: torch.Tensor  # uint8 [16]: the high byte of each code
-    start: torch.Tensor  # int64 [ceil(N/4) + 1]: tile b's outliers are at[start[b]:start[b+1]]
-    at: torch.Tensor  # int32 [outliers]: column * 4 + row within the tile
-    value: torch.Tensor  # float32 [outliers]: the weight
+    outliers: Outliers  # by tile; at = column * 4 + row within the tile
     shape: tuple[int, int]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.tiles, self.table, self.start, self.at, self.value))
+        return self.tiles.numel() + self.table.numel() + self.outliers.nbytes
 
 
 def fits(weight: torch.Tensor) -> bool:
@@ -59,28 +57,19 @@ def pack(weight: torch.Tensor) -> CodedBf16:
     n, k = weight.shape
     assert k % SPAN == 0, "the coded layout takes whole spans of 64 columns"
     weight = F.pad(weight.to(torch.bfloat16), (0, 0, 0, -n % TILE_ROWS))
-    bits = weight.view(torch.int16)
-    counts = sum(torch.bincount((chunk.to(torch.int32) >> 8 & 0xFF).flatten(), minlength=256)
-                 for chunk in bits.split(_PACK_ROWS))
-    counts[0] = counts.sum() + 1  # high byte 0 is always in the table: the outliers are stored as +0
-    table = counts.topk(16).indices
-    code_of = torch.full((256,), -1, dtype=torch.int32)
-    code_of[table] = torch.arange(16, dtype=torch.int32)
-    tiles, outliers = [], []
-    for first in range(0, weight.shape[0], _PACK_ROWS):
-        chunk = bits[first : first + _PACK_ROWS].to(torch.int32) & 0xFFFF  # [rows, K]
+    chunks = [c.to(torch.int32) & 0xFFFF for c in weight.view(torch.int16).split(_PACK_ROWS)]  # [rows, K]
+    table, code_of = top_byte_codes([c >> 8 for c in chunks])
+    tiles, rows, columns = [], [], []
+    for first, chunk in zip(range(0, weight.shape[0], _PACK_ROWS), chunks):
         codes, low = code_of[chunk >> 8], chunk & 0xFF
-        rows, columns = (codes < 0).nonzero(as_tuple=True)  # row-major: by tile, as `start` wants them
-        codes[rows, columns], low[rows, columns] = int(code_of[0]), 0
-        outliers.append((rows + first, columns))
+        chunk_rows, chunk_columns = take_outliers(codes, code_of, low)
+        rows.append(chunk_rows + first)
+        columns.append(chunk_columns)
         tiles.append(_layout(codes, low))
-    rows = torch.cat([r for r, _ in outliers])
-    columns = torch.cat([c for _, c in outliers])
-    tile_count = weight.shape[0] // TILE_ROWS
-    start = F.pad(torch.bincount(rows // TILE_ROWS, minlength=tile_count).cumsum(0), (1, 0))
-    return CodedBf16(tiles=torch.cat(tiles), table=table.to(torch.uint8), start=start.to(torch.int64),
-                     at=(columns * 4 + rows % TILE_ROWS).to(torch.int32),
-                     value=weight[rows, columns].float().contiguous(), shape=(n, k))
+    rows, columns = torch.cat(rows), torch.cat(columns)
+    outliers = outliers_by_group(rows, columns * TILE_ROWS + rows % TILE_ROWS, weight[rows, columns], TILE_ROWS,
+                                 weight.shape[0] // TILE_ROWS)
+    return CodedBf16(tiles=torch.cat(tiles), table=table, outliers=outliers, shape=(n, k))
 
 
 def _layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -92,19 +81,11 @@ def _layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return torch.cat([low.flatten(2), nibbles.flatten(2)], dim=2).to(torch.uint8).contiguous()
 
 
-class _Outliers(ctypes.Structure):
-    _fields_ = [("start", _P), ("at", _P), ("value", _P)]
-
-
 class _Args(ctypes.Structure):
     """`struct coded_args` of bf16_coded.c."""
 
-    _fields_ = [("x", _P), ("T", _I64), ("K", _I64), ("w", _P), ("table", _P), ("outliers", _Outliers),
+    _fields_ = [("x", _P), ("T", _I64), ("K", _I64), ("w", _P), ("table", _P), ("outliers", OutliersStruct),
                 ("N", _I64), ("y", _P), ("f32", ctypes.c_int32), ("num_threads", ctypes.c_int32)]
-
-
-def _outliers(packed: CodedBf16) -> _Outliers:
-    return _Outliers(packed.start.data_ptr(), packed.at.data_ptr(), packed.value.data_ptr())
 
 
 class CodedBf16Matmul:
@@ -117,7 +98,7 @@ class CodedBf16Matmul:
         self._call = library.bf16_coded_matmul_call
         self._call.argtypes, self._call.restype = [ctypes.POINTER(_Args)], ctypes.c_int
         self._decode_into = library.bf16_coded_decode
-        self._decode_into.argtypes = [_P, _P, _Outliers, _I64, _I64, _P, ctypes.c_int32, ctypes.c_int32]
+        self._decode_into.argtypes = [_P, _P, OutliersStruct, _I64, _I64, _P, ctypes.c_int32, ctypes.c_int32]
         self._decode_into.restype = None
 
     def __call__(self, x: torch.Tensor, packed: CodedBf16, out_features: int,
@@ -146,7 +127,7 @@ class CodedBf16Matmul:
         return self._decode(packed, tiles.take((-(-n // TILE_ROWS), k // 32, TILE_ROWS, 32)), tiles_layout=True)
 
     def _decode(self, packed: CodedBf16, out: torch.Tensor, tiles_layout: bool) -> torch.Tensor:
-        self._decode_into(packed.tiles.data_ptr(), packed.table.data_ptr(), _outliers(packed), *packed.shape,
+        self._decode_into(packed.tiles.data_ptr(), packed.table.data_ptr(), OutliersStruct.of(packed.outliers), *packed.shape,
                           out.data_ptr(), tiles_layout, torch.get_num_threads())
         return out
 
@@ -163,7 +144,7 @@ class CodedBf16Matmul:
         if out.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"bf16 matmul: out_dtype must be bfloat16 or float32, not {out.dtype}")
         return _Args(x.data_ptr(), x.shape[0], x.shape[1], packed.tiles.data_ptr(), packed.table.data_ptr(),
-                     _outliers(packed), out.shape[1], out.data_ptr(), out.dtype == torch.float32,
+                     OutliersStruct.of(packed.outliers), out.shape[1], out.data_ptr(), out.dtype == torch.float32,
                      torch.get_num_threads())
 
 

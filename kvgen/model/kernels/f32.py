@@ -51,6 +51,9 @@ def unpacked_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 class F32Matmul:
+    pack = staticmethod(pack)
+    rows = staticmethod(unpacked_rows)
+
     def __init__(self, library: ctypes.CDLL) -> None:
         function = library.f32_matmul
         function.argtypes = [_P, _I64, _I64, _P, _I64, _P, ctypes.c_int32]
@@ -75,6 +78,10 @@ class F32Matmul:
         args = _Args(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n, out.data_ptr(),
                      torch.get_num_threads())
         return KernelCall(self._call, args, keep=(x, packed, out))
+
+    @staticmethod
+    def packed_bytes(packed: torch.Tensor) -> int:
+        return packed.numel() * packed.element_size()
 
     @staticmethod
     def _check(x: torch.Tensor, packed: torch.Tensor, n: int) -> None:

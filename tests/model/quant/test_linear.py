@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
 
-from kvgen.model.linear import F32Linear, make_linear
+from kvgen.model.kernels.f32_coded import pack as pack_coded_f32
+from kvgen.model.linear import CodedF32Linear, F32Linear, make_linear
 from kvgen.model.quant import describe, make_quantized_linear, quantize_linear
 from kvgen.model.quant import linear as quant_linear
 from kvgen.model.quant.formats import dequantize
@@ -56,8 +57,10 @@ def test_a_cpu_without_the_kernel_gets_the_dequantized_weights_in_a_float_layer(
     layer = make_quantized_linear(Q.Q5_1, raw_matrix(Q.Q5_1, 6, 64), (6, 64))
     assert isinstance(layer, FP32_LAYER)
     assert torch.equal(layer(torch.eye(64)).T, dequantize(convert(Q.Q5_1, raw_matrix(Q.Q5_1, 6, 64), (6, 64))))
-    held_rows = 32 if FP32_LAYER is F32Linear else 6  # F32Linear's panels hold 32 rows, zeros past 6
-    assert describe(layer) == (FP32_LAYER.__name__, held_rows * 64 * 4)
+    dense = dequantize(convert(Q.Q5_1, raw_matrix(Q.Q5_1, 6, 64), (6, 64)))
+    # panels hold 32 rows, zeros past 6: 4 bytes a weight, or 28 bits and a table (CodedF32Linear)
+    held = {F32Linear: 32 * 64 * 4, CodedF32Linear: pack_coded_f32(dense).nbytes}.get(FP32_LAYER, 6 * 64 * 4)
+    assert describe(layer) == (FP32_LAYER.__name__, held)
 
 
 def test_torch_twin_is_dequantize_then_f_linear():
