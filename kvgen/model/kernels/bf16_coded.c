@@ -88,7 +88,12 @@ struct coded_aux {
 #define XLOAD(m, p) ((void)(m), load_x(p))
 #define WLOAD(m, p, r) decode_span((p), (p) + 256 - 32 * (r), ((const struct coded_aux *)aux)->table)
 #define DOT(acc, x, w) dot_span((acc), (x), (w))
-#define FIX_SUMS(t, s) fix_sums(&((const struct coded_aux *)aux)->outliers, x, t0, (t), K, n0, (s))
+#define FIX_SUMS(t, s0, s1, s2, s3)                                                                       \
+    {                                                                                                     \
+        float s[4] = {s0, s1, s2, s3};                                                                    \
+        fix_sums(&((const struct coded_aux *)aux)->outliers, x, t0, (t), K, n0, s);                        \
+        s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];                                                       \
+    }
 #define ROW_STRIDE(K) 64
 #define SPAN_STEP 384
 #define BLOCK_START(b, K) ((b) * ((K) / 64) * 384)

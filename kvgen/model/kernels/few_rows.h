@@ -22,8 +22,8 @@
  * and may define (for weights stored otherwise than x, as bf16_coded.c does):
  *   XELEM, XLOAD(m, p)   x's element type and span load (default: ELEM and LOAD)
  *   WLOAD(m, p, r)       the span of weight row r (0-3) of a block at p (default: LOAD(m, p))
- *   FIX_SUMS(t, s)       a hook on the 4 fp32 sums s[] of x row t0 + t before they are stored, given
- *                        the call's `aux` pointer (default: none)
+ *   FIX_SUMS(t, s0, s1, s2, s3)  a hook on the 4 fp32 sums of x row t0 + t (variables it may
+ *                        change) before they are stored, given the call's `aux` pointer (default: none)
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -38,7 +38,7 @@
 #define WLOAD(m, p, r) LOAD(m, p)
 #endif
 #ifndef FIX_SUMS
-#define FIX_SUMS(t, s) ((void)aux)
+#define FIX_SUMS(t, s0, s1, s2, s3) ((void)aux)
 #endif
 
 #define WROWS 4 /* weight rows per block */
@@ -83,11 +83,13 @@ static inline void store(void *y, int64_t at, int f32, float sum) {
 #define STORE(t)                                                                                          \
     {                                                                                                     \
         const int64_t at = (t0 + t) * N + n0;                                                             \
-        float s[WROWS] = {_mm512_reduce_add_ps(a##t##0), _mm512_reduce_add_ps(a##t##1),                   \
-                          _mm512_reduce_add_ps(a##t##2), _mm512_reduce_add_ps(a##t##3)};                  \
-        FIX_SUMS(t, s);                                                                                   \
-        for (int r = 0; r < rows; r++)                                                                    \
-            store(y, at + r, f32, s[r]);                                                                  \
+        float s0 = _mm512_reduce_add_ps(a##t##0), s1 = _mm512_reduce_add_ps(a##t##1);                     \
+        float s2 = _mm512_reduce_add_ps(a##t##2), s3 = _mm512_reduce_add_ps(a##t##3);                     \
+        FIX_SUMS(t, s0, s1, s2, s3);                                                                      \
+        store(y, at, f32, s0);                                                                            \
+        if (rows > 1) store(y, at + 1, f32, s1);                                                          \
+        if (rows > 2) store(y, at + 2, f32, s2);                                                          \
+        if (rows > 3) store(y, at + 3, f32, s3);                                                          \
     }
 #define BLOCK(XR, ACCS, DOTS, STORES)                                                                     \
     static void block_x##XR(const XELEM *x, int64_t t0, int64_t K, const ELEM *w0, int64_t n0, int rows, \
@@ -95,12 +97,13 @@ static inline void store(void *y, int64_t at, int f32, float sum) {
         ACCS                                                                                              \
         const int64_t stride = ROW_STRIDE(K), full = K / SPAN * SPAN, end = K % SPAN ? full + SPAN : full; \
         const MASK tail = (MASK)((1ull << (K % SPAN)) - 1u);                                              \
+        const int lines = t0 == 0 ? LINES_PER_STEP : 0; /* later passes read the block from cache */       \
         const ELEM *w1 = w0 + (rows > 1) * stride, *w2 = w0 + (rows > 2) * 2 * stride;                    \
         const ELEM *w3 = w0 + (rows > 3) * 3 * stride;                                                    \
         for (int64_t k = 0; k < end; k += SPAN, w0 += SPAN_STEP, w1 += SPAN_STEP, w2 += SPAN_STEP,       \
                      w3 += SPAN_STEP) {                                                                   \
             const MASK m = k < full ? (MASK)~(MASK)0 : tail;                                              \
-            for (int line = 0; line < LINES_PER_STEP; line++)                                             \
+            for (int line = 0; line < lines; line++)                                                      \
                 _mm_prefetch((const char *)w0 + PREFETCH_L2 + 64 * line, _MM_HINT_T1);                    \
             const VEC v0 = WLOAD(m, w0, 0), v1 = WLOAD(m, w1, 1), v2 = WLOAD(m, w2, 2);                    \
             const VEC v3 = WLOAD(m, w3, 3);                                                               \
