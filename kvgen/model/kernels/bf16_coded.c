@@ -1,10 +1,10 @@
 /* y = x @ W^T on bf16 weights stored in 12 bits each, losslessly: the bf16 kernel's loop (few_rows.h)
  * on a quarter fewer bytes, for decode, which reads every weight once a token at memory speed.
  *
- * A bf16's high byte (sign and 7 of the 8 exponent bits) takes few values in a trained matrix: 16
- * of them hold ~99.96% of SmolLM2's weights. So each weight keeps its low byte (the last exponent
- * bit and the mantissa) and a 4-bit code for its high byte, looked up in the matrix's 16-entry
- * table; a weight whose high byte is not in the table (an outlier: ~0.04-0.3%) is stored as +0
+ * A bf16's high byte (sign and 7 of the 8 exponent bits) takes few values in a trained matrix
+ * (kernels/coding.py). So each weight keeps its low byte (the last exponent bit and the mantissa)
+ * and a 4-bit code for its high byte, looked up in the matrix's 16-entry table; a weight whose
+ * high byte is not in the table (an outlier: 0.018% of the SmolLM2 file's) is stored as +0
  * (code `zero`, low byte 0) and its product added to the fp32 sum of its row before the sum is
  * stored (FIX_SUMS). Without outliers a row's sums are bit for bit the bf16 kernel's: the same
  * weights meet the same x in the same order of vdpbf16ps.
