@@ -30,10 +30,6 @@ Weight = torch.Tensor | GGUFWeight
 # How the packed kernels quantize activations: two int8 parts per 32 (~15 bits), which keeps top-1
 # agreement with the fp32 model at 100% on the real Q4_1 file where one part gives 97.8-98.2% (BENCHMARKS.md).
 ACTIVATIONS = "int8x2"
-# From this many rows of x on (prefill chunks, large decode batches) a packed layer dequantizes its
-# weight to bf16 per call and runs x in bf16 where the CPU can (kvgen.model.quant.linear): 1.3-1.9x
-# faster than the integer kernel at 16 rows, 2.5-3.4x at 64-512, and slower below ~8 (BENCHMARKS.md).
-BF16_FROM_ROWS = 16
 
 
 class LayerBuilder:
@@ -45,7 +41,7 @@ class LayerBuilder:
                  activations: str = ACTIVATIONS) -> None:
         self.device, self.dtype, self.quantization, self.activations = device, dtype, quantization, activations
         self._conversions: dict[str, PackedWeight | None] = {}
-        self._many_rows = ManyRows(BF16_FROM_ROWS, Bf16Tiles())  # one buffer for every layer's tiles
+        self._many_rows = ManyRows(Bf16Tiles())  # one buffer for every layer's dequantized weights
         self._floats: dict[int, tuple[Weight, torch.Tensor]] = {}
 
     def packed(self, weight: GGUFWeight) -> PackedWeight | None:

@@ -37,20 +37,20 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class Bf16Tiles:
-    """One growable buffer of bf16 weights, which a model's layers share for their weights laid out
-    anew at many rows: dequantized into this kernel's tiles (kvgen.model.quant.linear), or unpacked to
-    row-major for oneDNN (kvgen.model.linear.Bf16Linear). Each layer's copy lives only during its own
-    call, and a fresh multi-MB tensor per call is page-faulted in every time."""
+    """One growable buffer, which a model's layers share for their weights laid out anew at many rows:
+    dequantized into this kernel's tiles or the fp32 kernel's panels (kvgen.model.quant.linear),
+    decoded or unpacked to row-major for oneDNN (kvgen.model.linear). Each layer's copy lives only
+    during its own call, and a fresh multi-MB tensor per call is page-faulted in every time."""
 
     def __init__(self) -> None:
-        self._buffer = torch.empty(0, dtype=torch.bfloat16)
+        self._buffer = torch.empty(0, dtype=torch.uint8)
 
-    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A tensor of `shape` over the buffer (valid until the next take)."""
-        size = math.prod(shape)
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """A tensor of `shape` and `dtype` over the buffer (valid until the next take)."""
+        size = math.prod(shape) * dtype.itemsize
         if self._buffer.numel() < size:
-            self._buffer = torch.empty(size, dtype=torch.bfloat16)
-        return self._buffer[:size].view(shape)
+            self._buffer = torch.empty(size, dtype=torch.uint8)
+        return self._buffer[:size].view(dtype).view(shape)
 
 
 class _Args(ctypes.Structure):

@@ -68,8 +68,10 @@ class QMatmulKernel:
         says (a key of ACTIVATION_PARTS); AttributeError if qmatmul.c has no such variant."""
         function = getattr(self._library, kernel_name(w))
         function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
-        dequantize = getattr(self._library, kernel_name(w) + "_bf16")
-        dequantize.argtypes, dequantize.restype = _DEQUANTIZE_ARGTYPES, None
+        dequantize = {}
+        for dtype, suffix in ((torch.bfloat16, "_bf16"), (torch.float32, "_f32")):
+            dequantize[dtype] = getattr(self._library, kernel_name(w) + suffix)
+            dequantize[dtype].argtypes, dequantize[dtype].restype = _DEQUANTIZE_ARGTYPES, None
         call = getattr(self._library, kernel_name(w) + "_call")
         return BoundKernel(function, dequantize, call, w, ACTIVATION_PARTS[activations])
 
@@ -88,8 +90,8 @@ class QMatmulKernel:
 class BoundKernel:
     """One packed weight's kernel call: only x, its row count and the output change per call."""
 
-    def __init__(self, function: ctypes._CFuncPtr, dequantize: ctypes._CFuncPtr, call: ctypes._CFuncPtr,
-                 w: PackedWeight, parts: int) -> None:
+    def __init__(self, function: ctypes._CFuncPtr, dequantize: dict[torch.dtype, ctypes._CFuncPtr],
+                 call: ctypes._CFuncPtr, w: PackedWeight, parts: int) -> None:
         self._function, self._dequantize, self._call = function, dequantize, call
         self._weight, self._parts = w, parts  # w's tensors stay alive while bound
         self._out_features, self._in_features = w.shape
@@ -99,10 +101,17 @@ class BoundKernel:
     def dequantize_bf16(self, tiles: Bf16Tiles | None = None) -> torch.Tensor:
         """W^ rounded to bf16 in kvgen.model.kernels.bf16's layout [ceil(out/4), in/32, 4, 32] (for
         the bf16 kernel at many rows), in `tiles`' buffer if given."""
-        shape = (-(-self._out_features // 4), self._in_features // 32, 4, 32)
-        out = tiles.take(shape) if tiles is not None else torch.empty(shape, dtype=torch.bfloat16)
-        self._dequantize(*self._weight_args[:3], self._weight.offset, self._out_features, self._in_features,
-                         out.data_ptr(), torch.get_num_threads())
+        return self._dequantized((-(-self._out_features // 4), self._in_features // 32, 4, 32), torch.bfloat16, tiles)
+
+    def dequantize_f32(self, tiles: Bf16Tiles | None = None) -> torch.Tensor:
+        """W^ in fp32 in kvgen.model.kernels.f32's panels [ceil(out/32), in, 32] (for the fp32 kernel
+        at many rows), in `tiles`' buffer if given."""
+        return self._dequantized((-(-self._out_features // 32), self._in_features, 32), torch.float32, tiles)
+
+    def _dequantized(self, shape: tuple[int, ...], dtype: torch.dtype, tiles: Bf16Tiles | None) -> torch.Tensor:
+        out = tiles.take(shape, dtype) if tiles is not None else torch.empty(shape, dtype=dtype)
+        self._dequantize[dtype](*self._weight_args[:3], self._weight.offset, self._out_features, self._in_features,
+                                out.data_ptr(), torch.get_num_threads())
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,16 +6,14 @@
                       the first's rounding error (`"int8x2"`, ~15 bits; on the real Q4_1 file top-1
                       agreement with the fp32 model is 97.8-98.2% with int8 and 100% with int8x2, see
                       BENCHMARKS.md). Against fp32 BLAS on the dequantized weights it is faster at
-                      1, 16 and 64 rows and no slower at 512. From `many_rows.from_rows` rows on
-                      (prefill), where the CPU has AVX-512 BF16, the weight is instead dequantized
-                      per call to bf16 (qmatmul.c, in C) and x runs in bf16 through
-                      kvgen.model.kernels.bf16: there the integer kernel is compute-bound and its
-                      two parts of x cost it twice the work, while bf16 dot products do 32
-                      multiply-adds an instruction (top-1 agreement with the fp32 model on the real
-                      Q4_1 file: 99.2%; BENCHMARKS.md). Where the CPU has no AVX-512 BF16 but the
-                      fp32 kernel runs (AVX2), from FP32_FROM_ROWS rows on the weight is dequantized
-                      to fp32 per call and x runs through kvgen.model.kernels.f32 instead: exact
-                      weights, fp32 sums.
+                      1, 16 and 64 rows and no slower at 512. At many rows (prefill) the integer
+                      kernel is compute-bound and its two parts of x cost it twice the work, so from
+                      BF16_FROM_ROWS / FP32_FROM_ROWS rows on the weight is instead dequantized per
+                      call (in C, qmatmul.c) and x runs through a float kernel: in bf16
+                      (kvgen.model.kernels.bf16: 32 multiply-adds an instruction; top-1 agreement
+                      with the fp32 model on the real Q4_1 file: 99.2%, BENCHMARKS.md) or in fp32
+                      (kvgen.model.kernels.f32: exact weights, fp32 sums), whichever many_rows_dtype
+                      finds faster on this CPU; only the fp32 one on CPUs without AVX-512 BF16.
     TorchQuantLinear  CUDA and other devices: dequantizes on each call and runs F.linear, so the
                       weights stay packed in memory; also the kernel's CPU twin in the tests.
 
@@ -27,6 +25,10 @@ values, fp32 bytes): dequantizing every matrix on every call would cost more tha
 
 from __future__ import annotations
 
+import functools
+import logging
+import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +39,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from kvgen.model.kernels import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
+from kvgen.model.kernels.bf16 import pack as pack_bf16
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.f32 import pack as pack_f32
 from kvgen.model.linear import Linear, RowKernels, make_linear
@@ -45,13 +48,22 @@ from kvgen.model.quant.formats import PackedWeight, dequantize
 from kvgen.model.quant.gguf_blocks import convert
 from kvgen.model.quant.kernel import ACTIVATION_PARTS, kernel_name, qmatmul_kernel
 
+log = logging.getLogger(__name__)
+
 CPU = torch.device("cpu")
 FLOAT_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
-# Without the bf16 kernel, from this many rows of x on a packed layer dequantizes its weight to fp32
-# per call and runs the fp32 kernel on it. A 3,072 x 576 int4 matrix at 64 / 128 / 512 rows took
-# 9.8 / 20.5 / 81.9 ms on the integer kernel (x int8x2) and 10.1 / 11.4 / 16.1 ms dequantized,
-# packed and multiplied (AVX2 build, 2 threads, Zen 3; BENCHMARKS.md).
-FP32_FROM_ROWS = 128
+# From this many rows of x on (prefill chunks, large decode batches) a packed layer runs on its
+# weight dequantized per call, in bf16 or fp32 (see KernelQuantLinear). bf16: 1.3-1.9x faster than
+# the integer kernel at 16 rows, 2.5-3.4x at 64-512, and slower below ~8 (BENCHMARKS.md).
+BF16_FROM_ROWS = 16
+# fp32, by the integer kernel's build: a 3,072 x 576 int4 matrix at 64 / 128 / 512 rows took 9.8 /
+# 20.5 / 81.9 ms on the AVX2 integer kernel (x int8x2) and 10.1 / 11.4 / 16.1 ms dequantized, packed
+# and multiplied (2 threads, Zen 3); on AVX-512 (2026-12-02 afternoon VM) 0.51 / 0.91 / 1.92 ms at 16
+# / 32 / 64 rows against 0.88 / 0.93 / 1.35 (BENCHMARKS.md).
+FP32_FROM_ROWS = {"avx512-vnni": 32, "avx2": 128}
+# The fp32 path must beat the bf16 one by this much in many_rows_dtype's measurement to be taken:
+# its dequantized panels are twice the bytes of bf16 tiles and cost ~10% of the matmul more to write.
+FP32_MARGIN = 1.15
 
 
 class QuantLinear(Linear):
@@ -72,11 +84,43 @@ class QuantLinear(Linear):
 
 @dataclass(frozen=True)
 class ManyRows:
-    """From `from_rows` rows of x on, a packed layer runs in bf16 (see KernelQuantLinear), dequantizing
-    its weight into `tiles`; where the CPU has no bf16 kernel, from FP32_FROM_ROWS in fp32."""
+    """How a packed layer runs many rows of x (see KernelQuantLinear): on its weight dequantized per
+    call into `tiles` (a buffer the model's layers share), in `dtype` (bf16 or fp32; None: this CPU's
+    faster, many_rows_dtype)."""
 
-    from_rows: int
     tiles: Bf16Tiles
+    dtype: torch.dtype | None = None
+
+
+def many_rows_dtype(requested: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype packed layers run many rows in: `requested` where its kernel runs here; else, where
+    both the bf16 and the fp32 kernel run, the faster as measured once per process (a CPU's bf16 dot
+    products may issue at a quarter of its fp32 multiply-adds' rate, or at twice their work: both
+    were seen on this project's VMs); else the one that runs; None where neither does."""
+    available = [dtype for dtype, kernel in ((torch.bfloat16, bf16_kernel()), (torch.float32, f32_kernel()))
+                 if kernel is not None]
+    if requested in available or len(available) < 2:
+        return requested if requested in available else next(iter(available), None)
+    return _faster_many_rows_dtype()
+
+
+@functools.cache
+def _faster_many_rows_dtype() -> torch.dtype:
+    """bf16 unless the fp32 kernel runs a prefill-sized matmul (256 x 576 by 1,152 x 576) FP32_MARGIN
+    times faster than the bf16 kernel here, best of 5 alternated runs each."""
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(256, 576, generator=generator), torch.randn(1152, 576, generator=generator)
+    runs = {torch.bfloat16: (bf16_kernel(), x.bfloat16(), pack_bf16(w)), torch.float32: (f32_kernel(), x, pack_f32(w))}
+    best = dict.fromkeys(runs, math.inf)
+    for _ in range(5):
+        for dtype, (kernel, xs, packed) in runs.items():
+            start = time.perf_counter()
+            kernel(xs, packed, w.shape[0])
+            best[dtype] = min(best[dtype], time.perf_counter() - start)
+    faster = torch.float32 if best[torch.float32] * FP32_MARGIN < best[torch.bfloat16] else torch.bfloat16
+    log.info("packed layers run many rows in %s (a prefill-sized matmul: bf16 %.2f ms, fp32 %.2f ms)",
+             faster, best[torch.bfloat16] * 1e3, best[torch.float32] * 1e3)
+    return faster
 
 
 class KernelQuantLinear(QuantLinear):
@@ -86,11 +130,12 @@ class KernelQuantLinear(QuantLinear):
         kernel = qmatmul_kernel()
         assert kernel is not None, "KernelQuantLinear needs the compiled kernel (see qmatmul_kernel())"
         self._matmul = kernel.bind(weight, activations)
-        self._bf16 = bf16_kernel() if many_rows is not None else None
-        self._f32 = f32_kernel() if many_rows is not None and self._bf16 is None else None
-        self._tiles = many_rows.tiles if self._bf16 is not None else None
-        self._from_rows = (many_rows.from_rows if self._bf16 is not None
-                           else FP32_FROM_ROWS if self._f32 is not None else None)
+        dtype = many_rows_dtype(many_rows.dtype) if many_rows is not None else None
+        self._bf16 = bf16_kernel() if dtype == torch.bfloat16 else None
+        self._f32 = f32_kernel() if dtype == torch.float32 else None
+        self._tiles = many_rows.tiles if dtype is not None else None
+        self._from_rows = (None if dtype is None else BF16_FROM_ROWS if dtype == torch.bfloat16
+                           else FP32_FROM_ROWS[kernel.isa])
         path = "bf16_matmul" if self._bf16 is not None else "f32_matmul"
         many = f"; from {self._from_rows} rows {path}" if self._from_rows is not None else ""
         self.kernel = f"{kernel_name(weight)} [{kernel.isa}] (x {activations}{many})"
@@ -124,7 +169,7 @@ class KernelQuantLinear(QuantLinear):
         if self._bf16 is not None:
             tiles = self._matmul.dequantize_bf16(self._tiles)
             return self._bf16(x.to(torch.bfloat16).contiguous(), tiles, self.out_features, torch.float32)
-        return self._f32(x.float().contiguous(), pack_f32(dequantize(self.packed)), self.out_features)
+        return self._f32(x.float().contiguous(), self._matmul.dequantize_f32(self._tiles), self.out_features)
 
 
 class TorchQuantLinear(QuantLinear):
@@ -140,9 +185,7 @@ def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None, device
                   many_rows: ManyRows | None = None) -> Linear:
     """The layer for a packed weight on `device` (see the module docstring). `dtype` is the float
     layer's where a CPU lacks the kernel's features; `activations` how the kernel quantizes x;
-    `many_rows` (None: never) from how many rows of x on, where the CPU has AVX-512 BF16, the weight
-    is dequantized to bf16 per call and x runs in bf16; without it, from FP32_FROM_ROWS in fp32 (see
-    KernelQuantLinear)."""
+    `many_rows` (None: never) how many rows of x run on the weight dequantized per call (ManyRows)."""
     if activations not in ACTIVATION_PARTS:
         raise ValueError(f"activations {activations!r}: expected one of {', '.join(ACTIVATION_PARTS)}")
     if device.type != "cpu":

@@ -26,6 +26,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "qvec.h"
 
@@ -348,6 +349,62 @@ DEQUANTIZE(qmatmul_u4_g32_f32_bf16, 4, 32, 0)
 DEQUANTIZE(qmatmul_u8_g32_f16_bf16, 8, 32, 1)
 DEQUANTIZE(qmatmul_u8_g32_f32_bf16, 8, 32, 0)
 DEQUANTIZE(qmatmul_u8_g16_f32_bf16, 8, 16, 0)
+
+/* -- dequantizing to fp32 panels, for many rows of x on CPUs whose fp32 multiply-adds outrun their
+ * bf16 dot products (kvgen/model/quant/linear.py) -------------------------------------------------
+ * W^ in f32_matmul.c's panels [ceil(N / 32), K, 32], zeros past N: panel p holds rows 32p .. 32p + 31
+ * (8 tiles of codes) as columns. w = s * (u - o) + m, one fused multiply-add. */
+
+#define PANEL_ROWS 32
+
+/* Span j (32 columns) of panel p: its 8 tiles dequantized row by row, then written column by column. */
+static inline __attribute__((always_inline)) void dequantize_panel_span(const uint8_t *codes, const void *scale,
+                                                                        const void *min, int32_t offset, int64_t p,
+                                                                        int64_t j, int64_t N, int64_t K, float *out,
+                                                                        const int bits, const int group,
+                                                                        const int f16) {
+    float rows[PANEL_ROWS][32];
+    const int64_t spans = K / 32, groups = K / group, span_bytes = 16 * bits;
+    for (int t = 0; t < PANEL_ROWS / TILE; t++) {
+        const int64_t w = p * (PANEL_ROWS / TILE) + t;
+        if (w * TILE >= N) { /* past the last tile: zeros */
+            memset(rows[TILE * t], 0, sizeof(float) * 32 * TILE);
+            continue;
+        }
+        vi a, b;
+        load_codes(codes + (w * spans + j) * span_bytes, bits, &a, &b);
+        const int64_t first_group = w * groups + j * (32 / group);
+        for (int i = 0; i < TILE; i++) {
+            const int64_t ga = first_group * TILE + i, gb = (first_group + (group == 32 ? 0 : 1)) * TILE + i;
+            const float sa = value_at(scale, ga, f16), sb = value_at(scale, gb, f16);
+            const float ma = min ? value_at(min, ga, f16) : 0.0f, mb = min ? value_at(min, gb, f16) : 0.0f;
+            vf_storeu(rows[TILE * t + i], vf_fmadd(vf_set1(sa), u8x16_minus_to_vf(row_codes(a, i), offset), vf_set1(ma)));
+            vf_storeu(rows[TILE * t + i] + 16,
+                      vf_fmadd(vf_set1(sb), u8x16_minus_to_vf(row_codes(b, i), offset), vf_set1(mb)));
+        }
+    }
+    float *panel = out + (p * K + 32 * j) * PANEL_ROWS;
+    for (int c = 0; c < 32; c++)
+        for (int r = 0; r < PANEL_ROWS; r++)
+            panel[c * PANEL_ROWS + r] = PANEL_ROWS * p + r < N ? rows[r][c] : 0.0f;
+}
+
+#define DEQUANTIZE_F32(name, bits, group, f16)                                                                \
+    void name(const uint8_t *codes, const void *scale, const void *min, int32_t offset, int64_t N, int64_t K,  \
+              float *out, int32_t num_threads) {                                                              \
+        const int64_t panels = (N + PANEL_ROWS - 1) / PANEL_ROWS;                                             \
+        const int threads = num_threads > 1 && N * K * bits / 8 >= PARALLEL_BYTES ? num_threads : 1;          \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")                    \
+        for (int64_t p = 0; p < panels; p++)                                                                  \
+            for (int64_t j = 0; j < K / 32; j++)                                                              \
+                dequantize_panel_span(codes, scale, min, offset, p, j, N, K, out, bits, group, f16);          \
+    }
+
+DEQUANTIZE_F32(qmatmul_u4_g32_f16_f32, 4, 32, 1)
+DEQUANTIZE_F32(qmatmul_u4_g32_f32_f32, 4, 32, 0)
+DEQUANTIZE_F32(qmatmul_u8_g32_f16_f32, 8, 32, 1)
+DEQUANTIZE_F32(qmatmul_u8_g32_f32_f32, 8, 32, 0)
+DEQUANTIZE_F32(qmatmul_u8_g16_f32_f32, 8, 16, 0)
 
 /* x as the kernels quantize it, `parts` rows per row of x: x^ = sum over parts of scale * q (tests). */
 int quantize_activations(const float *x, int64_t T, int64_t K, int32_t parts, int8_t *q, float *scale) {

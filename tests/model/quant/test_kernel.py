@@ -11,7 +11,8 @@ from kvgen.model.quant.formats import PackedWeight, dequantize
 from kvgen.model.quant.gguf_blocks import convert
 from kvgen.model.quant.kernel import qmatmul_kernel
 from kvgen.model.kernels.f32 import f32_kernel
-from kvgen.model.quant.linear import FP32_FROM_ROWS, ManyRows, KernelQuantLinear
+from kvgen.model.kernels.f32 import pack as pack_f32
+from kvgen.model.quant.linear import FP32_FROM_ROWS, KernelQuantLinear, ManyRows, many_rows_dtype
 from tests.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix
@@ -134,7 +135,7 @@ def test_many_rows_run_in_bf16_within_its_rounding(ggml_type, rows):
         pytest.skip("this CPU has no AVX-512 BF16")
     w = gguf_weight(ggml_type, out=13)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-    layer = KernelQuantLinear(w, None, "int8x2", ManyRows(16, Bf16Tiles()))
+    layer = KernelQuantLinear(w, None, "int8x2", ManyRows(Bf16Tiles(), torch.bfloat16))
     dense = dequantize(w).double()
     u = BF16_UNIT_ROUNDOFF
     bound = ((1 + u) ** 2 - 1 + gamma(512) * (1 + u) ** 2) * (x.double().abs() @ dense.abs().T)
@@ -145,19 +146,30 @@ def test_many_rows_run_in_bf16_within_its_rounding(ggml_type, rows):
 
 
 @pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
-def test_many_rows_run_in_fp32_where_there_is_no_bf16_kernel(ggml_type):
+def test_many_rows_run_in_fp32_within_its_rounding(ggml_type):
     """W^ exact in fp32, x in fp32, one fp32 chain of multiply-adds per output:
     |y - x W^T| <= gamma(K) sum |x| |W^|; below FP32_FROM_ROWS, the integer kernel as before."""
-    if bf16_kernel() is not None or f32_kernel() is None:
-        pytest.skip("the fp32 path runs only where the fp32 kernel does and the bf16 one does not")
+    if f32_kernel() is None:
+        pytest.skip("this CPU has no fp32 kernel (neither AVX-512 nor AVX2)")
     w = gguf_weight(ggml_type, out=13)
-    x = torch.randn(FP32_FROM_ROWS + 5, 512, generator=torch.Generator().manual_seed(3))
-    layer = KernelQuantLinear(w, None, "int8x2", ManyRows(16, Bf16Tiles()))
+    from_rows = FP32_FROM_ROWS[qmatmul_kernel().isa]
+    x = torch.randn(from_rows + 5, 512, generator=torch.Generator().manual_seed(3))
+    layer = KernelQuantLinear(w, None, "int8x2", ManyRows(Bf16Tiles(), torch.float32))
+    assert torch.equal(qmatmul_kernel().bind(w).dequantize_f32(), pack_f32(dequantize(w)))  # exact panels
     dense = dequantize(w).double()
     bound = gamma(512) * (x.double().abs() @ dense.abs().T)
     got = layer(x)
     assert ((got.double() - x.double() @ dense.T).abs() <= bound).all()
-    assert torch.equal(got[:FP32_FROM_ROWS], layer(x[:FP32_FROM_ROWS]))  # a row's bits, whatever beside it
-    assert f"from {FP32_FROM_ROWS} rows f32_matmul" in layer.kernel
-    below = layer(x[:FP32_FROM_ROWS - 1])
-    assert torch.equal(below, qmatmul_kernel().bind(w, "int8x2")(x[:FP32_FROM_ROWS - 1]))
+    assert torch.equal(got[:from_rows], layer(x[:from_rows]))  # a row's bits, whatever beside it
+    assert f"from {from_rows} rows f32_matmul" in layer.kernel
+    below = layer(x[:from_rows - 1])
+    assert torch.equal(below, qmatmul_kernel().bind(w, "int8x2")(x[:from_rows - 1]))
+
+
+def test_many_rows_take_the_float_kernel_this_cpu_runs_faster():
+    """Where both float kernels run, the choice is measured (and the same for every layer)."""
+    chosen = many_rows_dtype()
+    assert chosen in (None, torch.bfloat16, torch.float32)
+    if chosen is not None:
+        layer = KernelQuantLinear(gguf_weight(MAPPED[0], out=13), None, "int8x2", ManyRows(Bf16Tiles()))
+        assert ("bf16_matmul" if chosen == torch.bfloat16 else "f32_matmul") in layer.kernel
