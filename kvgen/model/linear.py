@@ -60,6 +60,7 @@ from kvgen.model.kernels.bf16 import Bf16Matmul, Bf16Tiles, bf16_kernel
 from kvgen.model.kernels.bf16_coded import CodedBf16Matmul, coded_bf16_kernel, fits
 from kvgen.model.kernels.f32 import F32Matmul, f32_kernel
 from kvgen.model.kernels.f32_coded import CodedF32Matmul, coded_f32_kernel
+from kvgen.model.kernels.faster import fp32_beats
 from kvgen.threads import WORKERS_SLEEP
 
 # From this many rows of x on (prefill), a bf16 layer unpacks its weight to row-major and runs
@@ -228,20 +229,36 @@ class Bf16Linear(Linear):
 
 class CodedBf16Linear(Bf16Linear):
     """Bf16Linear on the coded kernel (kvgen.model.kernels.bf16_coded): the same values, 12 bits each.
-    Given the shared `scratch`, calls of DECODED_FROM_ROWS rows or more decode the weight into it,
-    to the bf16 kernel's tiles (oneDNN's row-major from ONEDNN_FROM_ROWS), instead of decoding each
-    span again for every 4 rows of x."""
+    Given the shared `scratch`, calls of DECODED_FROM_ROWS rows or more decode the weight into it
+    instead of decoding each span again for every 4 rows of x: to the bf16 kernel's tiles (oneDNN's
+    row-major from ONEDNN_FROM_ROWS), or to the fp32 kernel's panels where that measures faster
+    (kvgen.model.kernels.faster; the sums are then rounded to bf16 as the bf16 paths round theirs)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: CodedBf16Matmul,
                  tiles_kernel: Bf16Matmul, scratch: Bf16Tiles | None = None) -> None:
         super().__init__(weight, bias, kernel, scratch)
-        self._tiles, self._tiles_kernel = scratch, tiles_kernel
+        self._tiles, self._tiles_kernel, self._f32 = scratch, tiles_kernel, f32_kernel()
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
-        if self._tiles is None or not DECODED_FROM_ROWS <= x.shape[0] < ONEDNN_FROM_ROWS:
+        path = self.path(x.shape[0])
+        if path in ("coded", "onednn"):
             return super().__call__(x, rows)
-        out = self._tiles_kernel(x.contiguous(), self._matmul.decode_tiles(self.packed, self._tiles), self.out_features)
+        if path == "fp32":
+            panels = self._matmul.decode_f32_panels(self.packed, self._tiles)
+            out = self._f32(x.float().contiguous(), panels, self.out_features).to(x.dtype)
+        else:
+            out = self._tiles_kernel(x.contiguous(), self._matmul.decode_tiles(self.packed, self._tiles),
+                                     self.out_features)
         return out if self.bias is None else out.add_(self.bias)
+
+    def path(self, rows: int) -> str:
+        """How `rows` rows of x run: "coded", "tiles", "onednn" or "fp32" (see the class docstring)."""
+        if self._tiles is None or rows < DECODED_FROM_ROWS:
+            return "coded"
+        onednn = self._scratch is not None and rows >= ONEDNN_FROM_ROWS
+        if self._f32 is not None and fp32_beats("onednn" if onednn else "bf16 kernel"):
+            return "fp32"
+        return "onednn" if onednn else "tiles"
 
 
 class TorchLinear(Linear):

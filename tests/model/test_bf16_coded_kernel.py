@@ -14,6 +14,8 @@ import torch
 from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
 from kvgen.model.kernels.bf16 import pack as pack_tiles
 from kvgen.model.kernels.bf16_coded import coded_bf16_kernel, pack
+from kvgen.model import linear
+from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.linear import DECODED_FROM_ROWS, ONEDNN_FROM_ROWS, Bf16Linear, CodedBf16Linear, make_linear
 from tests.model.test_bf16_kernel import reference_and_bound
 
@@ -86,14 +88,30 @@ def test_bf16_layers_whose_rows_are_whole_spans_take_the_coded_kernel():
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 here")
 @pytest.mark.parametrize("rows", [DECODED_FROM_ROWS - 1, DECODED_FROM_ROWS, ONEDNN_FROM_ROWS + 3])
-def test_a_coded_layer_gives_the_bf16_layers_bits_at_any_row_count(rows):
+def test_a_coded_layer_gives_the_bf16_layers_bits_on_its_bf16_paths(rows, monkeypatch):
     """Below DECODED_FROM_ROWS the coded kernel (the bf16 kernel's bits: no outlier here); from there
     the bf16 kernel on decoded tiles, from ONEDNN_FROM_ROWS oneDNN on the decoded row-major weight."""
+    monkeypatch.setattr(linear, "fp32_beats", lambda rival: False)
     w, b = narrow_weight(101, 128, seed=5), torch.randn(101).bfloat16()
     coded, plain = make_linear(w, b, Bf16Tiles()), Bf16Linear(w, b, bf16_kernel(), Bf16Tiles())
     assert isinstance(coded, CodedBf16Linear)
+    assert coded.path(rows) == ("coded" if rows < DECODED_FROM_ROWS else "tiles" if rows < ONEDNN_FROM_ROWS else "onednn")
     x = torch.randn(rows, 128).bfloat16()
     assert torch.equal(coded(x), plain(x))
+
+
+@pytest.mark.skipif(f32_kernel() is None, reason="no fp32 kernel here")
+@pytest.mark.parametrize("rows", [DECODED_FROM_ROWS, ONEDNN_FROM_ROWS + 3])
+def test_where_fp32_is_faster_many_rows_run_on_decoded_fp32_panels(rows, monkeypatch):
+    """Products of bf16 values are exact in fp32 and summed in one fp32 chain, then rounded to bf16
+    once: the bf16 kernel's bound (outliers included)."""
+    monkeypatch.setattr(linear, "fp32_beats", lambda rival: True)
+    w = wide_weight(37, 64, seed=9)
+    layer = make_linear(w, None, Bf16Tiles())
+    assert layer.path(rows) == "fp32"
+    x = torch.randn(rows, 64).bfloat16()
+    exact, bound = reference_and_bound(x, w)
+    assert ((layer(x).double() - exact).abs() <= bound).all()
 
 
 def test_outliers_survive_every_path_of_a_layer():

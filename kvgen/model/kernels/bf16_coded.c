@@ -141,3 +141,44 @@ void bf16_coded_decode(const uint8_t *w, const uint8_t *table, struct outliers o
         }
     }
 }
+
+/* The packed weight decoded to fp32 in f32_matmul.c's panels [ceil(N / 32), K, 32] (zeros past N),
+ * outliers included: for many rows of x on CPUs whose fp32 multiply-adds outrun their bf16 dot
+ * products (kvgen/model/kernels/faster.py). */
+void bf16_coded_decode_f32(const uint8_t *w, const uint8_t *table, struct outliers outliers, int64_t N, int64_t K,
+                           float *out, int32_t num_threads) {
+    const __m512i lut = table_of(table);
+    const int64_t spans = K / 64, tiles = (N + 3) / 4, panels = (N + 31) / 32;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        float *panel = out + p * K * 32;
+        for (int64_t s = 0; s < spans; s++) {
+            float rows[32][64]; /* the panel's 32 rows over this span, then written column by column */
+            for (int at = 0; at < 32; at++) {
+                const int64_t b = p * 8 + at / 4;
+                const int r = at % 4;
+                if (b >= tiles || b * 4 + r >= N) {
+                    memset(rows[at], 0, sizeof rows[at]);
+                    continue;
+                }
+                const uint8_t *q = w + (b * spans + s) * 384 + 64 * r;
+                const span64 v = decode_span(q, q + 256 - 32 * r, lut);
+                for (int h = 0; h < 4; h++) { /* 16 words at a time, widened: a bf16 is an fp32's high half */
+                    const __m512i words = (__m512i)(h < 2 ? v.lo : v.hi);
+                    const __m256i half = h % 2 ? _mm512_extracti64x4_epi64(words, 1) : _mm512_castsi512_si256(words);
+                    _mm512_storeu_ps(rows[at] + 16 * h,
+                                     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+                }
+            }
+            const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                    _mm512_set1_epi32(64)); /* 16 rows of one column */
+            for (int c = 0; c < 64; c++) {
+                _mm512_storeu_ps(panel + (64 * s + c) * 32, _mm512_i32gather_ps(down, &rows[0][c], 4));
+                _mm512_storeu_ps(panel + (64 * s + c) * 32 + 16, _mm512_i32gather_ps(down, &rows[16][c], 4));
+            }
+        }
+        for (int64_t b = p * 8; b < p * 8 + 8 && b < tiles; b++)
+            for (int64_t e = outliers.start[b]; e < outliers.start[b + 1]; e++)
+                panel[(outliers.at[e] >> 2) * 32 + (b % 8) * 4 + (outliers.at[e] & 3)] = outliers.value[e];
+    }
+}

@@ -100,6 +100,9 @@ class CodedBf16Matmul:
         self._decode_into = library.bf16_coded_decode
         self._decode_into.argtypes = [_P, _P, OutliersStruct, _I64, _I64, _P, ctypes.c_int32, ctypes.c_int32]
         self._decode_into.restype = None
+        self._decode_f32 = library.bf16_coded_decode_f32
+        self._decode_f32.argtypes = [_P, _P, OutliersStruct, _I64, _I64, _P, ctypes.c_int32]
+        self._decode_f32.restype = None
 
     def __call__(self, x: torch.Tensor, packed: CodedBf16, out_features: int,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -125,6 +128,15 @@ class CodedBf16Matmul:
         `tiles`' buffer."""
         n, k = packed.shape
         return self._decode(packed, tiles.take((-(-n // TILE_ROWS), k // 32, TILE_ROWS, 32)), tiles_layout=True)
+
+    def decode_f32_panels(self, packed: CodedBf16, tiles: Bf16Tiles) -> torch.Tensor:
+        """`packed` decoded to fp32 in the fp32 kernel's panels [ceil(N/32), K, 32] (kernels/f32.py),
+        in `tiles`' buffer."""
+        n, k = packed.shape
+        out = tiles.take((-(-n // 32), k, 32), torch.float32)
+        self._decode_f32(packed.tiles.data_ptr(), packed.table.data_ptr(), OutliersStruct.of(packed.outliers), n, k,
+                         out.data_ptr(), torch.get_num_threads())
+        return out
 
     def _decode(self, packed: CodedBf16, out: torch.Tensor, tiles_layout: bool) -> torch.Tensor:
         self._decode_into(packed.tiles.data_ptr(), packed.table.data_ptr(), OutliersStruct.of(packed.outliers), *packed.shape,

@@ -25,10 +25,6 @@ values, fp32 bytes): dequantizing every matrix on every call would cost more tha
 
 from __future__ import annotations
 
-import functools
-import logging
-import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,16 +35,13 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from kvgen.model.kernels import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
-from kvgen.model.kernels.bf16 import pack as pack_bf16
 from kvgen.model.kernels.f32 import f32_kernel
-from kvgen.model.kernels.f32 import pack as pack_f32
+from kvgen.model.kernels.faster import many_rows_dtype
 from kvgen.model.linear import Linear, RowKernels, make_linear
 from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
 from kvgen.model.quant.formats import PackedWeight, dequantize
 from kvgen.model.quant.gguf_blocks import convert
 from kvgen.model.quant.kernel import ACTIVATION_PARTS, kernel_name, qmatmul_kernel
-
-log = logging.getLogger(__name__)
 
 CPU = torch.device("cpu")
 FLOAT_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
@@ -61,11 +54,6 @@ BF16_FROM_ROWS = 16
 # and multiplied (2 threads, Zen 3); on AVX-512 (2026-12-02 afternoon VM) 0.51 / 0.91 / 1.92 ms at 16
 # / 32 / 64 rows against 0.88 / 0.93 / 1.35 (BENCHMARKS.md).
 FP32_FROM_ROWS = {"avx512-vnni": 32, "avx2": 128}
-# The fp32 path must beat the bf16 one by this much in many_rows_dtype's measurement to be taken:
-# its dequantized panels are twice the bytes of bf16 tiles and cost ~10% of the matmul more to write.
-FP32_MARGIN = 1.15
-
-
 class QuantLinear(Linear):
     """y = x @ W^T + bias for a PackedWeight W (on the device the layer runs on)."""
 
@@ -86,41 +74,10 @@ class QuantLinear(Linear):
 class ManyRows:
     """How a packed layer runs many rows of x (see KernelQuantLinear): on its weight dequantized per
     call into `tiles` (a buffer the model's layers share), in `dtype` (bf16 or fp32; None: this CPU's
-    faster, many_rows_dtype)."""
+    faster, kvgen.model.kernels.faster)."""
 
     tiles: Bf16Tiles
     dtype: torch.dtype | None = None
-
-
-def many_rows_dtype(requested: torch.dtype | None = None) -> torch.dtype | None:
-    """The dtype packed layers run many rows in: `requested` where its kernel runs here; else, where
-    both the bf16 and the fp32 kernel run, the faster as measured once per process (a CPU's bf16 dot
-    products may issue at a quarter of its fp32 multiply-adds' rate, or at twice their work: both
-    were seen on this project's VMs); else the one that runs; None where neither does."""
-    available = [dtype for dtype, kernel in ((torch.bfloat16, bf16_kernel()), (torch.float32, f32_kernel()))
-                 if kernel is not None]
-    if requested in available or len(available) < 2:
-        return requested if requested in available else next(iter(available), None)
-    return _faster_many_rows_dtype()
-
-
-@functools.cache
-def _faster_many_rows_dtype() -> torch.dtype:
-    """bf16 unless the fp32 kernel runs a prefill-sized matmul (256 x 576 by 1,152 x 576) FP32_MARGIN
-    times faster than the bf16 kernel here, best of 5 alternated runs each."""
-    generator = torch.Generator().manual_seed(0)
-    x, w = torch.randn(256, 576, generator=generator), torch.randn(1152, 576, generator=generator)
-    runs = {torch.bfloat16: (bf16_kernel(), x.bfloat16(), pack_bf16(w)), torch.float32: (f32_kernel(), x, pack_f32(w))}
-    best = dict.fromkeys(runs, math.inf)
-    for _ in range(5):
-        for dtype, (kernel, xs, packed) in runs.items():
-            start = time.perf_counter()
-            kernel(xs, packed, w.shape[0])
-            best[dtype] = min(best[dtype], time.perf_counter() - start)
-    faster = torch.float32 if best[torch.float32] * FP32_MARGIN < best[torch.bfloat16] else torch.bfloat16
-    log.info("packed layers run many rows in %s (a prefill-sized matmul: bf16 %.2f ms, fp32 %.2f ms)",
-             faster, best[torch.bfloat16] * 1e3, best[torch.float32] * 1e3)
-    return faster
 
 
 class KernelQuantLinear(QuantLinear):
