@@ -23,7 +23,9 @@
                   weights kept.
     CodedBf16Linear  the same, on weights stored in 12 bits each, losslessly (kernels/bf16_coded.c):
                   a low byte and a 4-bit code of the high byte. Decode reads a quarter fewer bytes
-                  for the same bf16 values; rows of whole 64-column spans only.
+                  for the same bf16 values; rows of whole 64-column spans only. At many rows the
+                  weight is decoded per call, for the bf16 kernel or oneDNN, or for the fp32 kernel
+                  where that measures faster (kernels/faster.py).
     OneDnnLinear  bf16 where the CPU has native bf16 but not that kernel's features: the weights
                   are reordered once into oneDNN's blocked layout.
     TorchLinear   everything else (CUDA, fp16...): `F.linear`.
@@ -68,10 +70,10 @@ from kvgen.threads import WORKERS_SLEEP
 # at 128 / 256 / 512 rows: 98 / 198 / 398 ms on the kernel, 83 / 150 / 270 on oneDNN plus ~24 ms
 # of unpacking (microbenchmarks): a loss at 128 rows, a gain from 256. No second copy is kept.
 ONEDNN_FROM_ROWS = 256
-# From this many rows of x on, a coded bf16 layer decodes its weight to the bf16 kernel's tiles and
-# runs that kernel: the coded kernel, which decodes each span again for every 4 rows, matched the
-# bf16 kernel up to ~8 rows and fell behind from ~15 (0.96x; 0.86x at 64). Fused decode steps run
-# below 16 rows (kvgen.model.fused) on the coded kernel.
+# From this many rows of x on, a coded bf16 layer decodes its weight per call (to the bf16 kernel's
+# tiles, or the fp32 kernel's panels; see CodedBf16Linear): the coded kernel, which decodes each
+# span again for every 4 rows, matched the bf16 kernel up to ~8 rows and fell behind from ~15 (0.96x;
+# 0.86x at 64). Fused decode steps run below 16 rows (kvgen.model.fused) on the coded kernel.
 DECODED_FROM_ROWS = 16
 # Many GEMV rows over a large matrix (an LM head) go tile by tile so each tile is read from memory
 # once and then from cache; a tile's GEMV gives the same bits as the whole matrix's.
