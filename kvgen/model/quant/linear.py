@@ -54,6 +54,8 @@ BF16_FROM_ROWS = 16
 # and multiplied (2 threads, Zen 3); on AVX-512 (2026-12-02 afternoon VM) 0.51 / 0.91 / 1.92 ms at 16
 # / 32 / 64 rows against 0.88 / 0.93 / 1.35 (BENCHMARKS.md).
 FP32_FROM_ROWS = {"avx512-vnni": 32, "avx2": 128}
+
+
 class QuantLinear(Linear):
     """y = x @ W^T + bias for a PackedWeight W (on the device the layer runs on)."""
 
