@@ -22,24 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Outliers of a packed matrix, by tile: entries start[b]..start[b+1]-1 belong to tile b; entry e is
- * row 4b + (at[e] & 3), column at[e] >> 2, weight value[e]. */
-struct outliers {
-    const int64_t *start;
-    const int32_t *at;
-    const float *value;
-};
-
-struct coded_args {
-    const uint16_t *x;
-    int64_t T, K;
-    const uint8_t *w;
-    const uint8_t *table; /* 16 high bytes, by code */
-    struct outliers outliers;
-    int64_t N;
-    void *y;
-    int32_t f32, num_threads;
-};
+#include "coded.h"
 
 typedef struct {
     __m512bh lo, hi; /* columns 0-31 and 32-63 of a span */

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kvgen.model.kernels import KernelCall, build_library, cpu_has
 from kvgen.model.kernels.bf16 import CPU_FEATURES, FLAGS, Bf16Tiles
-from kvgen.model.kernels.coding import Outliers, OutliersStruct, outliers_by_group, take_outliers, top_byte_codes
+from kvgen.model.kernels.coding import CodedArgs, Outliers, OutliersStruct, encode
 
 log = logging.getLogger(__name__)
 
@@ -58,18 +58,8 @@ def pack(weight: torch.Tensor) -> CodedBf16:
     assert k % SPAN == 0, "the coded layout takes whole spans of 64 columns"
     weight = F.pad(weight.to(torch.bfloat16), (0, 0, 0, -n % TILE_ROWS))
     chunks = [c.to(torch.int32) & 0xFFFF for c in weight.view(torch.int16).split(_PACK_ROWS)]  # [rows, K]
-    table, code_of = top_byte_codes([c >> 8 for c in chunks])
-    tiles, rows, columns = [], [], []
-    for first, chunk in zip(range(0, weight.shape[0], _PACK_ROWS), chunks):
-        codes, low = code_of[chunk >> 8], chunk & 0xFF
-        chunk_rows, chunk_columns = take_outliers(codes, code_of, low)
-        rows.append(chunk_rows + first)
-        columns.append(chunk_columns)
-        tiles.append(_layout(codes, low))
-    rows, columns = torch.cat(rows), torch.cat(columns)
-    outliers = outliers_by_group(rows, columns * TILE_ROWS + rows % TILE_ROWS, weight[rows, columns], TILE_ROWS,
-                                 weight.shape[0] // TILE_ROWS)
-    return CodedBf16(tiles=torch.cat(tiles), table=table, outliers=outliers, shape=(n, k))
+    tiles, table, outliers = encode(chunks, 8, TILE_ROWS, _layout, weight)
+    return CodedBf16(tiles=tiles, table=table, outliers=outliers, shape=(n, k))
 
 
 def _layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -81,13 +71,6 @@ def _layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return torch.cat([low.flatten(2), nibbles.flatten(2)], dim=2).to(torch.uint8).contiguous()
 
 
-class _Args(ctypes.Structure):
-    """`struct coded_args` of bf16_coded.c."""
-
-    _fields_ = [("x", _P), ("T", _I64), ("K", _I64), ("w", _P), ("table", _P), ("outliers", OutliersStruct),
-                ("N", _I64), ("y", _P), ("f32", ctypes.c_int32), ("num_threads", ctypes.c_int32)]
-
-
 class CodedBf16Matmul:
     """The kernel, with the bf16 kernel's interface (kvgen.model.kernels.bf16.Bf16Matmul) on a
     CodedBf16 weight."""
@@ -96,7 +79,7 @@ class CodedBf16Matmul:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._call = library.bf16_coded_matmul_call
-        self._call.argtypes, self._call.restype = [ctypes.POINTER(_Args)], ctypes.c_int
+        self._call.argtypes, self._call.restype = [ctypes.POINTER(CodedArgs)], ctypes.c_int
         self._decode_into = library.bf16_coded_decode
         self._decode_into.argtypes = [_P, _P, OutliersStruct, _I64, _I64, _P, ctypes.c_int32, ctypes.c_int32]
         self._decode_into.restype = None
@@ -148,16 +131,14 @@ class CodedBf16Matmul:
         return packed.nbytes
 
     @staticmethod
-    def _args(x: torch.Tensor, packed: CodedBf16, out: torch.Tensor) -> _Args:
+    def _args(x: torch.Tensor, packed: CodedBf16, out: torch.Tensor) -> CodedArgs:
         if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.dim() != 2:
             raise ValueError(f"bf16 matmul: x must be contiguous bf16 [T, K], not {x.dtype} {list(x.shape)}")
         if packed.shape != (out.shape[1], x.shape[1]):
             raise ValueError(f"bf16 matmul: x [{x.shape[1]} columns] does not fit the packed weight {packed.shape}")
         if out.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"bf16 matmul: out_dtype must be bfloat16 or float32, not {out.dtype}")
-        return _Args(x.data_ptr(), x.shape[0], x.shape[1], packed.tiles.data_ptr(), packed.table.data_ptr(),
-                     OutliersStruct.of(packed.outliers), out.shape[1], out.data_ptr(), out.dtype == torch.float32,
-                     torch.get_num_threads())
+        return CodedArgs.of(x, packed.tiles, packed.table, packed.outliers, out)
 
 
 @functools.cache

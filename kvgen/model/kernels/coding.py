@@ -12,6 +12,7 @@ stored as +0, and the kernels add its product after the rest of its sum.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,47 @@ class OutliersStruct(ctypes.Structure):
         return cls(outliers.start.data_ptr(), outliers.at.data_ptr(), outliers.value.data_ptr())
 
 
-def top_byte_codes(top_bytes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+class CodedArgs(ctypes.Structure):
+    """`struct coded_args` of coded.h: one call of a coded kernel."""
+
+    _fields_ = [("x", ctypes.c_void_p), ("T", ctypes.c_int64), ("K", ctypes.c_int64), ("w", ctypes.c_void_p),
+                ("table", ctypes.c_void_p), ("outliers", OutliersStruct), ("N", ctypes.c_int64),
+                ("y", ctypes.c_void_p), ("f32", ctypes.c_int32), ("num_threads", ctypes.c_int32)]
+
+    @classmethod
+    def of(cls, x: torch.Tensor, codes: torch.Tensor, table: torch.Tensor, outliers: Outliers,
+           out: torch.Tensor) -> CodedArgs:
+        """y = out [T, N] (contiguous), x [T, K] contiguous, the weight's codes, table and outliers."""
+        return cls(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), table.data_ptr(), OutliersStruct.of(outliers),
+                   out.shape[1], out.data_ptr(), out.dtype == torch.float32, torch.get_num_threads())
+
+
+def encode(chunks: list[torch.Tensor], low_bits: int, group_rows: int,
+           layout: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+           values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Outliers]:
+    """A matrix's weights as int32 bit patterns, chunk by chunk ([rows, K] each, in order, rows a
+    multiple of `group_rows`), a weight's top byte above its `low_bits` other bits -> (the chunks laid
+    out by `layout(codes, low bits)` and concatenated, the table, the outliers by group of
+    `group_rows` rows, an entry at column * group_rows + row within the group). `values` [rows, K]:
+    the weights as floats, for the outliers' values."""
+    table, code_of = _top_byte_codes([chunk >> low_bits & 0xFF for chunk in chunks])
+    laid, rows, columns, first = [], [], [], 0
+    for chunk in chunks:
+        codes, low = code_of[chunk >> low_bits & 0xFF], chunk & ((1 << low_bits) - 1)
+        chunk_rows, chunk_columns = (codes < 0).nonzero(as_tuple=True)  # row-major: by group
+        codes[chunk_rows, chunk_columns], low[chunk_rows, chunk_columns] = int(code_of[0]), 0  # stored as +0
+        rows.append(chunk_rows + first)
+        columns.append(chunk_columns)
+        laid.append(layout(codes, low))
+        first += chunk.shape[0]
+    rows, columns = torch.cat(rows), torch.cat(columns)
+    start = F.pad(torch.bincount(rows // group_rows, minlength=values.shape[0] // group_rows).cumsum(0), (1, 0))
+    outliers = Outliers(start=start.to(torch.int64), at=(columns * group_rows + rows % group_rows).to(torch.int32),
+                        value=values[rows, columns].float().contiguous())
+    return torch.cat(laid), table, outliers
+
+
+def _top_byte_codes(top_bytes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The matrix's table (uint8 [16]: the top byte of each code) and each top byte's code (int32
     [256], -1 where none), from its top bytes (int32 tensors, chunk by chunk). Top byte 0 always has
     a code: outliers are stored as +0."""
@@ -54,21 +95,3 @@ def top_byte_codes(top_bytes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.T
     code_of = torch.full((256,), -1, dtype=torch.int32)
     code_of[table] = torch.arange(CODES, dtype=torch.int32)
     return table.to(torch.uint8), code_of
-
-
-def take_outliers(codes: torch.Tensor, code_of: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Where `codes` [rows, K] is -1: the positions (rows, columns), after setting those codes to
-    top byte 0's and the same positions of `others` (the weights' other bytes) to 0."""
-    rows, columns = (codes < 0).nonzero(as_tuple=True)  # row-major: by group, as Outliers wants them
-    codes[rows, columns] = int(code_of[0])
-    for other in others:
-        other[rows, columns] = 0
-    return rows, columns
-
-
-def outliers_by_group(rows: torch.Tensor, at: torch.Tensor, values: torch.Tensor, group_rows: int,
-                      groups: int) -> Outliers:
-    """Outliers (their rows, in row-major order, their positions within a group and their values),
-    grouped by `group_rows` rows."""
-    start = F.pad(torch.bincount(rows // group_rows, minlength=groups).cumsum(0), (1, 0))
-    return Outliers(start=start.to(torch.int64), at=at.to(torch.int32), value=values.float().contiguous())

@@ -23,28 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coded.h"
 #include "f32_passes.h"
 
 #define STEP_BYTES 112
-
-/* Outliers of a packed matrix, by panel: entries start[p]..start[p+1]-1 belong to panel p; entry e
- * is output 32p + (at[e] & 31), column at[e] >> 5, weight value[e]. */
-struct outliers {
-    const int64_t *start;
-    const int32_t *at;
-    const float *value;
-};
-
-struct f32_coded_args {
-    const float *x;
-    int64_t T, K;
-    const uint8_t *w;
-    const uint8_t *table; /* 16 top bytes, by code */
-    struct outliers outliers;
-    int64_t N;
-    float *y;
-    int32_t num_threads;
-};
 
 /* Byte 4i + c of a dword vector from byte 3i + c (c < 3); byte 3 of each dword is zeroed. */
 static const uint8_t SPREAD[64] = {0,  1,  2,  0, 3,  4,  5,  0, 6,  7,  8,  0, 9,  10, 11, 0,
@@ -95,11 +77,11 @@ static const coded_pass_fn CODED_PASSES[MAX_ROWS + 1] = {
 /* Panel p's outliers' products added to every row's outputs, each as one fused multiply-add:
  * written as `y += w * x`, gcc contracts it or not depending on whether it vectorizes the loop over
  * rows, and a row's bits would depend on the row count. */
-static void add_outliers(const struct f32_coded_args *a, int64_t p) {
+static void add_outliers(const struct coded_args *a, int64_t p) {
     const struct outliers *o = &a->outliers;
     for (int64_t t = 0; t < a->T; t++) { /* row by row: its x and its 32 outputs stay in cache */
-        const float *x = a->x + t * a->K;
-        float *y = a->y + t * a->N + p * PANEL;
+        const float *x = (const float *)a->x + t * a->K;
+        float *y = (float *)a->y + t * a->N + p * PANEL;
         for (int64_t e = o->start[p]; e < o->start[p + 1]; e++)
             y[o->at[e] & 31] = fmaf(o->value[e], x[o->at[e] >> 5], y[o->at[e] & 31]);
     }
@@ -107,19 +89,21 @@ static void add_outliers(const struct f32_coded_args *a, int64_t p) {
 
 /* Every row of x over panel p: the first pass decodes as it goes (into `buffer` [K, 32] floats
  * where more passes follow), the passes after run f32_matmul.c's passes on the decoded panel. */
-static void coded_panel_rows(const struct f32_coded_args *a, __m512i top, int64_t p, float *buffer) {
+static void coded_panel_rows(const struct coded_args *a, __m512i top, int64_t p, float *buffer) {
     const int64_t K = a->K, N = a->N, n0 = p * PANEL, left = N - n0;
     const int64_t first = a->T < MAX_ROWS ? a->T : MAX_ROWS;
-    CODED_PASSES[first](a->x, K, a->w + p * K * STEP_BYTES, top, a->y + n0, N, left, a->T > first ? buffer : NULL);
+    const float *x = a->x;
+    float *y = a->y;
+    CODED_PASSES[first](x, K, a->w + p * K * STEP_BYTES, top, y + n0, N, left, a->T > first ? buffer : NULL);
     for (int64_t t = first; t < a->T; t += MAX_ROWS) {
         const int64_t rows = a->T - t < MAX_ROWS ? a->T - t : MAX_ROWS;
-        PASSES[rows](a->x + t * K, K, buffer, a->y + t * N + n0, N, left);
+        PASSES[rows](x + t * K, K, buffer, y + t * N + n0, N, left);
     }
     add_outliers(a, p);
 }
 
 /* Panels [first, last) of the call on this thread; nonzero when its buffer could not be had. */
-static int panels_of(const struct f32_coded_args *a, __m512i top, int64_t first, int64_t last) {
+static int panels_of(const struct coded_args *a, __m512i top, int64_t first, int64_t last) {
     float *buffer = NULL;
     if (a->T > MAX_ROWS && !(buffer = aligned_alloc(64, (size_t)(a->K * PANEL * sizeof(float) + 63) / 64 * 64)))
         return 1;
@@ -130,7 +114,7 @@ static int panels_of(const struct f32_coded_args *a, __m512i top, int64_t first,
 }
 
 /* y [T, N] = x [T, K] @ W^T, W coded as above; nonzero when out of memory. */
-int f32_coded_matmul_call(const struct f32_coded_args *a) {
+int f32_coded_matmul_call(const struct coded_args *a) {
     const __m512i top = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)a->table)), 24);
     const int64_t panels = (a->N + PANEL - 1) / PANEL;
     const int64_t work = a->N * a->K * (int64_t)sizeof(float) * (1 + a->T / MAX_ROWS);

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.model.kernels import KernelCall, build_library, cpu_has
-from kvgen.model.kernels.coding import Outliers, OutliersStruct, outliers_by_group, take_outliers, top_byte_codes
+from kvgen.model.kernels.coding import CodedArgs, Outliers, OutliersStruct, encode
 from kvgen.model.kernels.f32 import COMMON_FLAGS, PANEL
 
 log = logging.getLogger(__name__)
@@ -50,18 +50,8 @@ def pack(weight: torch.Tensor) -> CodedF32:
     n, k = weight.shape
     weight = F.pad(weight.float(), (0, 0, 0, -n % PANEL)).contiguous()
     chunks = weight.view(torch.int32).split(_PACK_PANELS * PANEL)  # [rows, K]
-    table, code_of = top_byte_codes([c >> 24 & 0xFF for c in chunks])
-    panels, rows, columns = [], [], []
-    for first, chunk in zip(range(0, weight.shape[0], _PACK_PANELS * PANEL), chunks):
-        codes, low = code_of[chunk >> 24 & 0xFF], chunk & 0xFFFFFF
-        chunk_rows, chunk_columns = take_outliers(codes, code_of, low)
-        rows.append(chunk_rows + first)
-        columns.append(chunk_columns)
-        panels.append(_layout(codes, low))
-    rows, columns = torch.cat(rows), torch.cat(columns)
-    outliers = outliers_by_group(rows, columns * PANEL + rows % PANEL, weight[rows, columns], PANEL,
-                                 weight.shape[0] // PANEL)
-    return CodedF32(panels=torch.cat(panels), table=table, outliers=outliers, shape=(n, k))
+    panels, table, outliers = encode(chunks, 24, PANEL, _layout, weight)
+    return CodedF32(panels=panels, table=table, outliers=outliers, shape=(n, k))
 
 
 def _layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -73,13 +63,6 @@ def _layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return torch.cat([low_bytes, nibbles], dim=2).to(torch.uint8).contiguous()
 
 
-class _Args(ctypes.Structure):
-    """`struct f32_coded_args` of f32_coded.c."""
-
-    _fields_ = [("x", _P), ("T", _I64), ("K", _I64), ("w", _P), ("table", _P), ("outliers", OutliersStruct),
-                ("N", _I64), ("y", _P), ("num_threads", ctypes.c_int32)]
-
-
 class CodedF32Matmul:
     """The kernel, with the fp32 kernel's interface (kvgen.model.kernels.f32.F32Matmul) on a CodedF32
     weight."""
@@ -88,7 +71,7 @@ class CodedF32Matmul:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._call = library.f32_coded_matmul_call
-        self._call.argtypes, self._call.restype = [ctypes.POINTER(_Args)], ctypes.c_int
+        self._call.argtypes, self._call.restype = [ctypes.POINTER(CodedArgs)], ctypes.c_int
         self._rows = library.f32_coded_rows
         self._rows.argtypes = [_P, _P, OutliersStruct, _I64, _P, _I64, _P]
         self._rows.restype = None
@@ -118,13 +101,12 @@ class CodedF32Matmul:
         return packed.nbytes
 
     @staticmethod
-    def _args(x: torch.Tensor, packed: CodedF32, out: torch.Tensor) -> _Args:
+    def _args(x: torch.Tensor, packed: CodedF32, out: torch.Tensor) -> CodedArgs:
         if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2:
             raise ValueError(f"f32 matmul: x must be contiguous fp32 [T, K], not {x.dtype} {list(x.shape)}")
         if packed.shape != (out.shape[1], x.shape[1]) or out.dtype != torch.float32:
             raise ValueError(f"f32 matmul: x [{x.shape[1]} columns] does not fit the packed weight {packed.shape}")
-        return _Args(x.data_ptr(), x.shape[0], x.shape[1], packed.panels.data_ptr(), packed.table.data_ptr(),
-                     OutliersStruct.of(packed.outliers), out.shape[1], out.data_ptr(), torch.get_num_threads())
+        return CodedArgs.of(x, packed.panels, packed.table, packed.outliers, out)
 
 
 @functools.cache
