@@ -50,7 +50,7 @@ def run(args: argparse.Namespace, config: ModelConfig, systems: Sequence[System]
     copied = format_bytes(args.bandwidth_size, binary=True)
     notes = [f"{args.device} memory bandwidth: {bandwidth / 1e9:.2f} GB/s (copy of {copied}, read + written, best of "
              f"{BANDWIDTH_REPEATS}); a decode step reads {format_bytes(weights)} of weights + {format_bytes(kv)} "
-             "of KV on average"]
+             "of KV on average", *(note for system in systems if (note := system.build_note()))]
     settings = settings | {"prompt_len": prompt_len, "gen_len": args.gen_len, "repeats": args.repeats, "task": task}
     data = {"settings": settings, "memory_bandwidth_bytes_per_s": bandwidth,
             "decode_bytes_per_token": {"weights": weights, "kv_average": kv}, "results": results, "runs": runs,

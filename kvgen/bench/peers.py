@@ -79,6 +79,10 @@ class System(ABC):
     def run_batch(self, requests: Sequence[BenchRequest]) -> None:
         """Runs the requests together to completion."""
 
+    def build_note(self) -> str | None:
+        """What the report should say of how this peer was built, if anything."""
+        return None
+
     def run_at(self, requests: Sequence[BenchRequest], size: int) -> None:
         """Runs every request at batch size `size`: consecutive static batches, each to completion
         (in arrival order, or by prompt length where the peer's own batching sorts). A server peer
@@ -208,6 +212,11 @@ class LlamaCppSystem(System):
         self.llm = Llama(model_path=str(gguf_for(model, dtype)), n_ctx=max_len, n_batch=512, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
 
+    def build_note(self) -> str:
+        from llama_cpp import llama_print_system_info
+
+        return llama_cpp_build_note(llama_print_system_info().decode())
+
     def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
         self.llm.reset()
         times: list[float] = []
@@ -221,6 +230,15 @@ class LlamaCppSystem(System):
     def run_batch(self, requests: Sequence[BenchRequest]) -> None:
         for r in requests:
             self.generate_timed(r.prompt, r.output_len)
+
+
+def llama_cpp_build_note(system_info: str) -> str:
+    """llama.cpp's system info ("CPU : SSE3 = 1 | ... | AVX512 = 1 | ...") -> the features it was
+    built with, and whether AMX is among them: a build for CPUs that advertise AMX but trap on it
+    must leave it out (BENCHMARKS.md has the flags)."""
+    features = [part.split("=")[0].split(":")[-1].strip() for part in system_info.split("|") if part.strip().endswith("= 1")]
+    amx = [f for f in features if f.startswith("AMX")]
+    return f"llama.cpp built with {', '.join(features)}" + ("" if amx else " (no AMX)")
 
 
 # -- CTranslate2 ----------------------------------------------------------------------------------

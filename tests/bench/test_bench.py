@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvgen.bench import models
-from kvgen.bench.peers import BenchRequest, PeerUnavailable, System, load_peer, make_requests
+from kvgen.bench.peers import BenchRequest, PeerUnavailable, System, llama_cpp_build_note, load_peer, make_requests
 from kvgen.bench.report import Metric, comparison_table, distribution, loglog_slope
 from kvgen.bench.scaling import SPEEDUP_AT, positions, total_times
 from kvgen.bench.serve import arrival_offsets
@@ -168,6 +168,15 @@ def test_missing_peer_says_how_to_install(peer, module, pip_name):
         pytest.skip(f"{module} is installed")
     with pytest.raises(PeerUnavailable, match=rf"^{peer}: not installed \(pip install {pip_name}\)$"):
         load_peer(peer, models.resolve("stories260k"), "float32", 64)
+
+
+@pytest.mark.parametrize("amx, said", [("", " (no AMX)"), (" AMX_INT8 = 1 |", "")])
+def test_the_report_says_what_llama_cpp_was_built_with(amx, said):
+    """llama.cpp 0.3.36's system info, as built here without AMX, and as a build with it would add."""
+    info = ("CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | LLAMAFILE = 1 |"
+            f"{amx} OPENMP = 1 | KLEIDIAI = 0 | ")
+    features = "SSE3, AVX, AVX2, AVX512, AVX512_VNNI, AVX512_BF16, LLAMAFILE" + (", AMX_INT8" if amx else "") + ", OPENMP"
+    assert llama_cpp_build_note(info) == f"llama.cpp built with {features}{said}"
 
 
 def test_missing_llama_server_says_how_to_build_it(monkeypatch, tmp_path):
