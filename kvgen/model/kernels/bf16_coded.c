@@ -5,7 +5,7 @@
  * (kernels/coding.py). So each weight keeps its low byte (the last exponent bit and the mantissa)
  * and a 4-bit code for its high byte, looked up in the matrix's 16-entry table; a weight whose
  * high byte is not in the table (an outlier: 0.018% of the SmolLM2 file's) is stored as +0
- * (code `zero`, low byte 0) and its product added to the fp32 sum of its row before the sum is
+ * (top byte 0's code, low byte 0) and its product added to the fp32 sum of its row before the sum is
  * stored (FIX_SUMS). Without outliers a row's sums are bit for bit the bf16 kernel's: the same
  * weights meet the same x in the same order of vdpbf16ps.
  *
