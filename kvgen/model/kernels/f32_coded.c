@@ -4,7 +4,8 @@
  * An fp32's top byte (sign and 7 of the 8 exponent bits) takes few values in a trained matrix, as a
  * bf16's high byte does (bf16_coded.c): each weight keeps its low 3 bytes and a 4-bit code of the top
  * byte, looked up in the matrix's 16-entry table; an outlier (a top byte outside the table) is stored
- * as +0 (top byte 0's code, low bytes 0) and its product added to its output after the multiply-add chain.
+ * as +0 (top byte 0's code, low bytes 0) and its product added to its output after the multiply-add
+ * chain.
  * Every output goes through the same operations whatever T is, so a row's bits still never depend on
  * the rows beside it; without outliers they are f32_matmul.c's bits (fma(x, +0, acc) is acc).
  *
