@@ -95,7 +95,8 @@ def test_a_coded_layer_gives_the_bf16_layers_bits_on_its_bf16_paths(rows, monkey
     w, b = narrow_weight(101, 128, seed=5), torch.randn(101).bfloat16()
     coded, plain = make_linear(w, b, Bf16Tiles()), Bf16Linear(w, b, bf16_kernel(), Bf16Tiles())
     assert isinstance(coded, CodedBf16Linear)
-    assert coded.path(rows) == ("coded" if rows < DECODED_FROM_ROWS else "tiles" if rows < ONEDNN_FROM_ROWS else "onednn")
+    expected = "coded" if rows < DECODED_FROM_ROWS else "tiles" if rows < ONEDNN_FROM_ROWS else "onednn"
+    assert coded.path(rows) == expected
     x = torch.randn(rows, 128).bfloat16()
     assert torch.equal(coded(x), plain(x))
 

@@ -153,8 +153,8 @@ void bf16_coded_decode_f32(const uint8_t *w, const uint8_t *table, struct outlie
                                      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
                 }
             }
-            const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                    _mm512_set1_epi32(64)); /* 16 rows of one column */
+            const __m512i down = _mm512_mullo_epi32( /* 16 rows of one column */
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(64));
             for (int c = 0; c < 64; c++) {
                 _mm512_storeu_ps(panel + (64 * s + c) * 32, _mm512_i32gather_ps(down, &rows[0][c], 4));
                 _mm512_storeu_ps(panel + (64 * s + c) * 32 + 16, _mm512_i32gather_ps(down, &rows[16][c], 4));

@@ -65,8 +65,8 @@ def pack(weight: torch.Tensor) -> CodedBf16:
 def _layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """Codes and low bytes [rows, K] (rows a multiple of 4) -> tiles uint8 [rows/4, K/64, 384]."""
     rows, k = codes.shape
-    tiled = [t.view(rows // TILE_ROWS, TILE_ROWS, k // SPAN, SPAN)[..., COLUMN_AT].transpose(1, 2) for t in (codes, low)]
-    codes, low = tiled  # [tiles, spans, 4, 64]
+    codes, low = (t.view(rows // TILE_ROWS, TILE_ROWS, k // SPAN, SPAN)[..., COLUMN_AT].transpose(1, 2)
+                  for t in (codes, low))  # [tiles, spans, 4, 64]
     nibbles = codes[..., :32] | codes[..., 32:] << 4  # [tiles, spans, 4, 32]
     return torch.cat([low.flatten(2), nibbles.flatten(2)], dim=2).to(torch.uint8).contiguous()
 
@@ -122,8 +122,8 @@ class CodedBf16Matmul:
         return out
 
     def _decode(self, packed: CodedBf16, out: torch.Tensor, tiles_layout: bool) -> torch.Tensor:
-        self._decode_into(packed.tiles.data_ptr(), packed.table.data_ptr(), OutliersStruct.of(packed.outliers), *packed.shape,
-                          out.data_ptr(), tiles_layout, torch.get_num_threads())
+        self._decode_into(packed.tiles.data_ptr(), packed.table.data_ptr(), OutliersStruct.of(packed.outliers),
+                          *packed.shape, out.data_ptr(), tiles_layout, torch.get_num_threads())
         return out
 
     @staticmethod

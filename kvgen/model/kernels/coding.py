@@ -56,8 +56,9 @@ class CodedArgs(ctypes.Structure):
     def of(cls, x: torch.Tensor, codes: torch.Tensor, table: torch.Tensor, outliers: Outliers,
            out: torch.Tensor) -> CodedArgs:
         """y = out [T, N] (contiguous), x [T, K] contiguous, the weight's codes, table and outliers."""
-        return cls(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), table.data_ptr(), OutliersStruct.of(outliers),
-                   out.shape[1], out.data_ptr(), out.dtype == torch.float32, torch.get_num_threads())
+        return cls(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), table.data_ptr(),
+                   OutliersStruct.of(outliers), out.shape[1], out.data_ptr(), out.dtype == torch.float32,
+                   torch.get_num_threads())
 
 
 def encode(chunks: list[torch.Tensor], low_bits: int, group_rows: int,
