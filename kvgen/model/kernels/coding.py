@@ -24,7 +24,7 @@ CODES = 16
 @dataclass(frozen=True)
 class Outliers:
     """The weights no code holds, by group of rows (a tile or a panel): group g's entries are
-    at[start[g]:start[g + 1]]; an entry's position within its group is the layout's to say."""
+    at[start[g]:start[g + 1]], each at column * rows per group + row within the group (encode)."""
 
     start: torch.Tensor  # int64 [groups + 1]
     at: torch.Tensor  # int32 [outliers]

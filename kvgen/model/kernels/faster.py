@@ -43,15 +43,11 @@ def many_rows_dtype(requested: torch.dtype | None = None) -> torch.dtype | None:
     return torch.float32 if fp32_beats("bf16 kernel") else torch.bfloat16
 
 
+@functools.cache
 def fp32_beats(rival: str) -> bool:
     """Whether the fp32 kernel (which must run here) runs the timed matmul FP32_MARGIN times faster
     than `rival`: "bf16 kernel" (kvgen.model.kernels.bf16, which must run here) or "onednn" (bf16
     F.linear); best of 5 alternated runs each, once per process."""
-    return _fp32_beats(rival)
-
-
-@functools.cache
-def _fp32_beats(rival: str) -> bool:
     generator = torch.Generator().manual_seed(0)
     x, w = torch.randn(ROWS, IN, generator=generator), torch.randn(OUT, IN, generator=generator)
     xb, wb = x.bfloat16(), w.bfloat16()
