@@ -12,7 +12,8 @@ from kvgen.model.quant.gguf_blocks import convert
 from kvgen.model.quant.kernel import qmatmul_kernel
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.f32 import pack as pack_f32
-from kvgen.model.quant.linear import FP32_FROM_ROWS, KernelQuantLinear, ManyRows, many_rows_dtype
+from kvgen.model.kernels.faster import many_rows_dtype
+from kvgen.model.quant.linear import FP32_FROM_ROWS, KernelQuantLinear, ManyRows
 from tests.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix
