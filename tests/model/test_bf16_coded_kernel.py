@@ -47,7 +47,7 @@ def test_the_layout_keeps_every_bit(shape):
     kernel = coded_bf16_kernel()
     assert torch.equal(kernel.unpack(packed, *shape, Bf16Tiles()).view(torch.int16), w.view(torch.int16))
     assert torch.equal(kernel.decode_tiles(packed, Bf16Tiles()), pack_tiles(w))
-    assert packed.tiles.numel() == -(-shape[0] // 4) * 4 * shape[1] * 3 // 2  # 12 bits a weight
+    assert packed.codes.numel() == -(-shape[0] // 4) * 4 * shape[1] * 3 // 2  # 12 bits a weight
 
 
 @pytest.mark.parametrize("shape", [(96, 64), (101, 128), (3, 576), (576, 1536)])

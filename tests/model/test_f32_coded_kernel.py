@@ -44,7 +44,7 @@ def test_the_layout_keeps_every_bit(shape):
     w = wide_weight(*shape, seed=shape[0])
     packed = pack(w)
     assert packed.outliers.at.numel() > w.numel() // 10  # the wide weight really has outliers
-    assert packed.panels.shape == (-(-shape[0] // 32), shape[1], STEP_BYTES)  # 28 bits a weight
+    assert packed.codes.shape == (-(-shape[0] // 32), shape[1], STEP_BYTES)  # 28 bits a weight
     rows = coded_f32_kernel().rows(packed, torch.arange(shape[0]))
     assert torch.equal(rows.view(torch.int32), w.view(torch.int32))
 

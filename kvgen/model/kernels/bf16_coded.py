@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,12 +19,12 @@ import torch.nn.functional as F
 
 from kvgen.model.kernels import KernelCall, build_library, cpu_has
 from kvgen.model.kernels.bf16 import CPU_FEATURES, FLAGS, Bf16Tiles
-from kvgen.model.kernels.coding import CodedArgs, Outliers, OutliersStruct, encode
+from kvgen.model.kernels.coding import CodedArgs, CodedWeight, OutliersStruct, encode
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("bf16_coded.c")
-TILE_ROWS, SPAN, SPAN_BYTES = 4, 64, 384  # a tile's span: 4 rows x (64 low bytes + 32 code bytes)
+TILE_ROWS, SPAN = 4, 64  # a tile's span: 4 rows x (64 low bytes + 32 code bytes), 384 bytes
 # The column stored at byte p of a row's span: vpunpck{l,h}bw interleave within 128-bit lanes, so
 # byte 16j + i (i < 8) becomes word 8j + i of columns 0-31, byte 16j + 8 + i word 8j + i of 32-63.
 COLUMN_AT = torch.tensor([8 * (p // 16) + p % 8 + 32 * (p % 16 >= 8) for p in range(SPAN)])
@@ -33,33 +32,18 @@ _PACK_ROWS = 8192  # rows laid out at a time: bounds the int32 intermediates of 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-@dataclass(frozen=True)
-class CodedBf16:
-    """A bf16 [N, K] matrix in the coded layout (bf16_coded.c's header)."""
-
-    tiles: torch.Tensor  # uint8 [ceil(N/4), K/64, 384]
-    table: torch.Tensor  # uint8 [16]: the high byte of each code
-    outliers: Outliers  # by tile; at = column * 4 + row within the tile
-    shape: tuple[int, int]
-
-    @property
-    def nbytes(self) -> int:
-        return self.tiles.numel() + self.table.numel() + self.outliers.nbytes
-
-
 def fits(weight: torch.Tensor) -> bool:
     """Whether the coded layout holds this matrix: rows of whole 64-column spans."""
     return weight.dim() == 2 and weight.shape[1] % SPAN == 0
 
 
-def pack(weight: torch.Tensor) -> CodedBf16:
-    """bf16 [N, K] (K a multiple of 64) -> its coded layout, once at load."""
+def pack(weight: torch.Tensor) -> CodedWeight:
+    """bf16 [N, K] (K a multiple of 64) -> its coded layout (bf16_coded.c's header), once at load."""
     n, k = weight.shape
     assert k % SPAN == 0, "the coded layout takes whole spans of 64 columns"
     weight = F.pad(weight.to(torch.bfloat16), (0, 0, 0, -n % TILE_ROWS))
     chunks = [c.to(torch.int32) & 0xFFFF for c in weight.view(torch.int16).split(_PACK_ROWS)]  # [rows, K]
-    tiles, table, outliers = encode(chunks, 8, TILE_ROWS, _layout, weight)
-    return CodedBf16(tiles=tiles, table=table, outliers=outliers, shape=(n, k))
+    return encode(chunks, 8, TILE_ROWS, _layout, weight, (n, k))
 
 
 def _layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -72,8 +56,8 @@ def _layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
 
 
 class CodedBf16Matmul:
-    """The kernel, with the bf16 kernel's interface (kvgen.model.kernels.bf16.Bf16Matmul) on a
-    CodedBf16 weight."""
+    """The kernel, with the bf16 kernel's interface (kvgen.model.kernels.bf16.Bf16Matmul) on a coded
+    weight (its codes: tiles [ceil(N/4), K/64, 384])."""
 
     pack = staticmethod(pack)
 
@@ -87,7 +71,7 @@ class CodedBf16Matmul:
         self._decode_f32.argtypes = [_P, _P, OutliersStruct, _I64, _I64, _P, ctypes.c_int32]
         self._decode_f32.restype = None
 
-    def __call__(self, x: torch.Tensor, packed: CodedBf16, out_features: int,
+    def __call__(self, x: torch.Tensor, packed: CodedWeight, out_features: int,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x bf16 [T, K] contiguous -> [T, out_features] in `out_dtype` (bf16, or float32 sums)."""
         out = torch.empty(x.shape[0], out_features, dtype=out_dtype)
@@ -95,50 +79,48 @@ class CodedBf16Matmul:
             self._call(ctypes.byref(self._args(x, packed, out)))
         return out
 
-    def call(self, x: torch.Tensor, packed: CodedBf16, out: torch.Tensor) -> KernelCall:
+    def call(self, x: torch.Tensor, packed: CodedWeight, out: torch.Tensor) -> KernelCall:
         """out [T, out_features] (bf16 or fp32, contiguous) = this kernel on x, as a KernelCall."""
         assert x.shape[0] and out.is_contiguous() and out.shape[0] == x.shape[0]
         return KernelCall(self._call, self._args(x, packed, out), keep=(x, packed, out))
 
-    def unpack(self, packed: CodedBf16, out_features: int, in_features: int, tiles: Bf16Tiles) -> torch.Tensor:
+    def unpack(self, packed: CodedWeight, out_features: int, in_features: int, tiles: Bf16Tiles) -> torch.Tensor:
         """`packed` decoded to row-major bf16 [out_features, in_features], in `tiles`' buffer (for
         oneDNN's GEMM)."""
         assert packed.shape == (out_features, in_features)
         return self._decode(packed, tiles.take(packed.shape), tiles_layout=False)
 
-    def decode_tiles(self, packed: CodedBf16, tiles: Bf16Tiles) -> torch.Tensor:
+    def decode_tiles(self, packed: CodedWeight, tiles: Bf16Tiles) -> torch.Tensor:
         """`packed` decoded to the bf16 kernel's tiles [ceil(N/4), K/32, 4, 32] (kernels/bf16.py), in
         `tiles`' buffer."""
         n, k = packed.shape
         return self._decode(packed, tiles.take((-(-n // TILE_ROWS), k // 32, TILE_ROWS, 32)), tiles_layout=True)
 
-    def decode_f32_panels(self, packed: CodedBf16, tiles: Bf16Tiles) -> torch.Tensor:
+    def decode_f32_panels(self, packed: CodedWeight, tiles: Bf16Tiles) -> torch.Tensor:
         """`packed` decoded to fp32 in the fp32 kernel's panels [ceil(N/32), K, 32] (kernels/f32.py),
         in `tiles`' buffer."""
         n, k = packed.shape
         out = tiles.take((-(-n // 32), k, 32), torch.float32)
-        self._decode_f32(packed.tiles.data_ptr(), packed.table.data_ptr(), OutliersStruct.of(packed.outliers), n, k,
-                         out.data_ptr(), torch.get_num_threads())
+        self._decode_f32(*packed.pointers(), n, k, out.data_ptr(), torch.get_num_threads())
         return out
 
-    def _decode(self, packed: CodedBf16, out: torch.Tensor, tiles_layout: bool) -> torch.Tensor:
-        self._decode_into(packed.tiles.data_ptr(), packed.table.data_ptr(), OutliersStruct.of(packed.outliers),
-                          *packed.shape, out.data_ptr(), tiles_layout, torch.get_num_threads())
+    def _decode(self, packed: CodedWeight, out: torch.Tensor, tiles_layout: bool) -> torch.Tensor:
+        self._decode_into(*packed.pointers(), *packed.shape, out.data_ptr(), tiles_layout, torch.get_num_threads())
         return out
 
     @staticmethod
-    def packed_bytes(packed: CodedBf16) -> int:
+    def packed_bytes(packed: CodedWeight) -> int:
         return packed.nbytes
 
     @staticmethod
-    def _args(x: torch.Tensor, packed: CodedBf16, out: torch.Tensor) -> CodedArgs:
+    def _args(x: torch.Tensor, packed: CodedWeight, out: torch.Tensor) -> CodedArgs:
         if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.dim() != 2:
             raise ValueError(f"bf16 matmul: x must be contiguous bf16 [T, K], not {x.dtype} {list(x.shape)}")
         if packed.shape != (out.shape[1], x.shape[1]):
             raise ValueError(f"bf16 matmul: x [{x.shape[1]} columns] does not fit the packed weight {packed.shape}")
         if out.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"bf16 matmul: out_dtype must be bfloat16 or float32, not {out.dtype}")
-        return CodedArgs.of(x, packed.tiles, packed.table, packed.outliers, out)
+        return CodedArgs.of(x, packed, out)
 
 
 @functools.cache

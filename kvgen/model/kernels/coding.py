@@ -45,6 +45,25 @@ class OutliersStruct(ctypes.Structure):
         return cls(outliers.start.data_ptr(), outliers.at.data_ptr(), outliers.value.data_ptr())
 
 
+@dataclass(frozen=True)
+class CodedWeight:
+    """A float matrix [N, K] in a coded layout: `codes` is the layout's bytes (bf16_coded's tiles,
+    f32_coded's panels), `table` the top byte of each code (uint8 [16])."""
+
+    codes: torch.Tensor  # uint8
+    table: torch.Tensor
+    outliers: Outliers
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.table.numel() + self.outliers.nbytes
+
+    def pointers(self) -> tuple[int, int, OutliersStruct]:
+        """The codes, the table and the outliers, as the C kernels take them."""
+        return self.codes.data_ptr(), self.table.data_ptr(), OutliersStruct.of(self.outliers)
+
+
 class CodedArgs(ctypes.Structure):
     """`struct coded_args` of coded.h: one call of a coded kernel."""
 
@@ -53,22 +72,20 @@ class CodedArgs(ctypes.Structure):
                 ("y", ctypes.c_void_p), ("f32", ctypes.c_int32), ("num_threads", ctypes.c_int32)]
 
     @classmethod
-    def of(cls, x: torch.Tensor, codes: torch.Tensor, table: torch.Tensor, outliers: Outliers,
-           out: torch.Tensor) -> CodedArgs:
-        """y = out [T, N] (contiguous), x [T, K] contiguous, the weight's codes, table and outliers."""
-        return cls(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), table.data_ptr(),
-                   OutliersStruct.of(outliers), out.shape[1], out.data_ptr(), out.dtype == torch.float32,
-                   torch.get_num_threads())
+    def of(cls, x: torch.Tensor, weight: CodedWeight, out: torch.Tensor) -> CodedArgs:
+        """y = out [T, N] (contiguous), x [T, K] contiguous."""
+        return cls(x.data_ptr(), x.shape[0], x.shape[1], *weight.pointers(), out.shape[1], out.data_ptr(),
+                   out.dtype == torch.float32, torch.get_num_threads())
 
 
 def encode(chunks: list[torch.Tensor], low_bits: int, group_rows: int,
-           layout: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-           values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Outliers]:
-    """A matrix's weights as int32 bit patterns, chunk by chunk ([rows, K] each, in order, rows a
-    multiple of `group_rows`), a weight's top byte above its `low_bits` other bits -> (the chunks laid
-    out by `layout(codes, low bits)` and concatenated, the table, the outliers by group of
-    `group_rows` rows, an entry at column * group_rows + row within the group). `values` [rows, K]:
-    the weights as floats, for the outliers' values."""
+           layout: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], values: torch.Tensor,
+           shape: tuple[int, int]) -> CodedWeight:
+    """A matrix of `shape`, its weights as int32 bit patterns chunk by chunk ([rows, K] each, in
+    order, rows a multiple of `group_rows`, padded rows included), a weight's top byte above its
+    `low_bits` other bits -> its CodedWeight: the chunks laid out by `layout(codes, low bits)` and
+    concatenated, the outliers by group of `group_rows` rows. `values` [rows, K]: the weights as
+    floats, for the outliers' values."""
     table, code_of = _top_byte_codes([chunk >> low_bits & 0xFF for chunk in chunks])
     laid, rows, columns, first = [], [], [], 0
     for chunk in chunks:
@@ -83,7 +100,7 @@ def encode(chunks: list[torch.Tensor], low_bits: int, group_rows: int,
     start = F.pad(torch.bincount(rows // group_rows, minlength=values.shape[0] // group_rows).cumsum(0), (1, 0))
     outliers = Outliers(start=start.to(torch.int64), at=(columns * group_rows + rows % group_rows).to(torch.int32),
                         value=values[rows, columns].float().contiguous())
-    return torch.cat(laid), table, outliers
+    return CodedWeight(codes=torch.cat(laid), table=table, outliers=outliers, shape=shape)
 
 
 def _top_byte_codes(top_bytes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,14 +11,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from kvgen.model.kernels import KernelCall, build_library, cpu_has
-from kvgen.model.kernels.coding import CodedArgs, Outliers, OutliersStruct, encode
+from kvgen.model.kernels.coding import CodedArgs, CodedWeight, OutliersStruct, encode
 from kvgen.model.kernels.f32 import COMMON_FLAGS, PANEL
 
 log = logging.getLogger(__name__)
@@ -31,27 +30,13 @@ _PACK_PANELS = 256  # panels laid out at a time: bounds the int32 intermediates 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-@dataclass(frozen=True)
-class CodedF32:
-    """An fp32 [N, K] matrix in the coded layout (f32_coded.c's header)."""
-
-    panels: torch.Tensor  # uint8 [ceil(N/32), K, 112]
-    table: torch.Tensor  # uint8 [16]: the top byte of each code
-    outliers: Outliers  # by panel; at = column * 32 + output within the panel
-    shape: tuple[int, int]
-
-    @property
-    def nbytes(self) -> int:
-        return self.panels.numel() + self.table.numel() + self.outliers.nbytes
-
-
-def pack(weight: torch.Tensor) -> CodedF32:
-    """fp32 [N, K] -> its coded layout, once at load."""
+def pack(weight: torch.Tensor) -> CodedWeight:
+    """fp32 [N, K] -> its coded layout (f32_coded.c's header: panels [ceil(N/32), K, 112]), once at
+    load."""
     n, k = weight.shape
     weight = F.pad(weight.float(), (0, 0, 0, -n % PANEL)).contiguous()
     chunks = weight.view(torch.int32).split(_PACK_PANELS * PANEL)  # [rows, K]
-    panels, table, outliers = encode(chunks, 24, PANEL, _layout, weight)
-    return CodedF32(panels=panels, table=table, outliers=outliers, shape=(n, k))
+    return encode(chunks, 24, PANEL, _layout, weight, (n, k))
 
 
 def _layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -64,8 +49,8 @@ def _layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
 
 
 class CodedF32Matmul:
-    """The kernel, with the fp32 kernel's interface (kvgen.model.kernels.f32.F32Matmul) on a CodedF32
-    weight."""
+    """The kernel, with the fp32 kernel's interface (kvgen.model.kernels.f32.F32Matmul) on a coded
+    weight (its codes: panels [ceil(N/32), K, 112])."""
 
     pack = staticmethod(pack)
 
@@ -76,37 +61,36 @@ class CodedF32Matmul:
         self._rows.argtypes = [_P, _P, OutliersStruct, _I64, _P, _I64, _P]
         self._rows.restype = None
 
-    def __call__(self, x: torch.Tensor, packed: CodedF32, n: int) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, packed: CodedWeight, n: int) -> torch.Tensor:
         """x fp32 [T, K] contiguous, `packed` = pack(W) for W [n, K] -> x @ W^T [T, n]."""
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
         if x.shape[0] and self._call(ctypes.byref(self._args(x, packed, out))):
             raise MemoryError("f32 coded matmul: no memory for a decoded panel")
         return out
 
-    def call(self, x: torch.Tensor, packed: CodedF32, out: torch.Tensor) -> KernelCall:
+    def call(self, x: torch.Tensor, packed: CodedWeight, out: torch.Tensor) -> KernelCall:
         """out = x @ W^T (out fp32 [T, n] contiguous) as a KernelCall."""
         assert x.shape[0] and out.is_contiguous() and out.shape[0] == x.shape[0]
         return KernelCall(self._call, self._args(x, packed, out), keep=(x, packed, out))
 
-    def rows(self, packed: CodedF32, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, packed: CodedWeight, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight -> fp32 [T, K] (a tied embedding's lookup)."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], packed.shape[1])
-        self._rows(packed.panels.data_ptr(), packed.table.data_ptr(), OutliersStruct.of(packed.outliers),
-                   packed.shape[1], ids.data_ptr(), ids.shape[0], out.data_ptr())
+        self._rows(*packed.pointers(), packed.shape[1], ids.data_ptr(), ids.shape[0], out.data_ptr())
         return out
 
     @staticmethod
-    def packed_bytes(packed: CodedF32) -> int:
+    def packed_bytes(packed: CodedWeight) -> int:
         return packed.nbytes
 
     @staticmethod
-    def _args(x: torch.Tensor, packed: CodedF32, out: torch.Tensor) -> CodedArgs:
+    def _args(x: torch.Tensor, packed: CodedWeight, out: torch.Tensor) -> CodedArgs:
         if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2:
             raise ValueError(f"f32 matmul: x must be contiguous fp32 [T, K], not {x.dtype} {list(x.shape)}")
         if packed.shape != (out.shape[1], x.shape[1]) or out.dtype != torch.float32:
             raise ValueError(f"f32 matmul: x [{x.shape[1]} columns] does not fit the packed weight {packed.shape}")
-        return CodedArgs.of(x, packed.panels, packed.table, packed.outliers, out)
+        return CodedArgs.of(x, packed, out)
 
 
 @functools.cache
