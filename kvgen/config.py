@@ -1,20 +1,25 @@
-"""Model configuration: one dataclass for every Llama-family model, read from a Hugging Face config."""
+"""Model configuration: one dataclass for every decoder kvgen runs (kvgen.model.architectures), read
+from a Hugging Face config (GGUF metadata: kvgen.loaders.gguf_file)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvgen.errors import ModelLoadError
+from kvgen.model.architectures import ARCHITECTURES, BY_HF_MODEL_TYPE, Architecture, known_names
 
-# Families that share the Llama block; they differ only in the fields read below.
-LLAMA_FAMILY = {"llama", "mistral", "qwen2", "smollm", "tinyllama"}
-QKV_BIAS_FAMILIES = {"qwen2"}
+GEMMA_SLIDING_PATTERN = 6  # Gemma 3's default: five sliding-window layers, then a global one
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, TinyLlama, SmolLM)."""
+    """The shape and numerics of a decoder. `architecture` names its entry in
+    kvgen.model.architectures (norms, activation, tensor names).
+
+    Sliding windows: `sliding_window` bounds every layer (Mistral); `layer_windows` gives each
+    layer its own (None: global), as Gemma 3 interleaves them, and then `local_rope_theta` is the
+    RoPE base of the windowed layers. `attention_scale` replaces 1/sqrt(head_dim) where set."""
 
     vocab_size: int
     hidden_size: int
@@ -34,6 +39,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    architecture: str = "llama"
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope_theta: float | None = None
+    attention_scale: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -41,23 +50,49 @@ class ModelConfig:
             raise ValueError(
                 f"num_key_value_heads ({self.num_kv_heads}) must divide num_attention_heads ({self.num_heads})"
             )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+
+    @property
+    def arch(self) -> Architecture:
+        return ARCHITECTURES[self.architecture]
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it attends to every earlier token)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers slide a window and others are global (Gemma 3): the hybrid KV cache applies."""
+        return len({self.window(i) for i in range(self.num_layers)}) > 1
+
+    def rope_theta_of(self, layer: int) -> float:
+        """The RoPE base of `layer`: windowed layers of a hybrid model may have their own."""
+        if self.local_rope_theta is not None and self.window(layer) is not None:
+            return self.local_rope_theta
+        return self.rope_theta
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: object = "config.json") -> "ModelConfig":
         """Builds the config from a Hugging Face `config.json` dict (transformers 4.x and 5.x layouts)."""
         model_type = cfg.get("model_type", "llama")
-        if model_type not in LLAMA_FAMILY:
-            raise ModelLoadError(source, f"model_type {model_type!r} is not a Llama-family model")
+        arch = BY_HF_MODEL_TYPE.get(model_type)
+        if arch is None:
+            raise ModelLoadError(source, f"model_type {model_type!r} is not supported (kvgen runs: {known_names()}; "
+                                         "multimodal checkpoints need their text-only part)")
         try:
             hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            rope = _rope_parameters(cfg)
             if cfg.get("mlp_bias"):
                 raise ValueError("mlp_bias is not supported")
-            return cls(
+            if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+                raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+            num_layers = int(cfg["num_hidden_layers"])
+            rope = _rope_parameters(cfg, "full_attention")
+            config = cls(
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -65,21 +100,57 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope.get("rope_theta", 10000.0)),
                 rope_scaling=_rope_scaling(rope),
-                qkv_bias=model_type in QKV_BIAS_FAMILIES or bool(cfg.get("attention_bias", False)),
-                o_bias=model_type not in QKV_BIAS_FAMILIES and bool(cfg.get("attention_bias", False)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=arch.qkv_bias or bool(cfg.get("attention_bias", False)),
+                o_bias=not arch.qkv_bias and bool(cfg.get("attention_bias", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch.name == "gemma3")),
                 sliding_window=_sliding_window(cfg, model_type),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
                 model_type=model_type,
+                architecture=arch.name,
             )
+            return _with_gemma_fields(config, cfg) if arch.name == "gemma3" else config
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(source, f"bad model config: {e!r}") from None
 
 
-def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 nests theta and scaling in `rope_parameters`; 4.x has `rope_theta` + `rope_scaling`."""
+def gemma_layer_windows(num_layers: int, window: int, pattern: int = GEMMA_SLIDING_PATTERN) -> tuple[int | None, ...]:
+    """Gemma 3's interleaving: every `pattern`-th layer is global, the others slide `window`."""
+    return tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))
+
+
+def _with_gemma_fields(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
+    """Gemma 3's sliding/global layers, their two RoPE bases and its attention scale."""
+    if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
+        raise ValueError("logit soft-capping is not supported")
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma 3 with activation {activation!r} is not supported (gelu_pytorch_tanh is)")
+    window = int(cfg.get("sliding_window") or 4096)
+    if cfg.get("layer_types"):
+        windows = tuple(window if kind == "sliding_attention" else None for kind in cfg["layer_types"])
+    else:
+        windows = gemma_layer_windows(config.num_layers, window, int(cfg.get("sliding_window_pattern", 6)))
+    local = _rope_parameters(cfg, "sliding_attention")
+    local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
+    if _rope_scaling(local) is not None:
+        raise ValueError("RoPE scaling on sliding-window layers is not supported")
+    scalar = float(cfg.get("query_pre_attn_scalar") or config.head_dim)
+    return replace(config, sliding_window=None, layer_windows=windows, local_rope_theta=local_theta,
+                               attention_scale=scalar ** -0.5)
+
+
+def _rope_parameters(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """transformers 5 nests theta and scaling in `rope_parameters` (per layer type where they differ, as
+    Gemma 3's `full_attention` / `sliding_attention`); 4.x has `rope_theta` + `rope_scaling`, which
+    Gemma 3 applies to its global layers only."""
     params = dict(cfg.get("rope_parameters") or {})
+    if layer_type in params:
+        return dict(params[layer_type])
+    if params and isinstance(next(iter(params.values())), dict):  # per layer type, not this one
+        return {}
+    if layer_type != "full_attention":
+        return {}
     if "rope_theta" not in params and "rope_theta" in cfg:
         params["rope_theta"] = cfg["rope_theta"]
     if cfg.get("rope_scaling"):
@@ -98,7 +169,7 @@ def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
 
 def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
     window = cfg.get("sliding_window")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         return None
     return int(window) if window else None
 

@@ -53,13 +53,13 @@ def decode(model: LlamaModel, state: DecodeState, token_id: int) -> tuple[torch.
 
 @torch.inference_mode()
 def _run(model: LlamaModel, state: DecodeState, start: int) -> torch.Tensor:
-    window = model.config.sliding_window
+    windows = [model.config.window(layer) for layer in range(model.config.num_layers)]
     if state.cache is None:
-        attention = NoCacheAttention(window)
+        attention = NoCacheAttention(windows)
     else:
         if len(state.token_ids) > state.cache.max_seq:
             raise ValueError(f"sequence of {len(state.token_ids)} tokens exceeds the cache ({state.cache.max_seq})")
-        attention = ContiguousAttention(state.cache, start, window)
+        attention = ContiguousAttention(state.cache, start, windows)
     new_ids = torch.tensor(state.token_ids[start:], device=model.device)
     positions = torch.arange(start, len(state.token_ids), device=model.device)
     rows = RowKernels.split(len(new_ids), num_gemv_last=max(len(state.token_ids) - max(state.prompt_len, start), 0))

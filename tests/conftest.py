@@ -43,6 +43,14 @@ HF_MODELS = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     "llama-linear-rope": ("LlamaConfig", "LlamaForCausalLM", {
         "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 500000.0}),
+    "qwen3-qk-norm": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
+    "phi3-fused": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    # Windows of 8 on three of four layers, two RoPE bases, a query scale that is not 1/sqrt(head_dim).
+    "gemma3-hybrid": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8, "pad_token_id": 0,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
 }
 
 

@@ -181,13 +181,14 @@ def write_gguf(source: Path, out: Path, dtype: str = "float32") -> None:
 
 def _gguf_name(hf_name: str) -> str:
     """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight (kvgen's GGUF reader, inverted)."""
-    from kvgen.loaders.gguf_file import BLOCK_NAMES, GLOBAL_NAMES
+    from kvgen.loaders.gguf_file import GLOBAL_NAMES
+    from kvgen.model.architectures import GGUF_BLOCK_NAMES
 
     globals_ = {hf: name for name, hf in GLOBAL_NAMES.items()}
     if hf_name in globals_:
         return globals_[hf_name]
     _, _, layer, *module, suffix = hf_name.split(".")
-    blocks = {hf: name for name, hf in BLOCK_NAMES.items()}
+    blocks = {hf: name for name, hf in GGUF_BLOCK_NAMES.items()}
     return f"blk.{layer}.{blocks['.'.join(module)]}.{suffix}"
 
 

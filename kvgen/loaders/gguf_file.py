@@ -1,10 +1,15 @@
-"""GGUF files (llama architecture): metadata -> ModelConfig, tensors -> HF weights, vocabulary -> tokenizer.
+"""GGUF files: metadata -> ModelConfig, tensors -> HF weights, vocabulary -> tokenizer.
 
-Two layout details matter:
+Architectures: those of kvgen.model.architectures (`llama`, `qwen2`, `qwen3`, `phi3`, `gemma3`);
+their metadata keys are prefixed by the name. Layout details that matter:
 - GGUF lists a tensor's dimensions fastest-varying first (ne0 = number of columns), the reverse of
   numpy/torch order: a [vocab, hidden] embedding is stored with shape (hidden, vocab).
-- llama.cpp's converter permutes q/k rows for interleaved-pair RoPE; `interleaved_to_half` undoes it
-  (on raw block rows for matrices, see `gguf_tensors.rotate_half_rows`).
+- For `llama`, llama.cpp's converter permutes q/k rows for interleaved-pair RoPE;
+  `interleaved_to_half` undoes it (on raw block rows for matrices, see
+  `gguf_tensors.rotate_half_rows`). The others use rotate-half RoPE and are stored as HF has them.
+- Gemma's norm weights are stored as 1 + w, the factor kvgen's norms take (kvgen.loaders.hf adds the
+  1 for HF checkpoints). Its sliding-window pattern (every 6th layer global) and local RoPE base
+  (10,000) are not in the metadata: llama.cpp fixes them in code, and so does kvgen.
 
 Every tensor is read as a `GGUFWeight` (raw blocks). By default each is dequantized to a float
 tensor in `LoadedModel.weights`; with `keep_quantized`, block-quantized matrices stay raw in
@@ -14,6 +19,7 @@ tensor in `LoadedModel.weights`; with `keep_quantized`, block-quantized matrices
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +27,12 @@ import numpy as np
 import torch
 from gguf import GGUFReader, ReaderTensor
 
-from kvgen.config import ModelConfig
+from kvgen.config import ModelConfig, gemma_layer_windows
 from kvgen.errors import ModelLoadError
 from kvgen.loaders import LoadedModel, check_weights, interleaved_to_half, shard_plan
 from kvgen.loaders.gguf_tensors import GGUFWeight, UnsupportedTensorType, read_tensor, rotate_half_rows
-from kvgen.loaders.gguf_vocab import gguf_tokenizer, token_id
+from kvgen.loaders.gguf_vocab import gguf_tokenizer, stop_token_ids, token_id
+from kvgen.model.architectures import BY_GGUF_NAME, GGUF_BLOCK_NAMES, Architecture, known_names
 from kvgen.tokenizer import Tokenizer
 
 GLOBAL_NAMES = {
@@ -33,19 +40,9 @@ GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_ARCH = "llama"
+GEMMA_LOCAL_ROPE_THETA = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
+GEMMA_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by hidden / heads, not the head size
 
 
 def load_gguf(
@@ -57,19 +54,23 @@ def load_gguf(
     keep_quantized: bool = False,
     shard: tuple[int, int] | None = None,
 ) -> LoadedModel:
-    """Loads a llama-architecture GGUF; tensors are dequantized to `dtype`, except that with
+    """Loads a GGUF of a known architecture; tensors are dequantized to `dtype`, except that with
     `keep_quantized` block-quantized matrices stay raw in `LoadedModel.quantized`."""
     reader = _open(path)
     meta = _metadata(path, reader)
-    if meta.get("general.architecture") != _ARCH:
-        raise ModelLoadError(path, f"architecture {meta.get('general.architecture')!r} is not supported (only 'llama')")
+    arch = BY_GGUF_NAME.get(meta.get("general.architecture"))
+    if arch is None:
+        raise ModelLoadError(path, f"architecture {meta.get('general.architecture')!r} is not supported "
+                                   f"(kvgen runs: {known_names()})")
     tensors = {t.name: t for t in reader.tensors}
-    config = _config(path, meta, tensors)
+    config = _config(path, arch, meta, tensors)
     if tokenizer is None:  # before the weights: a bad vocabulary is reported without dequantizing first
-        tokenizer = gguf_tokenizer(path, meta)
-    raw = _read_tensors(path, tensors)
+        tokenizer = gguf_tokenizer(path, meta, arch.name)
+    raw = _read_tensors(path, arch, tensors)
     names = check_weights({name: w.shape for name, w in raw.items()}, config, path)
-    raw = _rotate_half_qk({name: raw[name] for name in names}, config)
+    raw = {name: raw[name] for name in names}
+    if arch.gguf_interleaved_rope:
+        raw = _rotate_half_qk(raw, config)
     plan = shard_plan(config, shard, path)
     if plan is not None:  # slices of the memory-mapped blocks, before anything is dequantized
         raw = {name: plan.take(name, w) for name, w in raw.items()}
@@ -93,16 +94,16 @@ def _metadata(path: Path, reader: GGUFReader) -> dict[str, Any]:
         raise ModelLoadError(path, f"unreadable GGUF metadata: {e}") from None
 
 
-def _config(path: Path, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> ModelConfig:
-    """ModelConfig from `llama.*` metadata; biases and tying are read off which tensors exist."""
-    p = f"{_ARCH}."
+def _config(path: Path, arch: Architecture, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> ModelConfig:
+    """ModelConfig from `{arch}.*` metadata; biases and tying are read off which tensors exist."""
+    p = f"{arch.gguf_name}."
     try:
         hidden, heads = int(meta[p + "embedding_length"]), int(meta[p + "attention.head_count"])
         head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
         if int(meta.get(p + "rope.dimension_count", head_dim)) != head_dim:
             raise ValueError("partial rotary embeddings (rope.dimension_count != head dim) are not supported")
-        return ModelConfig(
-            vocab_size=_vocab_size(meta, tensors),
+        config = ModelConfig(
+            vocab_size=_vocab_size(p, meta, tensors),
             hidden_size=hidden,
             intermediate_size=int(meta[p + "feed_forward_length"]),
             num_layers=int(meta[p + "block_count"]),
@@ -112,53 +113,72 @@ def _config(path: Path, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) 
             max_position_embeddings=int(meta[p + "context_length"]),
             rms_norm_eps=_f32(meta[p + "attention.layer_norm_rms_epsilon"]),
             rope_theta=_f32(meta.get(p + "rope.freq_base", 10000.0)),
-            rope_scaling=_rope_scaling(meta, tensors),
-            qkv_bias="blk.0.attn_q.bias" in tensors,
+            rope_scaling=_rope_scaling(p, meta, tensors),
+            qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
             o_bias="blk.0.attn_output.bias" in tensors,
             tie_word_embeddings="output.weight" not in tensors,
+            sliding_window=_sliding_window(p, arch, meta),
             bos_token_id=token_id(meta, "bos"),
-            eos_token_ids=_stop_ids(meta),
+            eos_token_ids=stop_token_ids(meta),
+            model_type=arch.name,
+            architecture=arch.name,
         )
+        return _with_gemma_fields(p, config, meta) if arch.name == "gemma3" else config
     except KeyError as e:
         raise ModelLoadError(path, f"GGUF metadata key {e.args[0]} is missing") from None
     except (TypeError, ValueError) as e:
         raise ModelLoadError(path, f"bad GGUF metadata: {e}") from None
 
 
-def _vocab_size(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> int:
-    """From the token list; without one, from llama.vocab_size or the embedding's row count."""
+def _sliding_window(p: str, arch: Architecture, meta: dict[str, Any]) -> int | None:
+    """A window over every layer (Phi-3's); Gemma's windowed layers are `layer_windows` instead."""
+    window = meta.get(p + "attention.sliding_window")
+    return int(window) if window and arch.name != "gemma3" else None
+
+
+def _with_gemma_fields(p: str, config: ModelConfig, meta: dict[str, Any]) -> ModelConfig:
+    """Gemma 3's interleaved windows, local RoPE base and query scale, as llama.cpp sets them."""
+    window = int(meta[p + "attention.sliding_window"])
+    scaled_by = config.hidden_size // config.num_heads if config.num_layers == GEMMA_27B_LAYERS else config.head_dim
+    return replace(config, layer_windows=gemma_layer_windows(config.num_layers, window),
+                   local_rope_theta=GEMMA_LOCAL_ROPE_THETA, attention_scale=scaled_by ** -0.5)
+
+
+def _vocab_size(p: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> int:
+    """From the token list; without one, from {arch}.vocab_size or the embedding's row count."""
     if "tokenizer.ggml.tokens" in meta:
         return len(meta["tokenizer.ggml.tokens"])
-    if f"{_ARCH}.vocab_size" in meta:
-        return int(meta[f"{_ARCH}.vocab_size"])
+    if f"{p}vocab_size" in meta:
+        return int(meta[f"{p}vocab_size"])
     return int(tensors["token_embd.weight"].shape[-1])  # GGUF order: (hidden, vocab)
 
 
-def _rope_scaling(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any] | None:
-    if "rope_freqs.weight" in tensors:
-        raise ValueError("Llama 3.1-style rope_freqs scaling is not supported")
-    kind = meta.get(f"{_ARCH}.rope.scaling.type", "none")
+def _rope_scaling(p: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any] | None:
+    if "rope_freqs.weight" in tensors or "rope_factors_long.weight" in tensors:
+        raise ValueError("per-frequency RoPE scaling (rope_freqs, rope_factors_long) is not supported")
+    kind = meta.get(f"{p}rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind != "linear":
         raise ValueError(f"rope scaling {kind!r} is not supported (linear is)")
-    return {"rope_type": "linear", "factor": _f32(meta[f"{_ARCH}.rope.scaling.factor"])}
+    return {"rope_type": "linear", "factor": _f32(meta[f"{p}rope.scaling.factor"])}
 
 
-def _hf_name(path: Path, name: str) -> str:
+def _hf_name(path: Path, arch: Architecture, name: str) -> str:
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
+    block_names = GGUF_BLOCK_NAMES | arch.gguf_block_names
     m = _BLOCK_TENSOR.fullmatch(name)
-    if m is None or m.group(2) not in BLOCK_NAMES:
-        raise ModelLoadError(path, f"unexpected tensor {name!r} for a llama GGUF")
+    if m is None or m.group(2) not in block_names:
+        raise ModelLoadError(path, f"unexpected tensor {name!r} for a {arch.gguf_name} GGUF")
     layer, kind, suffix = m.groups()
-    return f"model.layers.{layer}.{BLOCK_NAMES[kind]}.{suffix}"
+    return f"model.layers.{layer}.{block_names[kind]}.{suffix}"
 
 
-def _read_tensors(path: Path, tensors: dict[str, ReaderTensor]) -> dict[str, GGUFWeight]:
+def _read_tensors(path: Path, arch: Architecture, tensors: dict[str, ReaderTensor]) -> dict[str, GGUFWeight]:
     """Every tensor, raw, under its HF name."""
     try:
-        return {(hf := _hf_name(path, name)): read_tensor(t, hf) for name, t in tensors.items()}
+        return {(hf := _hf_name(path, arch, name)): read_tensor(t, hf) for name, t in tensors.items()}
     except UnsupportedTensorType as e:
         raise ModelLoadError(path, str(e)) from None
     except ValueError as e:  # a byte count that does not fit the shape and type: a damaged header
@@ -189,12 +209,6 @@ def _dequantize(path: Path, weight: GGUFWeight | torch.Tensor) -> torch.Tensor:
         return weight.dequantize()
     except ValueError as e:  # block bytes that do not fit the shape: a damaged file
         raise ModelLoadError(path, f"tensor {weight.name}: corrupt data: {e}") from None
-
-
-def _stop_ids(meta: dict[str, Any]) -> tuple[int, ...]:
-    """EOS, end-of-turn and end-of-message ids (Llama 3 instruct ends a turn with <|eot_id|>)."""
-    ids = (token_id(meta, kind) for kind in ("eos", "eot", "eom"))
-    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def _f32(value: float) -> float:

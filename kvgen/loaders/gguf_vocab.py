@@ -19,6 +19,7 @@ from typing import Any
 from gguf import TokenType
 
 from kvgen.errors import ModelLoadError
+from kvgen.loaders.chat_templates import builtin_template
 from kvgen.loaders.tokenizers import BPEVocabTokenizer, HFTokenizer, byte_level_bpe
 from kvgen.tokenizer import Tokenizer
 
@@ -51,8 +52,14 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def gguf_tokenizer(path: Path, meta: dict[str, Any]) -> Tokenizer:
-    """The file's own tokenizer; a one-line ModelLoadError when it has none kvgen can build."""
+# Texts of control tokens that end a chat turn, for files whose metadata names no end-of-turn token
+# (llama.cpp looks for the same texts): Gemma's, ChatML's, Llama 3's, Phi-3's.
+END_OF_TURN_TEXTS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
+
+
+def gguf_tokenizer(path: Path, meta: dict[str, Any], architecture: str = "llama") -> Tokenizer:
+    """The file's own tokenizer; a one-line ModelLoadError when it has none kvgen can build. A file
+    without a chat template gets its architecture's usual one where kvgen knows it (Gemma's)."""
     model = meta.get("tokenizer.ggml.model")
     if model not in ("llama", "gpt2"):
         raise ModelLoadError(
@@ -60,7 +67,8 @@ def gguf_tokenizer(path: Path, meta: dict[str, Any]) -> Tokenizer:
         )
     if not meta.get("tokenizer.ggml.tokens"):
         raise ModelLoadError(path, "GGUF has no tokenizer.ggml.tokens vocabulary; pass tokenizer_path")
-    return _sentencepiece_style(meta) if model == "llama" else _byte_level(path, meta)
+    template = meta.get("tokenizer.chat_template") or builtin_template(architecture)
+    return _sentencepiece_style(meta, template) if model == "llama" else _byte_level(path, meta, template)
 
 
 def token_id(meta: dict[str, Any], kind: str) -> int | None:
@@ -70,7 +78,14 @@ def token_id(meta: dict[str, Any], kind: str) -> int | None:
     return int(value) if value is not None and (not n_tokens or value < n_tokens) else None
 
 
-def _sentencepiece_style(meta: dict[str, Any]) -> BPEVocabTokenizer:
+def stop_token_ids(meta: dict[str, Any]) -> tuple[int, ...]:
+    """EOS and end-of-turn ids: the metadata's eot/eom where named (Llama 3 instruct ends a turn with
+    <|eot_id|>), else the control tokens with a known end-of-turn text (Gemma's <end_of_turn>)."""
+    ids = [token_id(meta, "eos"), *_end_of_turn_ids(meta)]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _sentencepiece_style(meta: dict[str, Any], template: str | None) -> BPEVocabTokenizer:
     pieces = meta["tokenizer.ggml.tokens"]
     types = _token_types(meta)
     return BPEVocabTokenizer(
@@ -83,11 +98,11 @@ def _sentencepiece_style(meta: dict[str, Any]) -> BPEVocabTokenizer:
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
         add_dummy_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
         extra_stop_ids=_end_of_turn_ids(meta),
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=template,
     )
 
 
-def _byte_level(path: Path, meta: dict[str, Any]) -> HFTokenizer:
+def _byte_level(path: Path, meta: dict[str, Any], template: str | None) -> HFTokenizer:
     tokens = meta["tokenizer.ggml.tokens"]
     merges = meta.get("tokenizer.ggml.merges")
     if not merges:
@@ -111,7 +126,7 @@ def _byte_level(path: Path, meta: dict[str, Any]) -> HFTokenizer:
         eos_token=tokens[eos] if eos is not None else None,
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         extra_stop_ids=_end_of_turn_ids(meta),
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=template,
     )
 
 
@@ -120,4 +135,8 @@ def _token_types(meta: dict[str, Any]) -> list[int]:
 
 
 def _end_of_turn_ids(meta: dict[str, Any]) -> list[int]:
-    return [i for i in (token_id(meta, "eot"), token_id(meta, "eom")) if i is not None]
+    named = [i for i in (token_id(meta, "eot"), token_id(meta, "eom")) if i is not None]
+    if named or not meta.get("tokenizer.ggml.tokens"):
+        return named
+    return [i for i, (text, kind) in enumerate(zip(meta["tokenizer.ggml.tokens"], _token_types(meta)))
+            if kind == TokenType.CONTROL and text in END_OF_TURN_TEXTS]

@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
-from kvgen.loaders import LoadedModel, finalize_weights, shard_plan
+from kvgen.loaders import LoadedModel, finalize_weights, is_norm_weight, shard_plan
 from kvgen.loaders.tokenizers import HFTokenizer, SentencePieceTokenizer
 from kvgen.tokenizer import Tokenizer
 
@@ -38,7 +38,8 @@ def load_hf(
     shard: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Loads a HF directory; the tokenizer is the directory's own unless `tokenizer` is given.
-    A tensor-parallel `shard` reads only its slices from the files (`safe_open(...).get_slice`)."""
+    Norm weights come out as the factor the norm multiplies by: Gemma's stored w becomes 1 + w (in
+    fp32, as Gemma's RMSNorm adds it), so every architecture runs one RMSNorm. A tensor-parallel `shard` reads only its slices from the files (`safe_open(...).get_slice`)."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(config_file, "missing: a HF model directory needs config.json")
@@ -48,6 +49,8 @@ def load_hf(
     weights, origins, shapes = _read_safetensors(path, plan)
     if tokenizer is None:
         tokenizer = load_hf_tokenizer(path, eos_token_ids=config.eos_token_ids)
+    if config.arch.norm_plus_one:
+        weights = {name: w.float() + 1.0 if is_norm_weight(name) else w for name, w in weights.items()}
     weights = finalize_weights(weights, config, path, device, dtype, origins=origins, shapes=shapes)
     return LoadedModel(config, weights, tokenizer, str(path), shard=plan)
 

@@ -43,8 +43,10 @@ class DecodePrograms:
     def __init__(self, model: LlamaModel, enabled: bool = True) -> None:
         self._model = model
         kernels = (step_kernels(), rms_norm_kernel(), rope_kernel())
+        arch = model.config.arch
         self._usable = (enabled and model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16)
-                        and all(k is not None for k in kernels))
+                        and all(k is not None for k in kernels) and not arch.qk_norm and not arch.sandwich_norms
+                        and arch.activation == "silu" and not model.config.is_hybrid)
         self._programs: OrderedDict[tuple, DecodeProgram | None] = OrderedDict()
         self.fused_steps = 0  # steps that found a program (for tests and the curious)
 
@@ -73,20 +75,20 @@ class DecodeProgram:
     K/V slots. A step copies its inputs in, runs the list, and returns the final norm's output."""
 
     def __init__(self, cache: PagedKVCache, buffers: dict[str, torch.Tensor], calls: CallList,
-                 decodes: list) -> None:
+                 decodes: list, rope) -> None:
         # The calls point into the cache's pools without holding them: a program runs only while its
         # cache lives, and holds no KV memory once the engine lets the cache go.
         self._cache = weakref.ref(cache)
-        self._buffers, self._calls, self._decodes = buffers, calls, decodes
+        self._buffers, self._calls, self._decodes, self._rope = buffers, calls, decodes, rope
 
     def serves(self, cache: PagedKVCache) -> bool:
         return self._cache() is cache
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
-                 cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, attention: PagedAttention) -> torch.Tensor:
         """x [T, hidden] (the embedded tokens), positions [T] -> hidden states [T, hidden] after the final norm."""
         b = self._buffers
         b["x"].copy_(x)
+        cos_table, sin_table = self._rope.cos, self._rope.sin
         torch.index_select(cos_table, 0, positions, out=b["cos"].view(-1, cos_table.shape[1]))
         torch.index_select(sin_table, 0, positions, out=b["sin"].view(-1, sin_table.shape[1]))
         b["slots"].copy_(attention.meta.slot_mapping)
@@ -129,12 +131,12 @@ class DecodeProgram:
             calls += [*converts_before, *(decode.calls[index] for decode in decodes), *converts_after]
             calls += [layer.o.call(b["attn"], b["proj"]), step.add_call(b["x"], b["proj"]),
                       norm.call(b["x"], layer.post_norm, eps, b["h"]),
-                      layer.gate_up.call(b["h"], b["gate_up"]), step.silu_mul_call(b["gate_up"], b["act"]),
+                      layer.gate_up.call(b["h"], b["gate_up"]), step.gate_mul_call("silu", b["gate_up"], b["act"]),
                       layer.down.call(b["act"], b["proj"]), step.add_call(b["x"], b["proj"]),
                       norm.call(b["x"], next_norm, eps, b["h"])]
         if any(call is None for call in calls):
             return None
-        return cls(cache, b, step.call_list(calls), decodes)
+        return cls(cache, b, step.call_list(calls), decodes, model.rope)
 
 
 def _buffers(model: LlamaModel, rows: int) -> dict[str, torch.Tensor]:

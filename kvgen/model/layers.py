@@ -1,4 +1,5 @@
-"""The building blocks of a Llama decoder layer: RMSNorm, rotary embeddings, SwiGLU's activation.
+"""The building blocks of a decoder layer: RMSNorm, rotary embeddings, the gated MLP's activation
+(SwiGLU's silu, GeGLU's tanh GELU).
 
 Numerics follow Hugging Face transformers op for op (fp32 norm statistics, the same RoPE tables),
 so that fp32 greedy decoding matches it token for token.
@@ -6,6 +7,7 @@ so that fp32 greedy decoding matches it token for token.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -17,12 +19,12 @@ from kvgen.model.kernels.norm import DTYPES as NORM_DTYPES
 from kvgen.model.kernels.norm import rms_norm_kernel
 from kvgen.model.kernels.rope import DTYPES as ROPE_DTYPES
 from kvgen.model.kernels.rope import rope_kernel
-from kvgen.model.kernels.step import SILU_DTYPES, step_kernels
+from kvgen.model.kernels.step import GATE_ACTIVATIONS, SILU_DTYPES, step_kernels
 
 
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x [T, hidden], weight, eps) -> [T, hidden]
 Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # apply_rope's signature
-SiluMul = Callable[[torch.Tensor], torch.Tensor]  # gate_up [T, 2n] -> silu(gate) * up [T, n]
+GateMul = Callable[[torch.Tensor], torch.Tensor]  # gate_up [T, 2n] -> act(gate) * up [T, n]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,13 +51,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
-def make_silu_mul(device: torch.device, dtype: torch.dtype) -> SiluMul:
-    """SwiGLU's activation for a model's device and dtype: on the CPU in fp32 or bf16, kvgen's C
-    kernel at every row count (~4 us a decode call against torch's ~6; within 2 fp32 ulp of torch's
-    silu, and the fused decode step of kvgen.model.fused runs the same kernel); elsewhere `silu_mul`."""
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU's activation (Gemma): gate_up [T, 2n] -> gelu_tanh(gate) * up [T, n]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+TORCH_GATE_MULS = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
+
+
+def make_gate_mul(activation: str, device: torch.device, dtype: torch.dtype) -> GateMul:
+    """The gated MLP's activation for a model's device and dtype: on the CPU in fp32 or bf16, kvgen's
+    C kernel at every row count (~4 us a decode call against torch's ~6; within 2 fp32 ulp of torch's
+    silu and a few of its tanh GELU, and the fused decode step of kvgen.model.fused runs the same
+    kernel); elsewhere torch's ops."""
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {GATE_ACTIVATIONS}")
     if device.type != "cpu" or dtype not in SILU_DTYPES or (kernels := step_kernels()) is None:
-        return silu_mul
-    return kernels.silu_mul
+        return TORCH_GATE_MULS[activation]
+    return kernels.silu_mul if activation == "silu" else functools.partial(kernels.gate_mul, activation)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -57,6 +57,11 @@ def _iq_tensor(path: Path) -> None:
 
 
 def _other_architecture(path: Path) -> None:
+    write_gguf(path, _model(), _vocab(), SMALL, arch="mamba")
+
+
+def _tensors_of_another_architecture(path: Path) -> None:
+    """Llama's separate q/k/v and gate/up under Phi-3's name, whose checkpoints fuse them."""
     write_gguf(path, _model(), _vocab(), SMALL, arch="phi3")
 
 
@@ -71,7 +76,9 @@ BROKEN = {
     "truncated header": (_truncated_header, "truncated or corrupt"),
     "unknown type id": (_bad_tensor_type_id, "truncated or corrupt"),
     "IQ4_NL tensor": (_iq_tensor, "tensor blk.0.ffn_up.weight is IQ4_NL, which kvgen does not read"),
-    "other architecture": (_other_architecture, "architecture 'phi3' is not supported"),
+    "other architecture": (_other_architecture, "architecture 'mamba' is not supported"),
+    "tensors of another architecture": (_tensors_of_another_architecture,
+                                        "missing tensors: model.layers.0.self_attn.qkv_proj.weight"),
     "unknown tokenizer": (_unknown_tokenizer, "GGUF tokenizer 'bert' is not supported"),
 }
 

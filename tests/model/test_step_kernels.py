@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvgen.model.kernels import FLAGS, build_library
 from kvgen.model.kernels.step import SOURCE, StepKernels, step_kernels
-from kvgen.model.layers import make_silu_mul, silu_mul
+from kvgen.model.layers import make_gate_mul, silu_mul
 
 CPU = torch.device("cpu")
 # silu(g) * up is four roundings of ours (e^-g within 2 ulp from exp16's polynomial, then 1 + e,
@@ -55,8 +55,8 @@ def test_silu_mul_matches_torch_in_bf16(build):
 
 
 def test_the_model_gets_the_kernel_on_the_cpu_and_torch_elsewhere():
-    assert make_silu_mul(CPU, torch.float32) == step_kernels().silu_mul
-    assert make_silu_mul(CPU, torch.float16) is silu_mul
+    assert make_gate_mul("silu", CPU, torch.float32) == step_kernels().silu_mul
+    assert make_gate_mul("silu", CPU, torch.float16) is silu_mul
 
 
 def test_silu_mul_refuses_odd_widths_and_other_dtypes():

@@ -2,6 +2,7 @@
  *
  *     silu_mul     SwiGLU's silu(gate) * up, fp32 or bf16, for every row count: torch's two ops cost
  *                  ~6 us a decode layer for a microsecond of work
+ *     gelu_mul     GeGLU's gelu_tanh(gate) * up (Gemma), the same way
  *     add          the residual add, x += y, fp32 or bf16
  *     convert      rows between bf16 and fp32, for a bf16 model's decode attention
  *     run_calls    a list of kernel calls, each `int run(const void *args)` with its arguments bound
@@ -13,6 +14,8 @@
  * silu(g) = g / (1 + e^-g), each operation rounded once to fp32 as torch's op rounds it, with e^x
  * from exp16.h on AVX-512 (within an fp32 ulp of libm's expf, as torch's own vectorised exp is) and
  * from expf elsewhere; bf16 rounds silu(g) to bf16, then the product, as torch's two bf16 ops do.
+ * gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3))), tanh(u) as 1 - 2 / (1 + e^2u)
+ * from the same exp: within a few fp32 ulp of torch's (which takes its tanh from Sleef).
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,61 +39,88 @@ static inline void silu16(const float *restrict g, int count, float *restrict s)
 #endif
 }
 
+#define GELU_C 0.7978845608028654f /* sqrt(2 / pi) */
+#define GELU_A 0.044715f
+
+/* s[j] = gelu_tanh(g[j]) for j < count (at most 16). */
+static inline void gelu16(const float *restrict g, int count, float *restrict s) {
+#ifdef __AVX512F__
+    const __mmask16 m = (__mmask16)((1u << count) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(m, g), one = _mm512_set1_ps(1.f);
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    const __m512 u = _mm512_mul_ps(_mm512_set1_ps(GELU_C), _mm512_fmadd_ps(_mm512_set1_ps(GELU_A), cube, x));
+    const __m512 e = exp16(_mm512_add_ps(u, u));
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(one, e)));
+    _mm512_mask_storeu_ps(s, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t)));
+#else
+    for (int j = 0; j < count; j++) {
+        const float x = g[j], u = GELU_C * (x + GELU_A * x * x * x);
+        s[j] = 0.5f * x * (1.f + tanhf(u));
+    }
+#endif
+}
+
 /* Prefill's hundreds of rows go to `num_threads` threads from this many elements. */
 #define PARALLEL_ELEMENTS (1 << 16)
 
-/* gate_up [rows, 2n] (each row's gate, then its up) -> out [rows, n], 16 at a time. */
-void silu_mul_f32(const float *restrict gate_up, int64_t rows, int64_t n, float *restrict out, int32_t num_threads) {
-    const int parallel = num_threads > 1 && rows * n >= PARALLEL_ELEMENTS;
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *restrict gate = gate_up + r * 2 * n, *restrict up = gate + n;
-        float s[16];
-        for (int64_t i = 0; i < n; i += 16) {
-            const int count = n - i >= 16 ? 16 : (int)(n - i);
-            silu16(gate + i, count, s);
-            for (int j = 0; j < count; j++)
-                out[r * n + i + j] = s[j] * up[i + j];
-        }
+/* gate_up [rows, 2n] (each row's gate, then its up) -> out [rows, n] = ACT(gate) * up, 16 at a time. */
+#define GATE_MUL(NAME, ACT16)                                                                             \
+    void NAME##_f32(const float *restrict gate_up, int64_t rows, int64_t n, float *restrict out,           \
+                    int32_t num_threads) {                                                                  \
+        const int parallel = num_threads > 1 && rows * n >= PARALLEL_ELEMENTS;                             \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (parallel)")                \
+        for (int64_t r = 0; r < rows; r++) {                                                               \
+            const float *restrict gate = gate_up + r * 2 * n, *restrict up = gate + n;                      \
+            float s[16];                                                                                   \
+            for (int64_t i = 0; i < n; i += 16) {                                                          \
+                const int count = n - i >= 16 ? 16 : (int)(n - i);                                         \
+                ACT16(gate + i, count, s);                                                                 \
+                for (int j = 0; j < count; j++)                                                            \
+                    out[r * n + i + j] = s[j] * up[i + j];                                                 \
+            }                                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+                                                                                                           \
+    void NAME##_bf16(const uint16_t *restrict gate_up, int64_t rows, int64_t n, uint16_t *restrict out,    \
+                     int32_t num_threads) {                                                                 \
+        const int parallel = num_threads > 1 && rows * n >= PARALLEL_ELEMENTS;                             \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (parallel)")                \
+        for (int64_t r = 0; r < rows; r++) {                                                               \
+            const uint16_t *restrict gate = gate_up + r * 2 * n, *restrict up = gate + n;                   \
+            float g[16], s[16];                                                                            \
+            for (int64_t i = 0; i < n; i += 16) {                                                          \
+                const int count = n - i >= 16 ? 16 : (int)(n - i);                                         \
+                for (int j = 0; j < count; j++)                                                            \
+                    g[j] = from_bf16(gate[i + j]);                                                         \
+                ACT16(g, count, s);                                                                        \
+                for (int j = 0; j < count; j++)                                                            \
+                    out[r * n + i + j] = to_bf16(from_bf16(to_bf16(s[j])) * from_bf16(up[i + j]));          \
+            }                                                                                              \
+        }                                                                                                  \
     }
-}
 
-void silu_mul_bf16(const uint16_t *restrict gate_up, int64_t rows, int64_t n, uint16_t *restrict out,
-                   int32_t num_threads) {
-    const int parallel = num_threads > 1 && rows * n >= PARALLEL_ELEMENTS;
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *restrict gate = gate_up + r * 2 * n, *restrict up = gate + n;
-        float g[16], s[16];
-        for (int64_t i = 0; i < n; i += 16) {
-            const int count = n - i >= 16 ? 16 : (int)(n - i);
-            for (int j = 0; j < count; j++)
-                g[j] = from_bf16(gate[i + j]);
-            silu16(g, count, s);
-            for (int j = 0; j < count; j++)
-                out[r * n + i + j] = to_bf16(from_bf16(to_bf16(s[j])) * from_bf16(up[i + j]));
-        }
-    }
-}
+GATE_MUL(silu_mul, silu16)
+GATE_MUL(gelu_mul, gelu16)
 
 /* -- call lists ----------------------------------------------------------------------------------- */
 
-struct silu_mul_args {
+struct gate_mul_args {
     const void *gate_up;
     int64_t rows, n;
     void *out;
     int32_t num_threads;
 };
 
-int silu_mul_f32_call(const struct silu_mul_args *a) {
-    silu_mul_f32(a->gate_up, a->rows, a->n, a->out, a->num_threads);
-    return 0;
-}
+#define GATE_MUL_CALL(NAME)                                                                               \
+    int NAME##_call(const struct gate_mul_args *a) {                                                      \
+        NAME(a->gate_up, a->rows, a->n, a->out, a->num_threads);                                          \
+        return 0;                                                                                         \
+    }
 
-int silu_mul_bf16_call(const struct silu_mul_args *a) {
-    silu_mul_bf16(a->gate_up, a->rows, a->n, a->out, a->num_threads);
-    return 0;
-}
+GATE_MUL_CALL(silu_mul_f32)
+GATE_MUL_CALL(silu_mul_bf16)
+GATE_MUL_CALL(gelu_mul_f32)
+GATE_MUL_CALL(gelu_mul_bf16)
 
 /* x += y over n elements; bf16 rounds the fp32 sum once, as torch's add_ does. */
 struct add_args {

@@ -1,4 +1,5 @@
-"""The compiled step kernels (step.c): SwiGLU's silu(gate) * up, the residual add, and call lists.
+"""The compiled step kernels (step.c): the gated MLPs' act(gate) * up (SwiGLU's silu, GeGLU's tanh
+GELU), the residual add, and call lists.
 
 Built like the paged decode kernel (kvgen/model/kernels/__init__.py: the host's ISA, never AMX);
 where it cannot be built `step_kernels()` is None: kvgen.model.layers then uses torch's ops, and
@@ -20,11 +21,12 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
 SILU_DTYPES = {torch.float32: "silu_mul_f32", torch.bfloat16: "silu_mul_bf16"}
+GATE_ACTIVATIONS = ("silu", "gelu_tanh")  # kvgen.model.architectures.ACTIVATIONS, each with a kernel
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class _SiluArgs(ctypes.Structure):
-    """`struct silu_mul_args` of step.c."""
+class _GateArgs(ctypes.Structure):
+    """`struct gate_mul_args` of step.c."""
 
     _fields_ = [("gate_up", _P), ("rows", _I64), ("n", _I64), ("out", _P), ("num_threads", ctypes.c_int32)]
 
@@ -62,10 +64,15 @@ class CallList:
 
 class StepKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._silu_mul = dtype_functions(library, SILU_DTYPES, [_P, _I64, _I64, _P, ctypes.c_int32], None)
+        suffixes = {torch.float32: "f32", torch.bfloat16: "bf16"}
+        names = {"silu": "silu_mul_", "gelu_tanh": "gelu_mul_"}
+        self._gate_mul = {act: dtype_functions(library, {d: name + c for d, c in suffixes.items()},
+                                               [_P, _I64, _I64, _P, ctypes.c_int32], None)
+                          for act, name in names.items()}
+        self._gate_mul_calls = {act: dtype_functions(library, {d: f"{name}{c}_call" for d, c in suffixes.items()},
+                                                     [_P], ctypes.c_int)
+                                for act, name in names.items()}
         calls = {torch.float32: "f32_call", torch.bfloat16: "bf16_call"}
-        self._silu_mul_calls = dtype_functions(library, {d: "silu_mul_" + c for d, c in calls.items()}, [_P],
-                                               ctypes.c_int)
         self._add_calls = dtype_functions(library, {d: "add_" + c for d, c in calls.items()}, [_P], ctypes.c_int)
         self._convert_calls = {(torch.bfloat16, torch.float32): library.bf16_to_f32_call,
                                (torch.float32, torch.bfloat16): library.f32_to_bf16_call}
@@ -74,21 +81,27 @@ class StepKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2n] (gate, then up), fp32 or bf16, on the CPU -> silu(gate) * up [T, n]."""
+        return self.gate_mul("silu", gate_up)
+
+    def gate_mul(self, activation: str, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2n] (gate, then up), fp32 or bf16, on the CPU -> act(gate) * up [T, n]."""
         if gate_up.dtype not in SILU_DTYPES or gate_up.dim() != 2 or gate_up.shape[1] % 2:
-            raise ValueError(f"silu_mul: gate_up [T, 2n] of fp32 or bf16, not {gate_up.dtype} {list(gate_up.shape)}")
+            raise ValueError(f"{activation}: gate_up [T, 2n] of fp32 or bf16, not {gate_up.dtype} "
+                             f"{list(gate_up.shape)}")
         gate_up = gate_up.contiguous()
         rows, n = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, n, dtype=gate_up.dtype)
-        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
+        self._gate_mul[activation][gate_up.dtype](gate_up.data_ptr(), rows, n, out.data_ptr(),
+                                                  torch.get_num_threads())
         return out
 
-    def silu_mul_call(self, gate_up: torch.Tensor, out: torch.Tensor) -> KernelCall:
-        """out = silu_mul(gate_up), of one dtype (fp32 or bf16) and contiguous, as a KernelCall."""
+    def gate_mul_call(self, activation: str, gate_up: torch.Tensor, out: torch.Tensor) -> KernelCall:
+        """out = act(gate) * up from gate_up, of one dtype (fp32 or bf16) and contiguous, as a KernelCall."""
         rows, n = out.shape
         assert (gate_up.dtype == out.dtype and gate_up.is_contiguous() and out.is_contiguous()
                 and gate_up.shape == (rows, 2 * n))
-        args = _SiluArgs(gate_up.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
-        return KernelCall(self._silu_mul_calls[out.dtype], args, keep=(gate_up, out))
+        args = _GateArgs(gate_up.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
+        return KernelCall(self._gate_mul_calls[activation][out.dtype], args, keep=(gate_up, out))
 
     def add_call(self, x: torch.Tensor, y: torch.Tensor) -> KernelCall:
         """x += y, of one dtype (fp32 or bf16), contiguous and of one shape, as a KernelCall."""
