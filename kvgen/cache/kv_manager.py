@@ -184,6 +184,13 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def fits(self, num_tokens: int) -> bool:
+        """Whether one sequence holding `num_tokens` tokens at once fits the pool at all."""
+        return self.num_blocks_needed(num_tokens) <= self.num_blocks
+
+    def slide(self, seq_id: int, num_computed_tokens: int) -> None:
+        """Nothing: every layer keeps every token (kvgen.cache.hybrid's manager slides its windows)."""
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.pool.num_free
 
@@ -230,12 +237,10 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id}: cached_prefix is only allowed on its first allocate")
         state = state or _SeqState()
         self._check_allocate_args(state, len(token_ids) + num_lookahead, token_ids, num_new_tokens, prefix)
-        start = state.num_slots + len(prefix) * self.block_size
-        end = start + num_new_tokens
+        end = state.num_slots + len(prefix) * self.block_size + num_new_tokens
         num_fresh = self.num_blocks_needed(end) - state.num_entries - len(prefix)
         cow = num_new_tokens > 0 and self._shares_partial_block(state)
-        num_revived = sum(1 for b in prefix if b.ref_count == 0)  # leave the free queue too
-        if num_fresh + cow + num_revived > self.pool.num_free:
+        if self._blocks_to_take(state, num_new_tokens, prefix) > self.pool.num_free:
             return False
         self._add_prefix(state, prefix)
         if cow:
@@ -247,6 +252,19 @@ class KVCacheManager:
             self._seqs[seq_id] = state
             self._count_prefix_query(len(token_ids), len(prefix))
         return True
+
+    def can_extend(self, seq_id: int, num_new_tokens: int, cached_prefix: list[Block] | None = None) -> bool:
+        """Whether `allocate` with these arguments would find its blocks (it changes nothing)."""
+        state = self._seqs.get(seq_id) or _SeqState()
+        return self._blocks_to_take(state, num_new_tokens, cached_prefix or []) <= self.pool.num_free
+
+    def _blocks_to_take(self, state: _SeqState, num_new_tokens: int, prefix: list[Block]) -> int:
+        """Free blocks an allocation takes: fresh ones, a copy-on-write copy, and revived prefix blocks
+        (which leave the free queue too)."""
+        end = state.num_slots + len(prefix) * self.block_size + num_new_tokens
+        num_fresh = self.num_blocks_needed(end) - state.num_entries - len(prefix)
+        cow = num_new_tokens > 0 and self._shares_partial_block(state)
+        return num_fresh + cow + sum(1 for b in prefix if b.ref_count == 0)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Makes `child_id` share every block of `parent_id` (copy-on-write on later appends)."""

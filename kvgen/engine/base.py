@@ -134,11 +134,17 @@ class Engine(ABC):
         return None if params.grammar is None else self.grammars.compile(params.grammar)
 
     def resolve_policy(self, params: SamplingParams) -> CachePolicy:
-        """The request's cache policy; models with a sliding window get it unless told otherwise."""
+        """The request's cache policy; models with a sliding window get it unless told otherwise. On a
+        hybrid model (Gemma 3) `window:W` bounds every layer by W (windowed layers by the smaller
+        window); sinks re-rotate keys by cache rank and h2o ranks keys over every layer, neither of
+        which a hybrid cache's kinds share, so they are refused."""
         policy = CachePolicy.parse(params.kv_policy)
         window = self.model_config.sliding_window
         if policy.kind == "full" and window is not None:
             return CachePolicy("window", window=window)
+        if self.model_config.is_hybrid and policy.kind in ("sinks", "h2o"):
+            raise InvalidRequestError(f"kv_policy {policy.spec} does not combine with this model's own sliding-window "
+                                      "layers (full and window:W do)")
         return policy
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:

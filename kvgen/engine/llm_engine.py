@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvgen.cache.hybrid import HybridKVManager, LayerKind, layer_kinds, split_budget
 from kvgen.cache.kv_manager import NULL_BLOCK, KVCacheManager
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of, num_blocks_for_budget
 from kvgen.config import DEFAULT_KV_MEMORY, EngineConfig
@@ -28,7 +29,7 @@ from kvgen.model.kernels import paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
 from kvgen.model.llama import LlamaModel
 from kvgen.rejection_sampler import Verdict
-from kvgen.runner.model_runner import BlockTables, ModelRunner
+from kvgen.runner.model_runner import BlockTables, KVKind, ModelRunner
 from kvgen.sampler import SamplerOutput, logprobs_of
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,15 @@ class LLMEngine(Engine):
         super().__init__(loaded, config)
         cfg = loaded.config
         self.bytes_per_token = kv_bytes_per_token_of(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_dtype)
-        num_blocks = self._num_blocks()
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.layer_kinds = layer_kinds([cfg.window(i) for i in range(cfg.num_layers)]) if cfg.is_hybrid else []
+        if self.layer_kinds:
+            self.kind_blocks = self._kind_blocks()
+            self.kv = HybridKVManager([KVCacheManager(n, config.block_size, config.enable_prefix_caching)
+                                       for n in self.kind_blocks], self.layer_kinds, config.max_num_batched_tokens)
+            num_blocks = self.kind_blocks[0]
+        else:
+            num_blocks = self._num_blocks()
+            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = self._build_runner(num_blocks)
         self.speculator: Speculator | None = build_speculator(config, loaded.config, self.kv, draft)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv,
@@ -52,18 +60,51 @@ class LLMEngine(Engine):
         log.info("%s", self.capacity_report())
 
     def _build_runner(self, num_blocks: int) -> ModelRunner:
-        return build_runner(self.model, self.config, num_blocks, self.kv)
+        if not self.layer_kinds:
+            return build_runner(self.model, self.config, num_blocks, self.kv)
+        return build_hybrid_runner(self.model, self.config, self.layer_kinds, self.kind_blocks, self.kv.kinds)
 
     @property
     def capacity_tokens(self) -> int:
-        return self.kv.num_blocks * self.kv.block_size
+        """Tokens the pools hold: of a hybrid model, those of its global layers' pool."""
+        return (self.kind_blocks[0] if self.layer_kinds else self.kv.num_blocks) * self.kv.block_size
 
     def capacity_report(self) -> str:
         report = (f"KV cache: {self.kv.num_blocks} blocks x {self.kv.block_size} tokens = {self.capacity_tokens} "
                   f"tokens, {format_bytes(self.capacity_tokens * self.bytes_per_token)} "
                   f"({self.bytes_per_token} bytes/token, {self.config.kv_dtype})")
+        if self.layer_kinds:
+            report = "hybrid KV cache: " + "; ".join(self._kind_report(kind, n)
+                                                     for kind, n in zip(self.layer_kinds, self.kind_blocks))
         extra = self.speculator.capacity_report() if self.speculator is not None else None
         return report if extra is None else f"{report}; {extra}"
+
+    def _kind_report(self, kind: LayerKind, num_blocks: int) -> str:
+        cfg = self.model_config
+        per_token = kv_bytes_per_token_of(len(kind.layers), cfg.num_kv_heads, cfg.head_dim, self.config.kv_dtype)
+        tokens = num_blocks * self.kv.block_size
+        what = "global" if kind.window is None else f"window {kind.window}"
+        return (f"{len(kind.layers)} {what} layers, {num_blocks} blocks x {self.kv.block_size} = {tokens} tokens, "
+                f"{format_bytes(tokens * per_token)} ({per_token} bytes/token, {self.config.kv_dtype})")
+
+    def _kind_blocks(self) -> list[int]:
+        """Blocks per kind of a hybrid model: `num_kv_blocks` each, or the budget split in proportion
+        to what a full-length sequence holds in each kind (kvgen.cache.hybrid.split_budget)."""
+        cfg, model = self.config, self.model_config
+        if cfg.num_kv_blocks is not None:
+            return [cfg.num_kv_blocks] * len(self.layer_kinds)
+        per_layer = kv_bytes_per_token_of(1, model.num_kv_heads, model.head_dim, cfg.kv_dtype)
+        held = sum(len(k.layers) * per_layer * k.tokens_held(self.max_model_len, cfg.max_num_batched_tokens,
+                                                                cfg.block_size) for k in self.layer_kinds)
+        budget = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else min(cfg.max_num_seqs * held,
+                                                                                   DEFAULT_KV_MEMORY)
+        shares = split_budget(self.layer_kinds, budget, per_layer, self.max_model_len, cfg.max_num_batched_tokens,
+                              cfg.block_size)
+        blocks = [num_blocks_for_budget(share, cfg.block_size, per_layer * len(k.layers))
+                  for share, k in zip(shares, self.layer_kinds)]
+        if min(blocks) < 1:
+            raise ValueError(f"the KV budget holds no block of {cfg.block_size} tokens in every kind of layer")
+        return blocks
 
     def _num_blocks(self) -> int:
         cfg = self.config
@@ -82,7 +123,7 @@ class LLMEngine(Engine):
         super().check_fits(num_prompt_tokens, params)
         total = num_prompt_tokens + params.max_tokens
         peak = self._peak_tokens(total, params)
-        if self.kv.num_blocks_needed(peak) > self.kv.num_blocks:
+        if not self.kv.fits(peak):
             need = (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} tokens"
                     if peak == total else f"kv_policy {params.kv_policy} holds up to {peak} tokens at once, which")
             raise InvalidRequestError(f"{need} exceeds the KV cache capacity of {self.capacity_tokens} tokens")
@@ -147,9 +188,9 @@ class LLMEngine(Engine):
         """Applies pending copy-on-write copies (to the draft's pools too), fills the drafts; returns
         the step's (prefill, decode) tokens, read before the step advances the sequences."""
         copies = self.kv.take_pending_copies()
-        self.runner.cache.copy_blocks(copies)
-        if self.speculator is not None:
-            self.speculator.copy_blocks(copies)
+        self.runner.copy_blocks(copies)
+        if self.speculator is not None:  # the draft's pools follow the global layers' block ids
+            self.speculator.copy_blocks(copies[0] if self.layer_kinds else copies)
             self.speculator.propose(schedule.chunks)
         return split_tokens(schedule.chunks)
 
@@ -207,6 +248,7 @@ class LLMEngine(Engine):
             dead = self._dead_blocks(seq)
             released.extend(b for i in dead if (b := self.kv.block_id(seq.seq_id, i)) != NULL_BLOCK)
             self.kv.release_blocks(seq.seq_id, dead)
+            self.kv.slide(seq.seq_id, seq.num_computed_tokens)
             if seq.request.metrics.first_scheduled is None:
                 seq.request.metrics.first_scheduled = now
 
@@ -288,6 +330,19 @@ class LLMEngine(Engine):
         self.runner.forget(seq_id)
         if self.speculator is not None:
             self.speculator.forget(seq_id)
+
+
+def build_hybrid_runner(model: LlamaModel, config: EngineConfig, kinds: list[LayerKind], kind_blocks: list[int],
+                        tables: list[KVCacheManager]) -> ModelRunner:
+    """The runner over one pool per kind of layer (kvgen.cache.hybrid), the global kind first."""
+    cfg = model.config
+    pool_dtype = STORAGE_DTYPES[config.kv_dtype]
+    caches = [PagedKVCache(len(kind.layers), n, config.block_size, cfg.num_kv_heads, cfg.head_dim, model.device,
+                           pool_dtype, compute_dtype=model.dtype) for kind, n in zip(kinds, kind_blocks)]
+    decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
+    more = [KVKind(cache, table, kind.window, list(kind.layers))
+            for cache, table, kind in zip(caches[1:], tables[1:], kinds[1:])]
+    return ModelRunner(model, caches[0], tables[0], decode_kernel, more)
 
 
 def build_runner(model: LlamaModel, config: EngineConfig, num_blocks: int, block_tables: BlockTables | None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,17 +63,25 @@ def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: in
     return allowed
 
 
+LayerWindows = Sequence[int | None]  # each layer's sliding window (None: global); empty: none anywhere
+
+
+def _window(windows: LayerWindows, layer: int) -> int | None:
+    return windows[layer] if windows else None
+
+
 class NoCacheAttention(Attention):
     """Plain causal attention over the tokens given: the baseline without a KV cache."""
 
-    def __init__(self, sliding_window: int | None = None) -> None:
-        self.sliding_window = sliding_window
+    def __init__(self, windows: LayerWindows = ()) -> None:
+        self.windows = windows
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.sliding_window is None or q.shape[0] <= self.sliding_window:
+        window = _window(self.windows, layer)
+        if window is None or q.shape[0] <= window:
             return sdpa(q[None], k[None], v[None], None, causal=True)[0]
         positions = torch.arange(q.shape[0], device=q.device)
-        mask = window_mask(positions, positions, self.sliding_window)
+        mask = window_mask(positions, positions, window)
         return sdpa(q[None], k[None], v[None], mask[None, None], causal=False)[0]
 
 
@@ -97,10 +106,10 @@ class ContiguousKVCache:
 class ContiguousAttention(Attention):
     """Appends the new tokens' K/V at positions [start, start + T) and attends over [0, start + T)."""
 
-    def __init__(self, cache: ContiguousKVCache, start: int, sliding_window: int | None = None) -> None:
+    def __init__(self, cache: ContiguousKVCache, start: int, windows: LayerWindows = ()) -> None:
         self.cache = cache
         self.start = start
-        self.sliding_window = sliding_window
+        self.windows = windows
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         end = self.start + q.shape[0]
@@ -109,13 +118,13 @@ class ContiguousAttention(Attention):
         v_cache[0, :, self.start : end] = v.transpose(0, 1)
         keys = k_cache[:, :, :end].transpose(1, 2)  # [1, L, kv_heads, D]
         values = v_cache[:, :, :end].transpose(1, 2)
-        if self.start == 0 and (self.sliding_window is None or end <= self.sliding_window):
+        window = _window(self.windows, layer)
+        if self.start == 0 and (window is None or end <= window):
             return sdpa(q[None], keys, values, None, causal=True)[0]
-        if q.shape[0] == 1 and (self.sliding_window is None or end <= self.sliding_window):
+        if q.shape[0] == 1 and (window is None or end <= window):
             return sdpa(q[None], keys, values, None, causal=False)[0]
         device = q.device
-        mask = window_mask(torch.arange(self.start, end, device=device), torch.arange(end, device=device),
-                           self.sliding_window)
+        mask = window_mask(torch.arange(self.start, end, device=device), torch.arange(end, device=device), window)
         return sdpa(q[None], keys, values, mask[None, None], causal=False)[0]
 
 
@@ -261,49 +270,62 @@ class PagedAttention(Attention):
     decodes and verify chunks through `decode_kernel` (reads blocks in place) when given, else
     gather + SDPA."""
 
-    def __init__(self, cache: PagedKVCache, meta: PagedMetadata, decode_kernel: PagedDecode | None = None) -> None:
+    def __init__(self, cache: PagedKVCache, meta: PagedMetadata, decode_kernel: PagedDecode | None = None,
+                 more_kinds: Sequence[tuple[PagedKVCache, PagedMetadata]] = (),
+                 layer_kinds: Sequence[tuple[int, int]] = ()) -> None:
+        """`cache` and `meta`: the pools of every layer, or of a hybrid model's global layers, with
+        `more_kinds` the pools and metadata of its windowed layers and `layer_kinds` each model
+        layer's (kind, index in that kind's pools) (kvgen.cache.hybrid)."""
         self.cache = cache
         self.meta = meta
+        self.kinds = [(cache, meta), *more_kinds]
+        self.layer_kinds = layer_kinds
         self.decode_kernel = decode_kernel
         # The CPU kernels come together: where decodes read the pools in place, causal prompt chunks
         # take the prefill kernel (kvgen.model.kernels.prefill).
         self.prefill_kernel = prefill_attention_kernel() if decode_kernel is not None else None
-        self._group_calls: dict[int, GroupDecode] = {}  # by group index: the kernel's per-step arguments
+        self._group_calls: dict[tuple[int, int], GroupDecode] = {}  # by (kind, group): the kernel's arguments
+
+    def kind_of(self, layer: int) -> tuple[int, int]:
+        """(kind, index of the layer in that kind's pools)."""
+        return self.layer_kinds[layer] if self.layer_kinds else (0, layer)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self._write(layer, k, v)
+        kind, layer = self.kind_of(layer)
+        cache, meta = self.kinds[kind]
+        self._write(cache, meta, layer, k, v)
         outputs = []
-        for index, group in enumerate(self.meta.groups):
+        for index, group in enumerate(meta.groups):
             batch, _, num_queries, _ = group.mask.shape
             rows = q[group.first_row : group.first_row + batch * num_queries]
-            outputs.append(self._attend(layer, index, group, rows))
+            outputs.append(self._attend(cache, layer, (kind, index), group, rows))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write(self, cache: PagedKVCache, meta: PagedMetadata, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The step's K/V into the pools: through the kernel's store where they already have the pool's
         dtype, fp32 or bf16 (the same bytes, in a third of the time of torch's index_copy_), else
         PagedKVCache.write."""
-        cache = self.cache
         if self.decode_kernel is not None and cache.k[layer].dtype in STORE_DTYPES and k.dtype == cache.k[layer].dtype:
-            self.decode_kernel.store(cache.k[layer], cache.v[layer], self.meta.slot_mapping, k, v)
+            self.decode_kernel.store(cache.k[layer], cache.v[layer], meta.slot_mapping, k, v)
         else:
-            cache.write(layer, self.meta.slot_mapping, k, v)
+            cache.write(layer, meta.slot_mapping, k, v)
 
-    def _attend(self, layer: int, index: int, group: PagedGroup, rows: torch.Tensor) -> torch.Tensor:
+    def _attend(self, cache: PagedKVCache, layer: int, key: tuple[int, int], group: PagedGroup,
+                rows: torch.Tensor) -> torch.Tensor:
         """rows [B * Q, heads, D] -> [B * Q, heads, D]: through the decode kernel where it applies, else
         through a gathered copy of the group's K/V (also gathered to record heavy-hitter weights): the
         prefill kernel for a causal prompt chunk, SDPA for the rest."""
         in_place = self._in_place(group)
         if in_place and group.score_rows is None:  # a decode step's usual path: nothing else to build
-            return self._decode(layer, index, group, rows)
+            return self._decode(cache, layer, key, group, rows)
         batch, _, num_queries, _ = group.mask.shape
         queries = rows.view(batch, num_queries, *rows.shape[1:]).transpose(1, 2)  # [B, heads, Q, D]
-        gathered = self._gather(layer, group)
+        gathered = self._gather(cache, layer, group)
         if group.score_rows is not None:
             scored = group.score_rows
             group.scores += attention_weights(queries[scored], gathered[0][scored], group.mask[scored])
         if in_place:
-            return self._decode(layer, index, group, rows)
+            return self._decode(cache, layer, key, group, rows)
         keys, values = gathered
         if self.prefill_kernel is not None and group.causal_from is not None and batch == 1:
             out = self.prefill_kernel(rows, keys[0], values[0], group.causal_from)
@@ -313,23 +335,24 @@ class PagedAttention(Attention):
         out = sdpa_heads_first(queries, keys, values, None if causal else group.mask, causal)
         return out.transpose(1, 2).reshape(rows.shape)
 
-    def _decode(self, layer: int, index: int, group: PagedGroup, rows: torch.Tensor) -> torch.Tensor:
+    def _decode(self, cache: PagedKVCache, layer: int, key: tuple[int, int], group: PagedGroup,
+                rows: torch.Tensor) -> torch.Tensor:
         """rows [B * Q, heads, D] through the kernel, reading the layer's pools in place. The kernel's
         call for the group is built at its first layer and reused by the others."""
-        call = self._group_calls.get(index)
+        call = self._group_calls.get(key)
         if call is None:
             batch, _, num_queries, length = group.mask.shape
-            call = self.decode_kernel.for_group(group.kv_blocks, self.cache.block_size,
+            call = self.decode_kernel.for_group(group.kv_blocks, cache.block_size,
                                                 group.mask.view(batch * num_queries, length))
-            self._group_calls[index] = call
-        cache = self.cache
+            self._group_calls[key] = call
         scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else None
         return call(rows, cache.k[layer], cache.v[layer], scales)
 
     def decodes_in_place(self) -> bool:
         """Every group attends through the kernel, with no weights to record: the step's attention is
         the kernel's alone (kvgen.model.fused runs such steps from C)."""
-        return all(self._in_place(group) and group.score_rows is None for group in self.meta.groups)
+        return all(self._in_place(group) and group.score_rows is None
+                   for _, meta in self.kinds for group in meta.groups)
 
     def _in_place(self, group: PagedGroup) -> bool:
         """The kernel reads the cached keys as they are, for a decode or a verify chunk's few queries
@@ -337,9 +360,9 @@ class PagedAttention(Attention):
         return (self.decode_kernel is not None and group.mask.shape[2] <= IN_PLACE_QUERIES
                 and group.key_rotation is None)
 
-    def _gather(self, layer: int, group: PagedGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, cache: PagedKVCache, layer: int, group: PagedGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's keys (re-rotated where asked) and values [B, kv_heads, L, D]."""
-        keys, values = self.cache.gather(layer, group.kv_blocks)
+        keys, values = cache.gather(layer, group.kv_blocks)
         if group.key_rotation is not None:
             keys = apply_rope(keys, *group.key_rotation)
         return keys, values

@@ -21,7 +21,7 @@ once here and shared by every layer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import torch
@@ -50,6 +50,7 @@ class StepInputs:
     meta: PagedMetadata
     logit_rows: torch.Tensor  # [S] rows whose hidden states give logits, in the chunks' order
     score_targets: list["ScoreTarget"]
+    more_metas: list[PagedMetadata] = field(default_factory=list)  # the other kinds' (ModelRunner.kinds[1:])
 
 
 @dataclass
@@ -75,17 +76,41 @@ class HeavyHitters:
             self.evicted = torch.cat((self.evicted, self.evicted.new_zeros(extra)))
 
 
+@dataclass
+class KVKind:
+    """The pools and block tables of one kind of layer: every layer of most models; in a hybrid model
+    (kvgen.cache.hybrid) the global layers, or those of one sliding window."""
+
+    cache: PagedKVCache  # pools of `layers` only, in that order
+    tables: BlockTables
+    window: int | None
+    layers: list[int]
+
+
 class ModelRunner:
-    """Owns the model, the KV pools and per-sequence tensor state; knows tensors, not queues."""
+    """Owns the model, the KV pools and per-sequence tensor state; knows tensors, not queues.
+    `more_kinds`: a hybrid model's windowed layers, beside the global ones in `cache`."""
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache, block_tables: BlockTables,
-                 decode_kernel: PagedDecode | None = None) -> None:
+                 decode_kernel: PagedDecode | None = None, more_kinds: list[KVKind] = ()) -> None:
         self.model = model
         self.cache = cache
         self.decode_kernel = decode_kernel
         self.block_tables = block_tables
         self.device = model.device
         self.heavy_hitters: dict[int, HeavyHitters] = {}
+        first_layers = [i for i in range(model.config.num_layers)
+                        if all(i not in kind.layers for kind in more_kinds)]
+        self.kinds = [KVKind(cache, block_tables, None, first_layers), *more_kinds]
+        # per model layer: (its kind, its index in that kind's pools)
+        self.layer_kinds = [next((k, kind.layers.index(i)) for k, kind in enumerate(self.kinds) if i in kind.layers)
+                            for i in range(model.config.num_layers)]
+
+    def copy_blocks(self, copies: list[tuple[int, int]] | list[list[tuple[int, int]]]) -> None:
+        """Copy-on-write copies before the step: a list per kind where there are several kinds."""
+        per_kind = copies if len(self.kinds) > 1 else [copies]
+        for kind, kind_copies in zip(self.kinds, per_kind):
+            kind.cache.copy_blocks(kind_copies)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], all_logits: set[int] = frozenset()) -> torch.Tensor:
@@ -96,7 +121,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass over a prepared step (tensor-parallel workers get theirs from rank 0)."""
-        attention = PagedAttention(self.cache, inputs.meta, self.decode_kernel)
+        attention = PagedAttention(self.cache, inputs.meta, self.decode_kernel,
+                                   [(kind.cache, meta) for kind, meta in zip(self.kinds[1:], inputs.more_metas)],
+                                   self.layer_kinds if len(self.kinds) > 1 else ())
         with blas_owns_the_cores(self.model.device, self.model.dtype, gemv_only=len(inputs.token_ids) == 1):
             hidden = self.model.forward(inputs.token_ids, inputs.positions, attention)
             self._accumulate_scores(inputs.score_targets)
@@ -107,33 +134,45 @@ class ModelRunner:
 
         Chunks are laid out decodes first (in groups of similar length), then each prefill chunk.
         """
-        reads = {c.seq.seq_id: self._blocks_read(c) for c in chunks}
+        reads = {c.seq.seq_id: self._blocks_read(c, self.kinds[0]) for c in chunks}
         decodes = [c for c in chunks if c.num_tokens == 1]
         chunk_groups = [*similar_lengths(decodes, lambda c: len(reads[c.seq.seq_id])),
                         *self._verify_groups([c for c in chunks if c.num_tokens > 1 and c.draft], reads),
                         *([c] for c in chunks if c.num_tokens > 1 and not c.draft)]
         ordered = [c for group in chunk_groups for c in group]
+        meta, positions, score_targets = self._metadata(self.kinds[0], chunk_groups, ordered, reads)
+        more_metas = [self._metadata(kind, chunk_groups, ordered)[0] for kind in self.kinds[1:]]
+        token_ids = [t for c in ordered for t in c.token_ids]
+        return StepInputs(
+            token_ids=torch.tensor(token_ids, device=self.device),
+            positions=positions,
+            meta=meta,
+            logit_rows=torch.tensor(_logit_rows(chunks, ordered, all_logits), dtype=torch.long, device=self.device),
+            score_targets=score_targets,
+            more_metas=more_metas,
+        )
+
+    def _metadata(self, kind: KVKind, chunk_groups: list[list[ScheduledChunk]], ordered: list[ScheduledChunk],
+                  reads: dict[int, list[tuple[int, int]]] | None = None
+                  ) -> tuple[PagedMetadata, torch.Tensor, list[ScoreTarget]]:
+        """One kind's metadata for the step's rows (laid out once, the same for every kind): the
+        slots its tables give, the groups over the blocks it still holds; and the rows' RoPE
+        positions and heavy-hitter targets."""
+        reads = reads or {c.seq.seq_id: self._blocks_read(c, kind) for c in ordered}
         groups: list[PagedGroup] = []
         score_targets: list[ScoreTarget] = []
         positions = []
         first_row = 0
         for group_chunks in chunk_groups:
-            group, group_pos, target = self._group(group_chunks, reads, first_row)
+            group, group_pos, target = self._group(group_chunks, reads, first_row, kind.window)
             groups.append(group)
             if target is not None:
                 score_targets.append(target)
             positions.append(group_pos)
             first_row += group_pos.numel()
-        token_ids = [t for c in ordered for t in c.token_ids]
-        slots = [s for c in ordered for s in self._write_slots(c)]
+        slots = [s for c in ordered for s in self._write_slots(c, kind.tables)]
         meta = PagedMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device), groups=groups)
-        return StepInputs(
-            token_ids=torch.tensor(token_ids, device=self.device),
-            positions=torch.cat(positions),
-            meta=meta,
-            logit_rows=torch.tensor(_logit_rows(chunks, ordered, all_logits), dtype=torch.long, device=self.device),
-            score_targets=score_targets,
-        )
+        return meta, torch.cat(positions), score_targets
 
     @staticmethod
     def _verify_groups(chunks: list[ScheduledChunk], reads: dict[int, list[tuple[int, int]]]
@@ -146,27 +185,29 @@ class ModelRunner:
                 for group in similar_lengths(same, lambda c: len(reads[c.seq.seq_id]))]
 
     def _group(self, chunks: list[ScheduledChunk], reads: dict[int, list[tuple[int, int]]],
-               first_row: int) -> tuple[PagedGroup, torch.Tensor, ScoreTarget | None]:
+               first_row: int, window: int | None = None) -> tuple[PagedGroup, torch.Tensor, ScoreTarget | None]:
         """One SDPA group, B chunks of Q tokens each (B decodes, or one prefill chunk): its keys read
-        through the live blocks [B, L]; returns it, the RoPE positions of its rows and its h2o target."""
+        through the live blocks [B, L], within the layers' `window` if they have one; returns it, the
+        RoPE positions of its rows and its h2o target."""
         device = self.device
         num_queries = chunks[0].num_tokens
         start = torch.tensor([c.start for c in chunks], device=device)  # [B]
         q_pos = start[:, None] + torch.arange(num_queries, device=device)[None, :]  # [B, Q] token indices
         kv_blocks, k_pos = self._live_keys([reads[c.seq.seq_id] for c in chunks])  # [B, N], [B, L]
         policies = [c.seq.policy for c in chunks]
-        mask = self._policy_mask(policies, q_pos, k_pos)  # [B, Q, L]
-        one_whole_sequence = len(chunks) == 1 and num_queries > 1 and policies[0].kind == "full"
+        mask = self._policy_mask(policies, q_pos, k_pos, window)  # [B, Q, L]
+        unbounded = window is None or chunks[0].start + num_queries <= window
+        one_whole_sequence = len(chunks) == 1 and num_queries > 1 and policies[0].kind == "full" and unbounded
         group = PagedGroup(first_row, kv_blocks, mask[:, None], chunks[0].start if one_whole_sequence else None)
         self._add_sink_rotation(group, policies, q_pos[:, -1], k_pos)
         target = self._add_heavy_hitters(group, chunks, k_pos)
         return group, self._rope_positions(policies, q_pos).flatten(), target
 
-    def _blocks_read(self, c: ScheduledChunk) -> list[tuple[int, int]]:
-        """(block index, block id) of every block the chunk's queries read: those its sequence still
-        holds, up to the one of its last token."""
+    def _blocks_read(self, c: ScheduledChunk, kind: KVKind) -> list[tuple[int, int]]:
+        """(block index, block id) of every block the chunk's queries read in one kind's tables: those
+        its sequence still holds, up to the one of its last token."""
         needed = -(-(c.start + c.num_tokens) // self.cache.block_size)
-        return [(i, b) for i, b in self.block_tables.live_blocks(c.seq.seq_id) if i < needed]
+        return [(i, b) for i, b in kind.tables.live_blocks(c.seq.seq_id) if i < needed]
 
     def _live_keys(self, reads: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids [B, N] each sequence reads, and the token index of each key [B, N * block_size].
@@ -179,11 +220,14 @@ class ModelRunner:
         offsets = torch.arange(block_size, device=self.device)
         return ids_t, (idx_t[:, :, None] * block_size + offsets).flatten(1)
 
-    def _policy_mask(self, policies: list[CachePolicy], q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """[B, Qmax, L]: causal, and inside each sequence's sinks + window. (h2o: heavy hitters lie
-        outside the window, so its keys are limited by eviction, in `_add_heavy_hitters`, instead.)"""
+    def _policy_mask(self, policies: list[CachePolicy], q_pos: torch.Tensor, k_pos: torch.Tensor,
+                     layer_window: int | None = None) -> torch.Tensor:
+        """[B, Qmax, L]: causal, and inside each sequence's sinks + window and the layers' own window.
+        (h2o: heavy hitters lie outside the window, so its keys are limited by eviction, in
+        `_add_heavy_hitters`, instead.)"""
         mask = k_pos[:, None, :] <= q_pos[:, :, None]
-        windows = [FAR if p.window is None or p.kind == "h2o" else p.window for p in policies]
+        windows = [min(FAR if p.window is None or p.kind == "h2o" else p.window, layer_window or FAR)
+                   for p in policies]
         if all(w == FAR for w in windows):
             return mask
         sinks = torch.tensor([p.sinks for p in policies], device=self.device)[:, None, None]
@@ -265,8 +309,8 @@ class ModelRunner:
     def forget(self, seq_id: int) -> None:
         self.heavy_hitters.pop(seq_id, None)
 
-    def _write_slots(self, c: ScheduledChunk) -> list[int]:
-        block_size, block_id = self.cache.block_size, self.block_tables.block_id
+    def _write_slots(self, c: ScheduledChunk, tables: BlockTables) -> list[int]:
+        block_size, block_id = self.cache.block_size, tables.block_id
         return [block_id(c.seq.seq_id, p // block_size) * block_size + p % block_size
                 for p in range(c.start, c.start + c.num_tokens)]
 
