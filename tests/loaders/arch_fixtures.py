@@ -16,6 +16,12 @@ newer `gguf` than the pip-installed one). Failing to get it is an error, never a
 Cache: $KVGEN_TEST_MODELS, default ~/.cache/kvgen-test-models/, one folder per fixture and
 FIXTURE_VERSION (bump it when a spec changes; old folders are simply left behind).
 
+Tokenizers (the converter must accept them; see _bpe_tokenizer_dir for why these two BPEs):
+- llama, phi3, gemma3, gemma3-hf: stories260K's SentencePiece tok512.model (512 pieces) as
+  tokenizer.model -> GGUF tokenizer.ggml.model "llama", pre "default";
+- qwen2: Qwen2's own BPE (151936), from the converter's sdist -> "gpt2", pre "qwen2";
+- qwen3: SmolLM2's BPE (49152), from the shared SmolLM2 GGUF -> "gpt2", pre "smollm".
+
 What GGUF cannot say (the fixtures are chosen so that llama.cpp's reading and transformers' reading
 of each GGUF agree with the HF directory, which `test_arch_fixtures.py` checks):
 - Gemma 3: no `query_pre_attn_scalar` key (llama.cpp scales by 1/sqrt(head_dim), or by

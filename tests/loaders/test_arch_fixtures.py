@@ -38,8 +38,10 @@ def gguf_fields(path) -> dict:
     return out
 
 
-def slow_if(*archs):
-    return [pytest.param(a, marks=pytest.mark.slow) if a in archs else a for a in ARCHS]
+def gguf_archs(*slow):
+    """GGUF_ARCHS, those in `slow` marked slow (transformers takes ~40 s to read qwen2's 151936-token
+    GGUF, ~11 s for qwen3's 49152: it parses the whole vocabulary to build the model's config)."""
+    return [pytest.param(a, marks=pytest.mark.slow) if a in slow else a for a in GGUF_ARCHS]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -50,7 +52,6 @@ def test_features(arch_ckpt, arch):
     print(f"\n{arch}: {json.dumps(c, sort_keys=True)}\nbuild timing: {build_timing(arch)}")
     assert (c["num_attention_heads"], c["num_key_value_heads"]) == (4, 2)  # GQA
     assert c["torch_dtype" if "torch_dtype" in c else "dtype"] == "float32"
-    assert all(f.dtype == torch.float32 for f in [torch.zeros(1)])
     with safe_open(ckpt.hf_dir / "model.safetensors", "pt") as f:
         assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"F32"}
     if arch == "qwen2":
@@ -84,7 +85,7 @@ def test_reference_is_self_consistent(arch_ckpt, arch):
     assert len(set(tokens)) >= 4, tokens
 
 
-@pytest.mark.parametrize("arch", [a for a in slow_if("qwen2") if getattr(a, "values", [a])[0] in GGUF_ARCHS])
+@pytest.mark.parametrize("arch", gguf_archs("qwen2"))
 def test_gguf_roundtrip(arch_ckpt, arch):
     """transformers reads the F32 GGUF back into the same model: the same greedy tokens."""
     ckpt = arch_ckpt(arch)
@@ -101,7 +102,7 @@ def test_gguf_roundtrip(arch_ckpt, arch):
     assert hf_greedy(ckpt.gguf, prompt, N) == hf_greedy(ckpt.hf_dir, prompt, N)
 
 
-@pytest.mark.parametrize("arch", [a for a in slow_if("qwen2", "qwen3") if getattr(a, "values", [a])[0] in GGUF_ARCHS])
+@pytest.mark.parametrize("arch", gguf_archs("qwen2"))
 def test_gguf_q8_0(arch_ckpt, arch):
     """The Q8_0 GGUF is the same model up to quantization: last-position logits nearly parallel."""
     ckpt = arch_ckpt(arch)
