@@ -309,6 +309,7 @@ def _build(arch: str, spec: ArchSpec, root: Path) -> None:
                 convert(tmp / "hf", tmp / f"{arch}-{outtype}.gguf", outtype)
                 timing[f"convert_{outtype}_s"] = round(time.perf_counter() - t, 2)
         (tmp / "DONE").write_text(json.dumps(timing))
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the fixture from other users of the cache
         tmp.rename(root)
         _log(f"built {arch} in {root}: {timing}")
     finally:
