@@ -1,0 +1,367 @@
+"""Tiny random-weight checkpoints of real architectures, in both formats, for parity tests.
+
+For each architecture in `ARCHS`, `arch_checkpoint(arch)` builds (once, then from the on-disk cache):
+
+- a Hugging Face directory saved by transformers itself (`save_pretrained`, safetensors, float32),
+  with a real tokenizer the GGUF converter accepts for that architecture;
+- the GGUF files llama.cpp's own `convert_hf_to_gguf.py` writes from that directory (F32 and Q8_0).
+
+`hf_greedy(path, prompt_ids, n)` is the reference: transformers' greedy decoding in float32.
+
+The converter is taken from the llama-cpp-python source package (`pip download`), which vendors
+llama.cpp: only `convert_hf_to_gguf.py`, `conversion/` and `gguf-py/` are unpacked, once, into the
+cache. The converter runs as a subprocess with that vendored gguf-py first on its path (it needs a
+newer `gguf` than the pip-installed one). Failing to get it is an error, never a skip.
+
+Cache: $KVGEN_TEST_MODELS, default ~/.cache/kvgen-test-models/, one folder per fixture and
+FIXTURE_VERSION (bump it when a spec changes; old folders are simply left behind).
+
+Tokenizers (the converter must accept them; see _bpe_tokenizer_dir for why these two BPEs):
+- llama, phi3, gemma3, gemma3-hf: stories260K's SentencePiece tok512.model (512 pieces) as
+  tokenizer.model -> GGUF tokenizer.ggml.model "llama", pre "default";
+- qwen2: Qwen2's own BPE (151936), from the converter's sdist -> "gpt2", pre "qwen2";
+- qwen3: SmolLM2's BPE (49152), from the shared SmolLM2 GGUF -> "gpt2", pre "smollm".
+
+What GGUF cannot say (the fixtures are chosen so that llama.cpp's reading and transformers' reading
+of each GGUF agree with the HF directory, which `test_arch_fixtures.py` checks):
+- Gemma 3: no `query_pre_attn_scalar` key (llama.cpp scales by 1/sqrt(head_dim), or by
+  1/sqrt(hidden/heads) for the 62-layer 27B), no layer pattern (llama.cpp: every 6th layer is full),
+  and transformers ignores `rope.freq_base_swa` (it takes 10000). Hence `gemma3` keeps head_dim ==
+  query_pre_attn_scalar == 256, the 5:1 pattern and local theta 10000, as gemma-3-270m does;
+  `gemma3-hf` exercises the rest (query_pre_attn_scalar != head_dim, another local theta, a custom
+  `layer_types`) as a HF directory only (its `gguf` is None).
+- Qwen 3: transformers does not read `attention.key_length` back and takes Qwen3Config's default
+  head_dim 128, so the fixture's explicit head_dim is 128 (!= hidden / heads = 16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp converts
+FIXTURE_VERSION = "3"
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED_MODELS = REPO.parent / "shared" / "models"
+SPM_512 = SHARED_MODELS / "stories260K" / "tok512.model"  # a real SentencePiece model, 512 pieces
+QWEN2_VOCAB = "models/ggml-vocab-qwen2.gguf"  # llama.cpp's vocabulary-only test file, in the sdist
+SMOLLM2_GGUF = SHARED_MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVGEN_TEST_MODELS", Path.home() / ".cache" / "kvgen-test-models"))
+
+
+class FixtureError(RuntimeError):
+    """A fixture could not be built; the message says which step and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchCheckpoint:
+    arch: str
+    hf_dir: Path  # config.json, model.safetensors (float32), tokenizer files
+    gguf: Path | None  # F32 GGUF from convert_hf_to_gguf.py; None where GGUF cannot hold the config
+    gguf_q8: Path | None  # the same, Q8_0
+    config: dict  # config.json as saved
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchSpec:
+    config_cls: str
+    model_cls: str
+    config: dict
+    tokenizer: str  # "spm512": tok512.model as tokenizer.model; "smollm2", "qwen2": byte-level BPEs
+    gguf: bool = True
+    # Weights: N(0, init_range) (transformers' init with initializer_range), then every embedding row
+    # rescaled to norm emb_norm. transformers' default 0.02 makes these tiny models repeat one token
+    # (or copy the last prompt token, when embeddings are tied) with top-2 logit margins ~1e-3; these
+    # values were picked, per family, for greedy outputs that vary and margins well above fp32 noise.
+    init_range: float = 0.5
+    emb_norm: float = 4.0
+
+
+# GQA everywhere: 4 query heads over 2 KV heads.
+_BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+_SPM = dict(vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # tok512: <unk> <s> </s>
+_SMOL = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)  # <|im_start|> <|im_end|>
+_QWEN = dict(vocab_size=151936, bos_token_id=151643, eos_token_id=151643, pad_token_id=151643)  # <|endoftext|>
+
+SPECS: dict[str, ArchSpec] = {
+    "llama": ArchSpec("LlamaConfig", "LlamaForCausalLM", _BASE | _SPM | dict(
+        num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), "spm512",
+        init_range=1.0),
+    "qwen2": ArchSpec("Qwen2Config", "Qwen2ForCausalLM", _BASE | _QWEN | dict(
+        num_hidden_layers=2, tie_word_embeddings=True,  # as Qwen2.5-0.5B; q/k/v carry biases
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "qwen2"),
+    "qwen3": ArchSpec("Qwen3Config", "Qwen3ForCausalLM", _BASE | _SMOL | dict(
+        num_hidden_layers=2, head_dim=128, tie_word_embeddings=True,  # q/k norms, no biases
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "smollm2"),
+    "phi3": ArchSpec("Phi3Config", "Phi3ForCausalLM", _BASE | _SPM | dict(
+        num_hidden_layers=2, original_max_position_embeddings=512,  # fused qkv_proj, gate_up_proj
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
+        "spm512", init_range=0.2, emb_norm=0.2 * 8),
+    "gemma3": ArchSpec("Gemma3TextConfig", "Gemma3ForCausalLM", _BASE | _SPM | dict(
+        num_hidden_layers=8, head_dim=256, query_pre_attn_scalar=256, sliding_window=8,
+        tie_word_embeddings=True,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}), "spm512",
+        init_range=1.0, emb_norm=0.5),  # Gemma multiplies embeddings by sqrt(hidden) and ties them: larger ones get copied
+    "gemma3-hf": ArchSpec("Gemma3TextConfig", "Gemma3ForCausalLM", _BASE | _SPM | dict(
+        num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=48, sliding_window=8,
+        tie_word_embeddings=True, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                     "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}), "spm512",
+        gguf=False, init_range=0.2, emb_norm=0.25),
+}
+ARCHS = list(SPECS)
+GGUF_ARCHS = [a for a in ARCHS if SPECS[a].gguf]
+
+
+def _log(msg: str) -> None:
+    print(f"[arch_fixtures] {msg}", file=sys.stderr, flush=True)
+
+
+class _Lock:
+    """An exclusive lock file, so that two test processes (xdist, two sessions) build a fixture once."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = open(self.path, "w")
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        self.fd.close()
+
+
+# -- the converter ---------------------------------------------------------------------------------
+
+def converter_dir() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py with conversion/ and gguf-py/ beside it, from the
+    llama-cpp-python sdist: downloaded and unpacked once into the cache."""
+    root = cache_root() / f"llama-cpp-convert-{LLAMA_CPP_PYTHON}"
+    if (root / "convert_hf_to_gguf.py").is_file():
+        return root
+    with _Lock(cache_root() / ".convert.lock"):
+        if (root / "convert_hf_to_gguf.py").is_file():
+            return root
+        with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                   f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp]
+            _log("downloading the llama-cpp-python sdist for llama.cpp's convert_hf_to_gguf.py")
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+            if not sdists:  # pip may fail after saving (preparing metadata); the file is what counts
+                raise FixtureError(f"cannot get llama.cpp's converter: `{' '.join(cmd)}` failed "
+                                   f"(rc {r.returncode}): {r.stderr.strip()[-2000:]}")
+            prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+            wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE", QWEN2_VOCAB)
+            staged = Path(tmp) / "staged"
+            with tarfile.open(sdists[0]) as tar:
+                members = []
+                for m in tar.getmembers():
+                    rel = m.name[len(prefix):] if m.name.startswith(prefix) else None
+                    if rel and (m.isfile() or m.isdir()) and rel.startswith(wanted):
+                        m.name = rel
+                        members.append(m)
+                tar.extractall(staged, members=members, filter="data")
+            if not (staged / "convert_hf_to_gguf.py").is_file():
+                raise FixtureError(f"{sdists[0].name} holds no {prefix}convert_hf_to_gguf.py")
+            staged.rename(root)
+    return root
+
+
+def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """Runs convert_hf_to_gguf.py on `hf_dir`; raises FixtureError with its output on failure."""
+    conv = converter_dir()
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the script then prefers gguf-py
+    env |= {"PYTHONPATH": os.pathsep.join([str(conv / "gguf-py"), str(conv)]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(conv / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out),
+           "--outtype", outtype]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0 or not out.is_file():
+        raise FixtureError(f"convert_hf_to_gguf.py --outtype {outtype} failed on {hf_dir} "
+                           f"(rc {r.returncode}):\n{(r.stdout + r.stderr)[-4000:]}")
+    return out
+
+
+# -- tokenizers ------------------------------------------------------------------------------------
+
+def _bpe_tokenizer_dir(kind: str) -> Path:
+    """A real byte-level BPE tokenizer as transformers rebuilds it from a GGUF and saves it
+    (tokenizer.json + tokenizer_config.json), cached:
+    - "smollm2": SmolLM2's (49152 tokens), from the shared SmolLM2 GGUF; llama.cpp's converter
+      recognises its pre-tokenizer as 'smollm' when transformers loads it as TokenizersBackend;
+    - "qwen2": Qwen2's (151936 tokens), from llama.cpp's ggml-vocab-qwen2.gguf; transformers 5
+      always loads a model_type=qwen2 directory's tokenizer as Qwen2Tokenizer, whose output the
+      converter only recognises ('qwen2') with Qwen's own vocabulary."""
+    out = cache_root() / "tokenizers" / kind
+    if (out / "tokenizer.json").is_file():
+        return out
+    source = SMOLLM2_GGUF if kind == "smollm2" else converter_dir() / QWEN2_VOCAB
+    if not source.is_file():
+        raise FixtureError(f"{source} is missing: it is where the {kind} tokenizer comes from")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    tmp = Path(tempfile.mkdtemp(dir=_mkdir(out.parent)))
+    tok.save_pretrained(tmp)
+    (tmp / "chat_template.jinja").unlink(missing_ok=True)
+    tmp.rename(out)
+    return out
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _write_tokenizer(kind: str, path: Path) -> None:
+    if kind == "spm512":
+        if not SPM_512.is_file():
+            raise FixtureError(f"{SPM_512} is missing")
+        shutil.copy(SPM_512, path / "tokenizer.model")
+        (path / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
+            "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False, "legacy": False}, indent=1))
+    elif kind in ("smollm2", "qwen2"):
+        for f in _bpe_tokenizer_dir(kind).iterdir():
+            shutil.copy(f, path / f.name)
+    else:
+        raise ValueError(kind)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+def build_hf(arch: str, path: Path) -> dict:
+    """Saves the seeded random-weight model of `arch` to `path` (float32 safetensors + tokenizer)."""
+    import torch
+    import transformers
+
+    spec = SPECS[arch]
+    torch.manual_seed(0)
+    config = getattr(transformers, spec.config_cls)(**(spec.config | {"initializer_range": spec.init_range}))
+    model = getattr(transformers, spec.model_cls)(config).to(torch.float32).eval()
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight  # the padding row stays zero
+        emb.copy_(emb / emb.norm(dim=1, keepdim=True).clamp_min(1e-12) * spec.emb_norm)
+        for name, p in model.named_parameters():  # norm weights off their init (1 or, for Gemma, 0)
+            if "norm" in name:  # so that a wrong norm convention (w vs 1 + w) shows in the tokens
+                p.add_(torch.randn_like(p) * 0.1)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    _write_tokenizer(spec.tokenizer, path)
+    return json.loads((path / "config.json").read_text())
+
+
+def fixture_dir(arch: str) -> Path:
+    return cache_root() / f"{arch}-v{FIXTURE_VERSION}"
+
+
+def arch_checkpoint(arch: str) -> ArchCheckpoint:
+    """The fixture of `arch` (one of ARCHS), built on first use and cached on disk."""
+    if arch not in SPECS:
+        raise ValueError(f"unknown arch {arch!r}; known: {ARCHS}")
+    spec, root = SPECS[arch], fixture_dir(arch)
+    done = root / "DONE"
+    if not done.is_file():
+        with _Lock(cache_root() / f".{arch}.lock"):
+            if not done.is_file():
+                _build(arch, spec, root)
+    gguf = root / f"{arch}-f32.gguf" if spec.gguf else None
+    q8 = root / f"{arch}-q8_0.gguf" if spec.gguf else None
+    return ArchCheckpoint(arch, root / "hf", gguf, q8, json.loads((root / "hf" / "config.json").read_text()))
+
+
+def _build(arch: str, spec: ArchSpec, root: Path) -> None:
+    if root.exists():
+        shutil.rmtree(root)
+    tmp = Path(tempfile.mkdtemp(dir=_mkdir(cache_root()), prefix=f".{arch}-"))
+    try:
+        timing = {}
+        t = time.perf_counter()
+        build_hf(arch, tmp / "hf")
+        timing["build_hf_s"] = round(time.perf_counter() - t, 2)
+        if spec.gguf:
+            for outtype in ("f32", "q8_0"):
+                t = time.perf_counter()
+                convert(tmp / "hf", tmp / f"{arch}-{outtype}.gguf", outtype)
+                timing[f"convert_{outtype}_s"] = round(time.perf_counter() - t, 2)
+        (tmp / "DONE").write_text(json.dumps(timing))
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the fixture from other users of the cache
+        tmp.rename(root)
+        _log(f"built {arch} in {root}: {timing}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_timing(arch: str) -> dict:
+    return json.loads((fixture_dir(arch) / "DONE").read_text())
+
+
+# -- the reference ---------------------------------------------------------------------------------
+
+_MODELS: dict[tuple[str, str | None], object] = {}
+
+
+def load_hf_model(path: Path | str):
+    """transformers' float32 model from a HF directory or a .gguf file (dequantized), memoized."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    key = (str(path.parent), path.name) if path.suffix == ".gguf" else (str(path), None)
+    if key not in _MODELS:
+        if key[1] is None:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        _MODELS[key] = model.eval()
+    return _MODELS[key]
+
+
+def hf_greedy(path: Path | str, prompt_ids: list[int], n: int) -> list[int]:
+    """The `n` tokens transformers' greedy decoding (do_sample=False, float32) appends to `prompt_ids`,
+    from a HF directory or a .gguf file. EOS does not stop it: always exactly n tokens."""
+    import torch
+    from transformers import GenerationConfig
+
+    model = load_hf_model(path)
+    config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=0, eos_token_id=None,
+                              pad_token_id=0, bos_token_id=None)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             generation_config=config)
+    new = out[0, len(prompt_ids):].tolist()
+    if len(new) != n:
+        raise FixtureError(f"transformers generated {len(new)} tokens, not {n}")
+    return new
+
+
+def hf_logits(path: Path | str, ids: list[int]):
+    """transformers' float32 logits for every position of `ids`: shape (len(ids), vocab)."""
+    import torch
+
+    with torch.no_grad():
+        return load_hf_model(path)(torch.tensor([ids])).logits[0]
