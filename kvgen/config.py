@@ -43,6 +43,7 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     local_rope_theta: float | None = None
     attention_scale: float | None = None
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma's option)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -121,8 +122,8 @@ def gemma_layer_windows(num_layers: int, window: int, pattern: int = GEMMA_SLIDI
 
 def _with_gemma_fields(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     """Gemma 3's sliding/global layers, their two RoPE bases and its attention scale."""
-    if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
-        raise ValueError("logit soft-capping is not supported")
+    if cfg.get("attn_logit_softcapping"):
+        raise ValueError("attention logit soft-capping is not supported")
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh":
         raise ValueError(f"Gemma 3 with activation {activation!r} is not supported (gelu_pytorch_tanh is)")
@@ -136,8 +137,9 @@ def _with_gemma_fields(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     if _rope_scaling(local) is not None:
         raise ValueError("RoPE scaling on sliding-window layers is not supported")
     scalar = float(cfg.get("query_pre_attn_scalar") or config.head_dim)
+    cap = cfg.get("final_logit_softcapping")
     return replace(config, sliding_window=None, layer_windows=windows, local_rope_theta=local_theta,
-                               attention_scale=scalar ** -0.5)
+                   attention_scale=scalar ** -0.5, final_logit_softcap=float(cap) if cap else None)
 
 
 def _rope_parameters(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:

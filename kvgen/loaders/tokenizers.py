@@ -140,8 +140,10 @@ class BPEVocabTokenizer(Tokenizer):
     Encoding: a space is put in front of the text (SentencePiece's dummy prefix), each character becomes
     a symbol, and adjacent symbols are merged, best-scoring merged piece first (leftmost on ties), while
     the merged piece is in the vocabulary. Characters the vocabulary lacks become `<0xXX>` byte tokens.
-    Special-token text (e.g. "<s>") in the input becomes that token. Unlike SentencePiece, runs of spaces
-    are kept as they are, so `decode(encode(text)) == text` for any text.
+    Special-token text (e.g. "<s>") in the input becomes that token, and so does a user-defined piece's
+    (Gemma's runs of spaces, tabs and newlines: SentencePiece matches them whole, before merging), which
+    decodes as its text. Unlike SentencePiece, runs of spaces are kept as they are, so
+    `decode(encode(text)) == text` for any text.
 
     Pieces may spell spaces ' ' (llama2.c tok.bin) or '▁' (GGUF); both are read as ' '.
     """
@@ -155,6 +157,7 @@ class BPEVocabTokenizer(Tokenizer):
         eos_token_id: int | None,
         unk_token_id: int | None = None,
         special_ids: Iterable[int] = (),
+        user_defined_ids: Iterable[int] = (),
         add_bos: bool = True,
         add_dummy_prefix: bool = True,
         extra_stop_ids: Iterable[int] = (),
@@ -172,11 +175,12 @@ class BPEVocabTokenizer(Tokenizer):
         self._unk_id = unk_token_id
         self._dummy_prefix = add_dummy_prefix
         special = {i for i in (bos_token_id, eos_token_id, unk_token_id, *special_ids) if i is not None}
-        self._build_tables([p.replace(SPM_SPACE, " ") for p in pieces], special)
+        self._build_tables([p.replace(SPM_SPACE, " ") for p in pieces], special, set(user_defined_ids) - special)
         self._merge_scores = {piece: float(scores[i]) for piece, i in self._piece_ids.items()}
 
-    def _build_tables(self, pieces: list[str], special: set[int]) -> None:
-        """Lookup tables: mergeable piece -> id, byte -> id, special text -> id, and id -> bytes for decode."""
+    def _build_tables(self, pieces: list[str], special: set[int], user_defined: set[int]) -> None:
+        """Lookup tables: mergeable piece -> id, byte -> id, whole-match text -> id (special and
+        user-defined pieces), and id -> bytes for decode (special pieces decode to nothing)."""
         self._piece_ids: dict[str, int] = {}
         self._byte_ids: dict[int, int] = {}
         self._decoded: list[bytes] = []  # b"" for special tokens, which decode skips
@@ -192,7 +196,7 @@ class BPEVocabTokenizer(Tokenizer):
                 self._piece_ids.setdefault(piece, i)
                 self._decoded.append(piece.encode("utf-8"))
             self._is_byte.append(byte is not None)
-        self._special_ids = {pieces[i]: i for i in sorted(special) if pieces[i]}
+        self._special_ids = {pieces[i]: i for i in sorted(special | user_defined) if pieces[i]}
         alternatives = sorted(self._special_ids, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
 

@@ -139,8 +139,10 @@ class LlamaModel:
         return out if norm is None else self.norm(out, norm, self.config.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
-        """[N, hidden] -> fp32 logits [N, vocab]."""
-        return self.lm_head(hidden, rows).float()
+        """[N, hidden] -> fp32 logits [N, vocab] (soft-capped where the model says so)."""
+        logits = self.lm_head(hidden, rows).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits.div_(cap)).mul_(cap)
 
 
 def _layer_weights(w: Mapping[str, Weight], i: int, config: ModelConfig, build: LayerBuilder,
