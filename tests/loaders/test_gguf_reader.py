@@ -45,6 +45,39 @@ def test_metadata_and_tensors_equal_gguf_readers(real_gguf):
         assert np.array_equal(mine.data, np.asarray(theirs.data).view(np.uint8).reshape(-1)), mine.name
 
 
+def test_every_value_type_and_an_alignment_as_gguf_reads_them(tmp_path):
+    """A file from gguf's own writer with each scalar type, nested and empty arrays, non-ASCII strings
+    and a 64-byte alignment: the cases the three real files do not have."""
+    path = tmp_path / "values.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_custom_alignment(64)
+    for name in ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"):
+        getattr(writer, f"add_{name}")(f"test.{name}", 7 if name.startswith("u") else -7)
+    writer.add_float32("test.float32", 1e-5)
+    writer.add_float64("test.float64", 1e-300)
+    writer.add_bool("test.bool", True)
+    writer.add_string("test.string", "café 日本語 🙂")
+    writer.add_array("test.floats", [0.1, -2.5, 3.0])
+    writer.add_array("test.bools", [True, False])
+    writer.add_array("test.strings", ["", "a", "e\u0301"])
+    writer.add_array("test.nested", [[1, 2], [3], [4, 5, 6]])
+    writer.add_array("test.nested_strings", [["a", "b"], ["c"]])
+    writer.add_array("test.empty", [])
+    writer.add_tensor("x", np.arange(30, dtype=np.float32).reshape(3, 10))
+    writer.add_tensor("y", np.ones(5, dtype=np.float16))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    ours, reference = read_gguf(path), gguf.GGUFReader(path)
+    expected = {key: field.contents() for key, field in reference.fields.items()}
+    assert list(ours.metadata) == list(expected) and all(_same_value(ours.metadata[k], v) for k, v in expected.items())
+    assert ours.metadata["test.nested"] == [1, 2, 3, 4, 5, 6]  # flattened, as gguf's contents() gives it
+    assert [(t.name, t.shape, t.offset) for t in ours.tensors] == [
+        (t.name, tuple(int(d) for d in t.shape), t.data_offset) for t in reference.tensors]
+    assert ours.tensors[1].offset - ours.tensors[0].offset == 128  # x's 120 bytes, padded to 64
+    assert np.array_equal(ours.tensors[0].data.view(np.float32), np.arange(30, dtype=np.float32))
+
+
 def test_tensor_data_are_views_of_one_map():
     tensors = read_gguf(SMOLLM_GGUF if SMOLLM_GGUF.is_file() else STORIES_GGUF).tensors
     bases = {id(t.data.base) for t in tensors}
