@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
 
 from kvgen.config import ModelConfig, gemma_layer_windows
 from kvgen.errors import ModelLoadError
 from kvgen.loaders import LoadedModel, check_weights, interleaved_to_half, shard_plan
+from kvgen.loaders.gguf_reader import GGUFFile, ReaderTensor, read_gguf
 from kvgen.loaders.gguf_tensors import GGUFWeight, UnsupportedTensorType, read_tensor, rotate_half_rows
 from kvgen.loaders.gguf_vocab import gguf_tokenizer, stop_token_ids, token_id
 from kvgen.model.architectures import BY_GGUF_NAME, GGUF_BLOCK_NAMES, Architecture, known_names
@@ -80,19 +80,17 @@ def load_gguf(
     return LoadedModel(config, weights, tokenizer, str(path), quantized, shard=plan)
 
 
-def _open(path: Path) -> GGUFReader:
+def _open(path: Path) -> GGUFFile:
+    """The parsed header (metadata and tensor infos) over a memory map of the file."""
     try:
-        return GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError) as e:
+        return read_gguf(path)
+    except (ValueError, OSError) as e:
         raise ModelLoadError(path, f"not a GGUF file, or a truncated or corrupt one: {e}") from None
 
 
-def _metadata(path: Path, reader: GGUFReader) -> dict[str, Any]:
-    """Every key-value field as a Python value (arrays as lists)."""
-    try:
-        return {key: field.contents() for key, field in reader.fields.items()}
-    except (ValueError, IndexError) as e:
-        raise ModelLoadError(path, f"unreadable GGUF metadata: {e}") from None
+def _metadata(path: Path, reader: GGUFFile) -> dict[str, Any]:
+    """Every key-value field as a Python value (arrays as lists), parsed and checked by `_open`."""
+    return reader.metadata
 
 
 def _config(path: Path, arch: Architecture, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> ModelConfig:

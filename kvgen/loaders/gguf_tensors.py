@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, ReaderTensor
+from gguf import GGMLQuantizationType
 
 from kvgen.loaders import interleaved_to_half
+from kvgen.loaders.gguf_reader import ReaderTensor
 
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 # Block-quantized types kvgen reads: the legacy 32-weight blocks and the 256-weight K-quants.
@@ -63,13 +64,14 @@ class GGUFWeight:
 
 
 def read_tensor(tensor: ReaderTensor, name: str) -> GGUFWeight:
-    """A reader tensor as a GGUFWeight named `name`; raises UnsupportedTensorType for other types."""
+    """A reader tensor (bytes as a uint8 view of the map) as a GGUFWeight named `name`; raises
+    UnsupportedTensorType for other types."""
     if tensor.tensor_type not in SUPPORTED_TYPES:
         raise UnsupportedTensorType(f"tensor {tensor.name} is {tensor.tensor_type.name}, which kvgen does not read "
                                     f"(it reads {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})")
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF dims are fastest-first
     rows = int(np.prod(shape[:-1], dtype=np.int64))
-    return GGUFWeight(name, tensor.tensor_type, shape, np.asarray(tensor.data).view(np.uint8).reshape(rows, -1))
+    return GGUFWeight(name, tensor.tensor_type, shape, tensor.data.reshape(rows, -1))
 
 
 def rotate_half_rows(weight: GGUFWeight, n_heads: int) -> GGUFWeight:
