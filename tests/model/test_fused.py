@@ -106,3 +106,25 @@ def test_a_layer_with_a_bias_runs_layer_by_layer(hf_model):
     path, _ = hf_model("qwen2-bias-tied")
     _, steps = generate(path, [[5, 6, 7]], max_tokens=4)
     assert steps == 0
+
+
+@pytest.mark.parametrize("name, quantization", [("gemma3-hybrid", "none"), ("gemma3-hybrid", "int8"),
+                                                ("qwen3-qk-norm", "none"), ("phi3-fused", "int4")])
+def test_fused_steps_give_the_layered_bits_on_other_architectures(hf_model, name, quantization):
+    """QK-norm, GeGLU, the sandwich norms, two RoPE bases and the hybrid cache's pools (Gemma 3's
+    window of 8 crossed by every prompt here) run from the call list with the layered bits."""
+    path, _ = hf_model(name)
+    prompts = [[(7 * i + j) % 300 + 3 for i in range(n)] for j, n in enumerate((40, 12, 3))]
+    options = dict(quantization=quantization, block_size=4, num_kv_blocks=256, max_num_seqs=3)
+    fused, steps = generate(path, prompts, **options)
+    layered, _ = generate(path, prompts, **options, fused_decode=False)
+    assert steps > 20
+    assert_same_bits(fused, layered)
+
+
+def test_fused_steps_give_the_layered_bits_on_the_real_gemma3_file(gemma_gguf):
+    prompts = [list(range(1000, 1600)), list(range(2000, 2030))]  # the first crosses the window of 512
+    fused, steps = generate(gemma_gguf, prompts, max_tokens=8, kv_cache_memory=1 << 28)
+    layered, _ = generate(gemma_gguf, prompts, max_tokens=8, kv_cache_memory=1 << 28, fused_decode=False)
+    assert steps >= 7
+    assert_same_bits(fused, layered)
