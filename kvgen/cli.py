@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvgen.cache.hybrid import layer_kinds
 from kvgen.cache.sizing import KV_ELEMENT_BYTES, KV_SCALE_BYTES, format_bytes, kv_bytes_per_token, parse_bytes
 from kvgen.config import (
     ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, MAX_SPECULATIVE_TOKENS,
@@ -253,6 +254,9 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
               "bytes_per_token_per_layer": per_layer,
               "bytes_per_token": per_token, "tokens": args.tokens, "bytes_per_layer": per_layer * args.tokens,
               "bytes_total": total}
+    if config.is_hybrid:
+        report["kinds"] = _hybrid_kinds(config, per_layer, args.tokens)
+        report["bytes_total_hybrid"] = sum(kind["bytes"] for kind in report["kinds"])
     if args.json:
         print(json.dumps(report))
         return 0
@@ -264,7 +268,24 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
     print(f"{args.tokens:,} tokens: {per_layer * args.tokens:,} bytes per layer "
           f"({format_bytes(per_layer * args.tokens)}), {total:,} bytes in all ({format_bytes(total)}, "
           f"{format_bytes(total, binary=True)})")
+    for kind in report.get("kinds", []):
+        what = "global" if kind["window"] is None else f"window {kind['window']}"
+        print(f"hybrid cache, {kind['layers']} {what} layers: {kind['bytes_per_token']:,} bytes per token, "
+              f"{kind['tokens_held']:,} tokens held = {kind['bytes']:,} bytes ({format_bytes(kind['bytes'])})")
+    if "kinds" in report:
+        hybrid = report["bytes_total_hybrid"]
+        print(f"hybrid cache in all: {hybrid:,} bytes ({format_bytes(hybrid)}), {hybrid / total:.1%} of every "
+              "layer holding every token")
     return 0
+
+
+def _hybrid_kinds(config: ModelConfig, per_layer: int, tokens: int) -> list[dict]:
+    """What each kind of layer of a hybrid model holds for one sequence of `tokens` tokens (a windowed
+    kind: its window, plus up to a block of slack the pool rounds to)."""
+    kinds = layer_kinds([config.window(i) for i in range(config.num_layers)])
+    return [{"layers": len(k.layers), "window": k.window, "bytes_per_token": per_layer * len(k.layers),
+             "tokens_held": min(tokens, k.window or tokens), "bytes": per_layer * len(k.layers) *
+             min(tokens, k.window or tokens)} for k in kinds]
 
 
 def _config_only(path: Path) -> ModelConfig:

@@ -241,6 +241,22 @@ def test_kv_size_json(capsys, llama70b):
     assert json.loads(out)["bytes_per_token"] == 655_360
 
 
+def test_kv_size_of_a_hybrid_model_gives_each_kind(capsys, hf_model):
+    """Gemma 3's layout (three windowed layers of 8 around a global one): each kind's bytes per token
+    and what a sequence holds in it."""
+    path, _ = hf_model("gemma3-hybrid")
+    code, out, err = run(capsys, "kv-size", path, "--tokens", 1000, "--dtype", "float32", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    per_layer = 2 * 2 * 32 * 4  # K and V, 2 KV heads of 32, fp32
+    assert report["kinds"] == [
+        {"layers": 1, "window": None, "bytes_per_token": per_layer, "tokens_held": 1000, "bytes": per_layer * 1000},
+        {"layers": 3, "window": 8, "bytes_per_token": 3 * per_layer, "tokens_held": 8, "bytes": 3 * per_layer * 8}]
+    assert report["bytes_total_hybrid"] == per_layer * (1000 + 24)
+    code, out, _ = run(capsys, "kv-size", path, "--tokens", 1000)
+    assert "hybrid cache, 3 window 8 layers: 768 bytes per token, 8 tokens held" in out  # fp16 by default
+
+
 def test_kv_size_of_stories260k(capsys, stories_dir):
     # 5 layers x 4 KV heads x head_dim 8, K and V, fp16: 640 bytes per token, whatever the file format
     for model in ([], [stories_dir / "stories260K.bin"], [stories_dir / "stories260K.gguf"]):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvgen.cache.kv_manager import BlockStates
 from kvgen.engine.base import EngineStats
 from kvgen.engine.llm_engine import LLMEngine
@@ -46,6 +48,8 @@ class EngineSnapshot:
     sequences: list[SequenceInfo]
     steps: list[StepRecord]  # the last steps, oldest first
     stats: EngineStats
+    # A hybrid cache's pools side by side in `blocks`: (what layers, how many blocks) each, in order.
+    pool_kinds: tuple[tuple[str, int], ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -60,9 +64,18 @@ def take_snapshot(engine: LLMEngine, released_since: int | None = None) -> Engin
     released = [b for record in log.since(since) for b in record.released]
     scheduler = engine.scheduler
     sequences = [_info(engine, seq) for seq in [*scheduler.running, *scheduler.waiting]]
+    blocks, kinds = engine.kv.block_states(released), ()
+    if isinstance(blocks, list):  # a hybrid cache: one pool per kind of layer (kvgen.cache.hybrid)
+        kinds = tuple((_kind_label(kind), len(states.codes)) for kind, states in zip(engine.layer_kinds, blocks))
+        blocks = BlockStates(*(np.concatenate([getattr(b, f) for b in blocks]) for f in ("codes", "owner", "ref_count")))
     return EngineSnapshot(step=log.num_steps, taken_at=time.time(), block_size=engine.kv.block_size,
-                          blocks=engine.kv.block_states(released), sequences=sequences, steps=list(log.records),
-                          stats=engine.stats())
+                          blocks=blocks, sequences=sequences, steps=list(log.records), stats=engine.stats(),
+                          pool_kinds=kinds)
+
+
+def _kind_label(kind) -> str:
+    what = "global" if kind.window is None else f"window {kind.window}"
+    return f"{len(kind.layers)} {what} layers"
 
 
 def _info(engine: LLMEngine, seq: Sequence) -> SequenceInfo:

@@ -2,7 +2,8 @@
 `GET /dashboard/state`
 
     {"snapshot": id, "step": n, "taken_at": unix time,
-     "pool": {"num_blocks", "block_size", "state": [...], "owner": [...], "ref_count": [...], "counts": {...}},
+     "pool": {"num_blocks", "block_size", "state": [...], "owner": [...], "ref_count": [...], "counts": {...},
+              "kinds": [{"label", "num_blocks"}, ...]},    (a hybrid cache's pools, in order; else [])
      "sequences": [...], "steps": [...], "metrics": {...}}
 
 or, for the event stream, a compact pool: "codes", one letter per block (f free, c cached, u used,
@@ -43,7 +44,8 @@ class DashboardSnapshot:
 
 def state_json(snap: DashboardSnapshot, compact: bool = False) -> dict:
     engine = snap.engine
-    pool = {"num_blocks": engine.num_blocks, "block_size": engine.block_size, "counts": engine.blocks.counts()}
+    pool = {"num_blocks": engine.num_blocks, "block_size": engine.block_size, "counts": engine.blocks.counts(),
+            "kinds": [{"label": label, "num_blocks": n} for label, n in engine.pool_kinds]}
     pool.update(compact_pool(engine.blocks, engine.sequences) if compact else _full_pool(engine.blocks))
     return {"snapshot": snap.id, "step": engine.step, "taken_at": engine.taken_at, "pool": pool,
             "sequences": [s.as_dict() for s in engine.sequences], "steps": [r.as_dict for r in engine.steps],

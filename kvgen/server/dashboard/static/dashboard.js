@@ -206,8 +206,32 @@ function drawPool(pool) {
     ctx.fillStyle = cellColour(letter, owner);
     ctx.fillRect(x, y, side, side);
   }
+  drawKindBorders(ctx, pool.kinds || [], gap);
   $("bin-size").textContent = layout.bin;
-  $("pool-shape").textContent = `${pool.num_blocks} blocks × ${pool.block_size} tokens`;
+  $("pool-shape").textContent = `${pool.num_blocks} blocks × ${pool.block_size} tokens` + kindsText(pool.kinds || []);
+}
+
+// A hybrid cache's pools (one per kind of layer) are drawn one after the other: each after the first
+// starts at a white bar on the left of its first cell.
+function drawKindBorders(ctx, kinds, gap) {
+  let first = 0;
+  for (const kind of kinds.slice(0, -1)) {
+    first += kind.num_blocks;
+    const cell = Math.floor(first / layout.bin);
+    const x = (cell % layout.cols) * layout.size, y = Math.floor(cell / layout.cols) * layout.size;
+    ctx.fillStyle = "#ffffff";
+    ctx.fillRect(Math.max(x - gap - 1, 0), y, 2, layout.size);
+  }
+}
+
+function kindsText(kinds) {
+  let first = 0;
+  const parts = kinds.map((kind) => {
+    const text = `${kind.label}: blocks ${first}–${first + kind.num_blocks - 1}`;
+    first += kind.num_blocks;
+    return text;
+  });
+  return parts.length ? ` (hybrid cache — ${parts.join("; ")})` : "";
 }
 
 $("pool").addEventListener("mousemove", (event) => {
