@@ -70,6 +70,9 @@ class ShardPlan:
         if not 0 <= self.rank < self.world:
             raise ShardingError(f"rank {self.rank} is outside a tensor-parallel group of {self.world}")
         cfg = self.config
+        if cfg.arch.fused_checkpoint or cfg.arch.sandwich_norms or cfg.is_hybrid:
+            raise ShardingError(f"tensor parallelism does not split {cfg.arch.name} models yet (fused q/k/v or "
+                                "gate/up tensors, Gemma's norms and hybrid cache); run them on one rank")
         if cfg.intermediate_size % self.world:
             raise ShardingError(f"intermediate_size {cfg.intermediate_size} does not split across "
                                 f"{self.world} tensor-parallel ranks")

@@ -47,6 +47,7 @@ MODELS = {
     "llama-8kv": (lambda root, *_: build_hf_model("llama-gqa", root, num_attention_heads=8,
                                                    num_key_value_heads=8)[0], 2, {}),
     "qwen2-bias": (lambda root, *_: build_hf_model("qwen2-bias-tied", root)[0], 2, {}),
+    "qwen3-qk-norm": (lambda root, *_: build_hf_model("qwen3-qk-norm", root)[0], 2, {}),
     "llama-1kv-replicated": (lambda root, *_: build_hf_model("llama3-rope-scaling", root)[0], 2, {}),
     "mistral-window": (lambda root, *_: _mistral_window(root), 2, {}),
     "smollm2-tp2": (lambda root, stories_bin, gguf: gguf(), 2, {"quantization": "none"}),

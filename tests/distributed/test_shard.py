@@ -3,6 +3,8 @@ Megatron layout says, shapes that cannot split are refused, and GGUF blocks spli
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import numpy as np
 import pytest
@@ -54,6 +56,13 @@ def test_every_query_head_once_and_its_kv_head_beside_it(heads, kv_heads, world)
 def test_shapes_that_do_not_split_are_refused(heads, kv_heads, intermediate, world, problem):
     with pytest.raises(ShardingError, match=problem):
         ShardPlan(_config(heads, kv_heads, intermediate), 0, world)
+
+
+@pytest.mark.parametrize("architecture, fields", [("phi3", {}), ("gemma3", {"layer_windows": (8,)})])
+def test_architectures_that_do_not_split_yet_are_refused(architecture, fields):
+    config = replace(_config(8, 4), architecture=architecture, **fields)
+    with pytest.raises(ShardingError, match=f"does not split {architecture} models yet"):
+        ShardPlan(config, 0, 2)
 
 
 def test_row_parallel_bias_is_added_once():
