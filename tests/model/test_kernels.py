@@ -59,7 +59,7 @@ def gather_and_sdpa(cache, q, block_ids, mask):
 @pytest.mark.parametrize("kv_heads, group", [(1, 1), (2, 3), (3, 4)])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 take the kernel's constant-size loops
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])  # 64, 128, 256 take the constant-size loops
 @pytest.mark.parametrize("build", KERNELS)  # with AVX-512 those sizes take attend_avx512
 def test_paged_decode_equals_gather_and_sdpa(dtype, kv_heads, group, block_size, window, head_dim, build):
     cache, q, block_ids, mask = ragged_batch(dtype, kv_heads, group, block_size, window, head_dim=head_dim)
@@ -76,7 +76,7 @@ def test_paged_decode_equals_gather_and_sdpa(dtype, kv_heads, group, block_size,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size, window", [(16, None), (7, None), (16, 300)])
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 256])
 @pytest.mark.parametrize("build", KERNELS)
 def test_long_sequences_merge_their_spans(dtype, block_size, window, head_dim, build):
     """A sequence of 1,000 keys is cut into spans of 256 positions (partial softmaxes, merged): block
@@ -93,7 +93,7 @@ def test_long_sequences_merge_their_spans(dtype, block_size, window, head_dim, b
 @pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("kv_heads, group", [(1, 1), (3, 4)])
 @pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 256])
 @pytest.mark.parametrize("build", KERNELS)
 def test_paged_decode_reads_quantized_pools_as_their_dequantized_values(pool_dtype, kv_heads, group, block_size,
                                                                         head_dim, build):
@@ -163,7 +163,7 @@ def test_paged_decode_gives_the_same_bits_on_two_threads(dtype):
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 256])
 def test_paged_decode_ignores_what_the_mask_hides(head_dim):
     """Keys outside the mask (padding, evicted by a window) may hold anything, NaN included."""
     cache, q, block_ids, mask = ragged_batch(torch.float32, 2, 3, 4, window=6, head_dim=head_dim)
@@ -177,7 +177,7 @@ def test_paged_decode_ignores_what_the_mask_hides(head_dim):
     assert torch.equal(load_paged_decode()(q, cache.k[0], cache.v[0], block_ids, 4, mask), want)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 256])
 def test_paged_decode_gives_zeros_where_no_key_is_allowed(head_dim):
     cache, q, block_ids, mask = ragged_batch(torch.float32, 2, 2, 4, window=None, head_dim=head_dim)
     mask[2] = False
