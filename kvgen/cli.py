@@ -1,6 +1,7 @@
-"""The `kvgen` command: generate, batch, serve, bench, eval-ppl, kv-size.
+"""The `kvgen` command: generate, batch, kv-size here; serve, chat, bench, eval-ppl with their
+subsystems (kvgen.commands).
 
-Every command that runs the engine takes the same engine options (see `add_engine_options`).
+Every command that runs the engine takes the same engine options (kvgen.options.add_engine_options).
 Errors a user can cause (bad file, bad parameter, prompt too long) print one line and exit 2.
 """
 
