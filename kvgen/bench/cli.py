@@ -18,8 +18,9 @@ import torch
 
 from kvgen.bench import latency, memory, scaling, throughput
 from kvgen.bench.models import BenchModel, resolve
-from kvgen.bench.peers import PEERS, KvgenSystem, PeerUnavailable, System, load_peer
+from kvgen.bench.peers import PEERS, KvgenSystem, load_peer
 from kvgen.bench.report import PLOTS, Report, emit
+from kvgen.bench.system import PeerUnavailable, System
 from kvgen.bench.tasks import MIN_PASSAGE_TOKENS, TASKS
 from kvgen.cache.sizing import parse_bytes
 from kvgen.config import DTYPES
