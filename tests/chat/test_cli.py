@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 STATS = re.compile(r"^prompt (\d+) tokens, reply (\d+) tokens, .*, KV blocks (\d+) / (\d+)(.*)$", re.MULTILINE)
 STATS_LINE = re.compile(r"^prompt \d+ tokens, .*\n", re.MULTILINE)
@@ -85,3 +87,31 @@ def test_ctrl_c_stops_the_reply_not_the_session(smollm_gguf):
     stopped, answered = STATS.findall(out.decode())
     assert stopped[4] == " (stopped)" and 0 < int(stopped[1]) < 400
     assert answered[4] == "" and int(answered[1]) > 0
+
+
+def test_on_a_terminal_lines_are_edited_and_recalled_and_ctrl_c_stops_replies(smollm_gguf):
+    """prompt_toolkit on a pseudo-terminal: Ctrl-C stops the reply, the up arrow recalls the last
+    line, and Ctrl-C at the prompt ends the session."""
+    pexpect = pytest.importorskip("pexpect")
+    reading = re.escape("\x1b[?2004h")  # prompt_toolkit turns bracketed paste on when it waits for a line
+    command = ["-m", "kvgen", "chat", "--model", str(smollm_gguf), "--max-tokens", "400", "--ignore-eos",
+               "--num-kv-blocks", "64"]
+    stats = r"prompt \d+ tokens, reply \d+ tokens, [^\r\n]*"  # mid-line: after the terminal's escapes
+    terminal = pexpect.spawn(sys.executable, command, cwd=str(REPO), encoding="utf-8", timeout=120)
+    terminal.expect(reading)
+    terminal.sendline("Hi")
+    terminal.expect(re.escape("\x1b[?2004l") + r"\W*\w")  # the line is taken, and the reply has begun
+    terminal.sendintr()
+    terminal.expect_exact("[stopped]")
+    terminal.expect(reading)
+    terminal.sendline("/stats")
+    terminal.expect(stats)
+    assert terminal.match.group(0).endswith(" (stopped)")
+    terminal.expect(reading)
+    terminal.send("\x1b[A\r")  # up arrow: /stats again
+    terminal.expect(stats)
+    terminal.expect(reading)
+    terminal.sendintr()
+    terminal.expect(pexpect.EOF)
+    terminal.close()
+    assert terminal.exitstatus == 0
