@@ -19,6 +19,8 @@ from kvgen.config import (
 from kvgen.engine.base import Engine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import ModelLoadError
+from kvgen.llm import build_engine, load
+from kvgen.loaders import load_model
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -95,8 +97,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def build_engine_from_args(args: argparse.Namespace) -> Engine:
-    from kvgen.llm import build_engine, load
-
     config = engine_config(args)
     engine = build_engine(load(args.model, config, args.tokenizer, args.gguf_file), config)
     if hasattr(engine, "capacity_report"):
@@ -134,6 +134,4 @@ def config_only(path: Path) -> ModelConfig:
             return ModelConfig.from_hf(json.loads(config_file.read_text()), config_file)
         except (OSError, json.JSONDecodeError) as e:
             raise ModelLoadError(config_file, f"cannot read config: {e}") from None
-    from kvgen.loaders import load_model
-
     return load_model(path).config
