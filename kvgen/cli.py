@@ -1,6 +1,7 @@
-"""The `kvgen` command: generate, batch, serve, bench, eval-ppl, kv-size.
+"""The `kvgen` command: generate, batch, kv-size here; serve, chat, bench, eval-ppl with their
+subsystems (kvgen.commands).
 
-Every command that runs the engine takes the same engine options (see `add_engine_options`).
+Every command that runs the engine takes the same engine options (kvgen.options.add_engine_options).
 Errors a user can cause (bad file, bad parameter, prompt too long) print one line and exit 2.
 """
 
@@ -10,126 +11,19 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from kvgen.cache.hybrid import layer_kinds
-from kvgen.cache.sizing import KV_ELEMENT_BYTES, KV_SCALE_BYTES, format_bytes, kv_bytes_per_token, parse_bytes
-from kvgen.config import (
-    ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, MAX_SPECULATIVE_TOKENS,
-    QUANTIZATION_MODES, SPECULATIVE_METHODS, EngineConfig, ModelConfig,
-)
+from kvgen.cache.sizing import KV_ELEMENT_BYTES, KV_SCALE_BYTES, format_bytes, kv_bytes_per_token
+from kvgen.commands import SUBSYSTEM_COMMANDS
+from kvgen.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from kvgen.engine.base import Engine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import RequestOutput
-from kvgen.errors import KVGenError, ModelLoadError
+from kvgen.errors import KVGenError
+from kvgen.options import add_engine_options, add_sampling_options, build_engine_from_args, config_only, sampling_params
 
 EXIT_USER_ERROR = 2
-
-
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model and engine")
-    g.add_argument("--model", help="HF directory, .gguf, llama2.c .bin, or a Hugging Face repo id: org/name, "
-                                   "org/name:Q4_K_M (default: stories260K, or $KVGEN_MODEL)")
-    g.add_argument("--gguf-file", help="the .gguf file to use in a GGUF repo or directory given by --model")
-    g.add_argument("--tokenizer", help="tokenizer file or directory, if not beside the model")
-    g.add_argument("--quantization", choices=QUANTIZATION_MODES, default="auto",
-                   help="auto (default): keep a GGUF's quantized weights packed, on kernels that read them so; "
-                        "none: dequantize them to --dtype; int8 / int4: pack float weights (groups of 32)")
-    g.add_argument("--kv-cache", choices=KV_CACHE_MODES, default="paged", help="KV cache kind (default: paged)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two, 1..256)")
-    g.add_argument("--num-kv-blocks", type=int, help="KV capacity in blocks")
-    g.add_argument("--kv-cache-memory", type=_byte_size, help="KV capacity in bytes, e.g. 2GiB or 512MB")
-    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    g.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="what the KV pools store: auto (the model's dtype), a float type, or int8 / fp8 (e4m3) "
-                        "with one scale per token and KV head")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="paged decode attention: native (compiled CPU kernel, reads blocks in place), "
-                        "sdpa (gathered copy + torch SDPA), auto (native where it builds; default)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="split the model across N processes (Megatron tensor parallelism on torch.distributed); "
-                        "kvgen starts N-1 workers, or joins the group torchrun started (docs/tensor_parallel.md)")
-    g.add_argument("--distributed-backend", choices=DISTRIBUTED_BACKENDS, default="auto",
-                   help="torch.distributed backend: auto (gloo on the CPU, nccl on CUDA; default)")
-    g.add_argument("--distributed-timeout", type=float, default=30.0,
-                   help="seconds a collective waits for a peer before the run fails (default: 30)")
-    g.add_argument("--no-fused-decode", action="store_true",
-                   help="run decode steps layer by layer from Python (default: one list of C kernel calls where "
-                        "every piece of the step has a kernel; the same results)")
-    s = parser.add_argument_group("speculative decoding (docs/speculative.md)")
-    s.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
-                   help="ngram: prompt lookup; draft: a smaller model sharing the tokenizer (--draft-model)")
-    s.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help=f"tokens proposed and verified per step, 1..{MAX_SPECULATIVE_TOKENS} (default: 4)")
-    s.add_argument("--draft-model", help="the draft checkpoint (the target's own file for self-speculation)")
-    s.add_argument("--draft-quantization", choices=QUANTIZATION_MODES, default="auto",
-                   help="how the draft's weights are kept (int4: a 4-bit copy of a float checkpoint)")
-    s.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram prompt lookup matches")
-    s.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram prompt lookup matches")
-    s.add_argument("--no-adaptive-speculation", action="store_true",
-                   help="speculate at every batch size (default: skip it where it measures slower)")
-
-
-def _byte_size(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        kv_cache=args.kv_cache, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
-        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
-        distributed_backend=args.distributed_backend, distributed_timeout=args.distributed_timeout,
-        speculative_method=args.speculative_method,
-        num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
-        draft_quantization=args.draft_quantization, prompt_lookup_min=args.prompt_lookup_min,
-        prompt_lookup_max=args.prompt_lookup_max, adaptive_speculation=not args.no_adaptive_speculation,
-        fused_decode=not args.no_fused_decode,
-    )
-
-
-def build_engine_from_args(args: argparse.Namespace) -> Engine:
-    from kvgen.llm import build_engine, load
-
-    config = engine_config(args)
-    engine = build_engine(load(args.model, config, args.tokenizer, args.gguf_file), config)
-    if hasattr(engine, "capacity_report"):
-        print(engine.capacity_report(), file=sys.stderr)
-    return engine
-
-
-def add_sampling_options(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--kv-policy", default="full", help="full, window:W, sinks:S,W or h2o:H,W (paged cache only)")
-
-
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
-        stop=args.stop, ignore_eos=args.ignore_eos, kv_policy=args.kv_policy,
-    )
 
 
 def result_json(out: RequestOutput) -> dict:
@@ -243,7 +137,7 @@ def _read_batch(path: Path) -> list[tuple[int, str | list[int], SamplingParams]]
 def cmd_kv_size(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise KVGenError(f"--tokens must be a positive number of tokens, got {args.tokens}")
-    config = _config_only(Path(args.model)) if args.model else _default_config()
+    config = config_only(Path(args.model)) if args.model else _default_config()
     dtype = DTYPES[args.dtype] if args.kv_cache_dtype in (None, "auto") else args.kv_cache_dtype
     element, scale = KV_ELEMENT_BYTES[dtype], KV_SCALE_BYTES.get(dtype, 0)
     per_layer = kv_bytes_per_token(1, config.num_kv_heads, config.head_dim, element, scale)
@@ -288,23 +182,10 @@ def _hybrid_kinds(config: ModelConfig, per_layer: int, tokens: int) -> list[dict
              min(tokens, k.window or tokens)} for k in kinds]
 
 
-def _config_only(path: Path) -> ModelConfig:
-    """The model's config without loading weights where the format allows (HF dir or config.json)."""
-    config_file = path / "config.json" if path.is_dir() else path
-    if config_file.name.endswith(".json"):
-        try:
-            return ModelConfig.from_hf(json.loads(config_file.read_text()), config_file)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ModelLoadError(config_file, f"cannot read config: {e}") from None
-    from kvgen.loaders import load_model
-
-    return load_model(path).config
-
-
 def _default_config() -> ModelConfig:
     from kvgen.llm import default_model_path
 
-    return _config_only(default_model_path())
+    return config_only(default_model_path())
 
 
 # -- wiring -------------------------------------------------------------------------------------
@@ -338,18 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--json", action="store_true")
     size.set_defaults(func=cmd_kv_size)
 
-    for register in _subsystem_commands():
-        register(sub, add_engine_options)
+    for register in SUBSYSTEM_COMMANDS:
+        register(sub)
     return parser
-
-
-def _subsystem_commands() -> list[Callable]:
-    """Commands that live with their subsystem; imported here, late, because they build on this module."""
-    from kvgen.bench.cli import register as register_bench
-    from kvgen.eval.cli import register as register_eval
-    from kvgen.server.cli import register as register_serve
-
-    return [register_serve, register_bench, register_eval]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,30 +12,29 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from kvgen.bench import latency, memory, scaling, throughput
 from kvgen.bench.models import BenchModel, resolve
-from kvgen.bench.peers import PEERS, KvgenSystem, PeerUnavailable, System, load_peer
+from kvgen.bench.peers import PEERS, KvgenSystem, load_peer
 from kvgen.bench.report import PLOTS, Report, emit
+from kvgen.bench.system import PeerUnavailable, System
 from kvgen.bench.tasks import MIN_PASSAGE_TOKENS, TASKS
 from kvgen.cache.sizing import parse_bytes
-from kvgen.cli import _config_only, engine_config
 from kvgen.config import DTYPES
 from kvgen.llm import build_engine, load
+from kvgen.options import add_engine_options, config_only, engine_config
 
 DEFAULT_BENCH_MODEL = "smollm2-135m"
 
 
-def register(subparsers: argparse._SubParsersAction, add_engine_options: Callable) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks: kvgen beside its peers, tables + JSON + plots")
     modes = bench.add_subparsers(dest="mode", required=True, metavar="MODE")
 
-    p = _mode(modes, "latency", "batch-1 TTFT, prefill and decode speed, bytes/s vs memory bandwidth",
-              add_engine_options)
+    p = _mode(modes, "latency", "batch-1 TTFT, prefill and decode speed, bytes/s vs memory bandwidth", engine=True)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up (median reported)")
@@ -46,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction, add_engine_options: Callabl
                         "free: a new story after the passage")
     _add_compare(p)
 
-    p = _mode(modes, "throughput", "many requests at once: requests/s and tokens/s", add_engine_options)
+    p = _mode(modes, "throughput", "many requests at once: requests/s and tokens/s", engine=True)
     _add_workload(p)
     p.add_argument("--sequential", action="store_true",
                    help="also run the same requests one at a time through the same engine")
@@ -57,13 +56,12 @@ def register(subparsers: argparse._SubParsersAction, add_engine_options: Callabl
                    help="static batch sizes peers try, fastest kept (default: 1,8,16,32,64)")
     _add_compare(p)
 
-    p = _mode(modes, "scaling", "decode step time vs position: no cache vs contiguous vs paged", add_engine_options)
+    p = _mode(modes, "scaling", "decode step time vs position: no cache vs contiguous vs paged", engine=True)
     p.add_argument("--max-len", type=int, help="largest position (default: min(2048, model context))")
     p.add_argument("--points", type=int, default=10, help="positions sampled, geometrically spaced")
     p.add_argument("--steps", type=int, default=3, help="decode steps timed at each position (median)")
 
-    p = _mode(modes, "memory", "share of reserved KV slots that hold a token: contiguous vs paged",
-              add_engine_options)
+    p = _mode(modes, "memory", "share of reserved KV slots that hold a token: contiguous vs paged", engine=True)
     _add_workload(p)
 
     p = _mode(modes, "serve", "load generator against a running `kvgen serve` (loopback only)")
@@ -78,12 +76,11 @@ def register(subparsers: argparse._SubParsersAction, add_engine_options: Callabl
     p.set_defaults(func=cmd_plot)
 
 
-def _mode(modes: argparse._SubParsersAction, name: str, help: str, add_engine_options: Callable | None = None
-          ) -> argparse.ArgumentParser:
+def _mode(modes: argparse._SubParsersAction, name: str, help: str, engine: bool = False) -> argparse.ArgumentParser:
     parser = modes.add_parser(name, help=help, description=help)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"), help="JSON and PNG go here")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
-    if add_engine_options is not None:
+    if engine:
         parser.add_argument("--threads", type=int, help="torch threads, also given to peers (default: torch's)")
         add_engine_options(parser)
         parser.set_defaults(model=DEFAULT_BENCH_MODEL)
@@ -194,7 +191,7 @@ def _serve(args: argparse.Namespace) -> Report:
     settings = {"model": model.name, "url": args.url, "rate": str(args.rate), "seed": args.seed,
                 "num_requests": args.num_requests, "prompt_len_range": args.prompt_len_range,
                 "output_len_range": args.output_len_range}
-    return serve.run(args, _config_only(model.path).vocab_size, settings)
+    return serve.run(args, config_only(model.path).vocab_size, settings)
 
 
 def _setup(args: argparse.Namespace, **overrides) -> tuple[BenchModel, KvgenSystem, dict]:

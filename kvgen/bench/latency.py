@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvgen.bench.peers import System, TokenTimes
+from kvgen.bench.system import System, TokenTimes
 from kvgen.bench.tasks import task_prompts
 from kvgen.bench.report import Metric, Report, comparison_table, median, timed
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token

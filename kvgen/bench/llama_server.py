@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from kvgen.bench.models import BenchModel, gguf_for
-from kvgen.bench.peers import BenchRequest, PeerUnavailable, System, TokenTimes
+from kvgen.bench.system import BenchRequest, PeerUnavailable, System, TokenTimes
 from kvgen.threads import foreign_environment
 
 START_TIMEOUT_S = 120.0

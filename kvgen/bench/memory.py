@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 
-from kvgen.bench.peers import BenchRequest, make_requests
 from kvgen.bench.report import Report, Table, fmt
+from kvgen.bench.system import BenchRequest
+from kvgen.bench.workload import make_requests
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.sampling_params import SamplingParams
 

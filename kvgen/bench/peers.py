@@ -1,12 +1,5 @@
-"""The systems benchmarked side by side: kvgen's engine, and peers on the same weights.
-
-Every system generates greedily from token ids and never stops early (EOS ignored), so each produces
-exactly the tokens asked for (`make_requests` draws the workload). Two operations:
-
-    generate_timed(prompt, n)  one request alone -> when each output token became available
-    run_batch(requests)        requests run together (kvgen: all submitted at once, continuous
-                               batching; HF / CTranslate2: one static batch; llama.cpp: one by one;
-                               llama-server: all sent at once to its slots)
+"""The systems benchmarked side by side (kvgen.bench.system says what each does): kvgen's engine, and
+peers on the same weights.
 
 Peers import lazily: a missing package becomes `PeerUnavailable` with the pip command to fix it.
 """
@@ -16,81 +9,17 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
-import numpy as np
 import torch
 
+from kvgen.bench.llama_server import LlamaServerSystem
 from kvgen.bench.models import BenchModel, converted, gguf_for, load_hf_model, plain_hf_dir
+from kvgen.bench.system import BenchRequest, PeerUnavailable, System, TokenTimes
 from kvgen.engine.base import Engine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import Request
-
-
-class BenchRequest(NamedTuple):
-    prompt: list[int]
-    output_len: int
-
-
-def random_prompt(rng: np.random.Generator, vocab_size: int, length: int) -> list[int]:
-    """Token ids drawn uniformly, skipping ids 0-2 (the usual unk / BOS / EOS slots)."""
-    return rng.integers(3, vocab_size, size=length).tolist()
-
-
-def make_requests(count: int, prompt_range: Sequence[int], output_range: Sequence[int], vocab_size: int,
-                  seed: int) -> list[BenchRequest]:
-    """`count` requests; lengths uniform in the inclusive ranges, prompt ids random (see random_prompt)."""
-    rng = np.random.default_rng(seed)
-    lengths = zip(rng.integers(prompt_range[0], prompt_range[1] + 1, count).tolist(),
-                  rng.integers(output_range[0], output_range[1] + 1, count).tolist())
-    return [BenchRequest(random_prompt(rng, vocab_size, p), o) for p, o in lengths]
-
-
-@dataclass
-class TokenTimes:
-    """time.monotonic() at submission and at each output token of one request."""
-
-    start: float
-    tokens: list[float]
-
-
-class PeerUnavailable(Exception):
-    """The peer cannot run here; the message says why in one line."""
-
-
-class System(ABC):
-    name: str
-    #: run_batch runs its requests in one batch (False: one after another).
-    batched: bool = True
-    #: static batches are cut from the requests sorted by prompt length, as the peer's own batching does
-    sorts_by_length: bool = False
-    #: what a batch size means to run_at, for the report
-    batch_kind: str = "static batch"
-
-    @abstractmethod
-    def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
-        """Runs one request alone and records when each output token appeared."""
-
-    @abstractmethod
-    def run_batch(self, requests: Sequence[BenchRequest]) -> None:
-        """Runs the requests together to completion."""
-
-    def build_note(self) -> str | None:
-        """What the report should say of how this peer was built, if anything."""
-        return None
-
-    def run_at(self, requests: Sequence[BenchRequest], size: int) -> None:
-        """Runs every request at batch size `size`: consecutive static batches, each to completion
-        (in arrival order, or by prompt length where the peer's own batching sorts). A server peer
-        instead serves them all at once on `size` slots."""
-        if self.sorts_by_length:
-            requests = sorted(requests, key=lambda r: len(r.prompt))
-        for i in range(0, len(requests), size):
-            self.run_batch(requests[i:i + size])
 
 
 class KvgenSystem(System):
@@ -303,12 +232,6 @@ def _ct2_vocabulary(directory: Path) -> list[str]:
     return (directory / "vocabulary.txt").read_text().splitlines()
 
 
-def _llama_server(model: BenchModel, dtype: str, max_len: int, device: str) -> System:
-    from kvgen.bench.llama_server import LlamaServerSystem  # here: it builds on this module's System
-
-    return LlamaServerSystem(model, dtype, max_len, device)
-
-
 # -- prompt lookup decoding in the peers (compared with kvgen --speculative-method ngram) -----------
 
 PEER_LOOKUP_TOKENS = 10  # tokens proposed per step: the default of both HF and llama-cpp-python
@@ -349,7 +272,7 @@ class LlamaCppLookupSystem(LlamaCppSystem):
 _PEERS: dict[str, tuple[Callable[[BenchModel, str, int, str], System], str, str]] = {
     "hf": (HFSystem, "transformers", "transformers"),
     "llama.cpp": (LlamaCppSystem, "llama_cpp", "llama-cpp-python"),
-    "llama-server": (_llama_server, "kvgen", "llama.cpp's llama-server"),
+    "llama-server": (LlamaServerSystem, "kvgen", "llama.cpp's llama-server"),
     "ct2": (CTranslate2System, "ctranslate2", "ctranslate2"),
     "hf-lookup": (HFLookupSystem, "transformers", "transformers"),
     "llama.cpp-lookup": (LlamaCppLookupSystem, "llama_cpp", "llama-cpp-python"),

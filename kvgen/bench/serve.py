@@ -21,8 +21,9 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
-from kvgen.bench.peers import BenchRequest, make_requests
 from kvgen.bench.report import Report, Table, distribution, fmt
+from kvgen.bench.system import BenchRequest
+from kvgen.bench.workload import make_requests
 from kvgen.errors import KVGenError
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvgen.bench.peers import random_prompt
+from kvgen.bench.workload import random_prompt
 from kvgen.tokenizer import Tokenizer
 
 TASKS = ("random", "repeat", "free")

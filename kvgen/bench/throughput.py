@@ -16,8 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kvgen.bench.peers import BenchRequest, KvgenSystem, System, make_requests
+from kvgen.bench.peers import KvgenSystem
 from kvgen.bench.report import Metric, Report, comparison_table, timed
+from kvgen.bench.system import BenchRequest, System
+from kvgen.bench.workload import make_requests
 
 METRICS = (
     Metric("requests_per_s", "requests/s"),

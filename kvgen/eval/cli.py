@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from kvgen.cache.policies import CachePolicy
-from kvgen.cli import engine_config
 from kvgen.errors import KVGenError
 from kvgen.eval import ppl
 from kvgen.llm import build_engine, default_model_path, load
+from kvgen.options import add_engine_options, engine_config
 
 DESCRIPTION = """\
 Streams a text through the engine one token per step under each --policy and reports the
@@ -25,7 +24,7 @@ whole text, cut to the model's context minus 1 when a policy other than sinks is
 window and h2o keep absolute positions, so they cannot run past the context)."""
 
 
-def register(subparsers: argparse._SubParsersAction, add_engine_options: Callable) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("eval-ppl", help="perplexity of a text under each KV cache policy",
                               description=DESCRIPTION, epilog=EPILOG)
     p.add_argument("--text", type=Path, help=f"UTF-8 text file (default: the bundled {ppl.BUNDLED_TEXT})")

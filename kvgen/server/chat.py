@@ -64,7 +64,10 @@ class ChatTemplate:
             raise InvalidRequestError(f"the chat template rejected the messages: {e}") from None
 
     def prompt_ids(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = ()) -> list[int]:
-        """Token ids of the rendered prompt; BOS is added unless the template already wrote it."""
-        text = self.render(messages, tools)
+        """Token ids of the rendered prompt."""
+        return self.encode(self.render(messages, tools))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a rendered prompt; BOS is added unless the template already wrote it."""
         bos = self.tokenizer.bos_token
         return self.tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))

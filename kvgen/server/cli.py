@@ -1,15 +1,15 @@
-"""`kvgen serve`: the OpenAI-compatible server on uvicorn (registered by kvgen.cli)."""
+"""`kvgen serve`: the OpenAI-compatible server on uvicorn (registered through kvgen.commands)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 from kvgen.cache.sizing import parse_bytes
 from kvgen.errors import KVGenError
+from kvgen.options import add_engine_options, build_engine_from_args
 from kvgen.server.limits import DEFAULT_MAX_QUEUED_REQUESTS, RequestLimits
 
 # Each request limit is an option of the same name (--max-n ...); a request over one gets a 400.
@@ -28,7 +28,7 @@ LIMIT_HELP = {
 }
 
 
-def register(subparsers: argparse._SubParsersAction, add_engine_options: Callable) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     serve.add_argument("model_arg", nargs="?", metavar="MODEL", help="the same as --model, as vLLM takes it")
     g = serve.add_argument_group("server")
@@ -58,7 +58,6 @@ def register(subparsers: argparse._SubParsersAction, add_engine_options: Callabl
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvgen.cli import build_engine_from_args
     from kvgen.distributed.engine import TensorParallelEngine
     from kvgen.server.app import create_app
 

@@ -17,10 +17,12 @@ import pytest
 import torch
 
 from kvgen.bench import models
-from kvgen.bench.peers import BenchRequest, PeerUnavailable, System, llama_cpp_build_note, load_peer, make_requests
+from kvgen.bench.peers import llama_cpp_build_note, load_peer
 from kvgen.bench.report import Metric, comparison_table, distribution, loglog_slope
 from kvgen.bench.scaling import SPEEDUP_AT, positions, total_times
 from kvgen.bench.serve import arrival_offsets
+from kvgen.bench.system import BenchRequest, PeerUnavailable, System
+from kvgen.bench.workload import make_requests
 from kvgen.cli import main
 
 TINY = ["--model", "stories260k", "--threads", "1"]

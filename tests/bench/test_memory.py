@@ -1,7 +1,7 @@
 """The memory report: how much reserved KV memory holds tokens, contiguous vs paged."""
 
 from kvgen.bench.memory import measure
-from kvgen.bench.peers import make_requests
+from kvgen.bench.workload import make_requests
 from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.loaders import load_model

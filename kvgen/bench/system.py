@@ -1,0 +1,64 @@
+"""What the bench asks of every system it runs, kvgen's engine and its peers alike (kvgen.bench.peers,
+kvgen.bench.llama_server). Every system generates greedily from token ids and never stops early (EOS
+ignored), so each produces exactly the tokens asked for. Two operations:
+
+    generate_timed(prompt, n)  one request alone -> when each output token became available
+    run_batch(requests)        requests run together (kvgen: all submitted at once, continuous
+                               batching; HF / CTranslate2: one static batch; llama.cpp: one by one;
+                               llama-server: all sent at once to its slots)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class BenchRequest(NamedTuple):
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass
+class TokenTimes:
+    """time.monotonic() at submission and at each output token of one request."""
+
+    start: float
+    tokens: list[float]
+
+
+class PeerUnavailable(Exception):
+    """The peer cannot run here; the message says why in one line."""
+
+
+class System(ABC):
+    name: str
+    #: run_batch runs its requests in one batch (False: one after another).
+    batched: bool = True
+    #: static batches are cut from the requests sorted by prompt length, as the peer's own batching does
+    sorts_by_length: bool = False
+    #: what a batch size means to run_at, for the report
+    batch_kind: str = "static batch"
+
+    @abstractmethod
+    def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
+        """Runs one request alone and records when each output token appeared."""
+
+    @abstractmethod
+    def run_batch(self, requests: Sequence[BenchRequest]) -> None:
+        """Runs the requests together to completion."""
+
+    def build_note(self) -> str | None:
+        """What the report should say of how this peer was built, if anything."""
+        return None
+
+    def run_at(self, requests: Sequence[BenchRequest], size: int) -> None:
+        """Runs every request at batch size `size`: consecutive static batches, each to completion
+        (in arrival order, or by prompt length where the peer's own batching sorts). A server peer
+        instead serves them all at once on `size` slots."""
+        if self.sorts_by_length:
+            requests = sorted(requests, key=lambda r: len(r.prompt))
+        for i in range(0, len(requests), size):
+            self.run_batch(requests[i:i + size])

@@ -1,0 +1,73 @@
+"""Choice deltas -> an endpoint's answer: server-sent events as they come, or one aggregated response.
+How each endpoint spells its chunks is its `ResponseFormat` (completions.py, chat_completions.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from typing import Protocol
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from kvgen.server.jobs import Choice, ChoiceDelta, Job, run_job
+from kvgen.server.protocol import ErrorInfo, ErrorResponse, SamplingRequest, Usage
+from kvgen.server.state import ServerState, json_response
+
+log = logging.getLogger("kvgen.server")
+
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+class ResponseFormat(Protocol):
+    """How one endpoint spells choices: streamed chunks, or one aggregated response."""
+
+    def opening(self, index: int) -> BaseModel | None:
+        """The chunk a streamed choice starts with, if any."""
+
+    def chunk(self, delta: ChoiceDelta) -> BaseModel | None:
+        """The streamed chunk of a delta; None where the format holds it back."""
+
+    def usage_chunk(self, usage: Usage) -> BaseModel: ...
+
+    def response(self, choices: Sequence[Choice], usage: Usage) -> BaseModel: ...
+
+
+def _sse(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+async def respond(request: Request, state: ServerState, job: Job, fmt: ResponseFormat,
+                  body: SamplingRequest) -> Response:
+    deltas = run_job(request, state, job)
+    if body.stream:
+        return StreamingResponse(_event_stream(deltas, job, fmt, body.include_usage), media_type="text/event-stream")
+    choices = [Choice(i) for i in range(job.num_choices)]
+    async with aclosing(deltas):
+        async for delta in deltas:
+            choices[delta.index].add(delta)
+    return json_response(fmt.response(choices, job.usage(choices)))
+
+
+async def _event_stream(deltas: AsyncIterator[ChoiceDelta], job: Job, fmt: ResponseFormat,
+                        include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: the openings, a chunk per delta, the usage chunk if asked for, [DONE]."""
+    choices = [Choice(i) for i in range(job.num_choices)]
+    for choice in choices:
+        if (opening := fmt.opening(choice.index)) is not None:
+            yield _sse(opening)
+    try:
+        async with aclosing(deltas):
+            async for delta in deltas:
+                choices[delta.index].add(delta)
+                if (chunk := fmt.chunk(delta)) is not None:
+                    yield _sse(chunk)
+    except Exception as error:  # the engine failed mid-stream: the status is sent, so say it in the stream
+        log.exception("%s: failed", job.request_id)
+        yield _sse(ErrorResponse(error=ErrorInfo(message=str(error), type="server_error")))
+    else:
+        if include_usage:
+            yield _sse(fmt.usage_chunk(job.usage(choices)))
+    yield _SSE_DONE
