@@ -29,7 +29,8 @@ import torch
 
 from kvgen.config import ModelConfig, gemma_layer_windows
 from kvgen.errors import ModelLoadError
-from kvgen.loaders import LoadedModel, check_weights, interleaved_to_half, shard_plan
+from kvgen.loaders.rope_layout import interleaved_to_half
+from kvgen.loaders.weights import LoadedModel, check_weights, shard_plan
 from kvgen.loaders.gguf_reader import GGUFFile, ReaderTensor, read_gguf
 from kvgen.loaders.gguf_tensors import GGUFWeight, UnsupportedTensorType, read_tensor, rotate_half_rows
 from kvgen.loaders.gguf_vocab import gguf_tokenizer, stop_token_ids, token_id

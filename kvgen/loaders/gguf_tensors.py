@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from kvgen.loaders import interleaved_to_half
+from kvgen.loaders.rope_layout import interleaved_to_half
 from kvgen.loaders.gguf_reader import ReaderTensor
 
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})

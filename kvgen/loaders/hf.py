@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
-from kvgen.loaders import LoadedModel, finalize_weights, is_norm_weight, shard_plan
+from kvgen.loaders.weights import LoadedModel, finalize_weights, is_norm_weight, shard_plan
 from kvgen.loaders.tokenizers import HFTokenizer, SentencePieceTokenizer
 from kvgen.tokenizer import Tokenizer
 

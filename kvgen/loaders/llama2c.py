@@ -15,7 +15,8 @@ import torch
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
-from kvgen.loaders import LoadedModel, finalize_weights, interleaved_to_half, shard_plan
+from kvgen.loaders.rope_layout import interleaved_to_half
+from kvgen.loaders.weights import LoadedModel, finalize_weights, shard_plan
 from kvgen.loaders.tokenizers import BPEVocabTokenizer
 from kvgen.tokenizer import Tokenizer
 

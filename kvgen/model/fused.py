@@ -11,7 +11,7 @@ sandwich norms and a hybrid cache's per-kind pools, slots and RoPE bases include
 sequence of the step attends through the in-place attention kernel (a decode or a speculative
 verify chunk; no heavy-hitter scores, no re-rotated keys) and there are fewer rows than the norm
 kernel serves. Anything else runs
-layer by layer (LlamaModel.forward).
+layer by layer (DecoderModel.forward).
 
 Each call is the kernel, with the same arguments, that the layer-by-layer forward makes, and the
 residual add is the same IEEE fp32 sum as torch's, so both give the same bits (tested).
@@ -21,18 +21,29 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from kvgen.config import ModelConfig
 from kvgen.model.attention import Attention, PagedAttention, PagedKVCache
 from kvgen.model.kernels import KernelCall, PagedDecode
 from kvgen.model.kernels.norm import rms_norm_kernel
 from kvgen.model.kernels.rope import rope_kernel
 from kvgen.model.kernels.step import CallList, step_kernels
 
-if TYPE_CHECKING:
-    from kvgen.model.llama import LlamaModel
+
+
+class DecoderModel(Protocol):
+    """What a program reads of the model (kvgen.model.llama.DecoderModel): its config, its layers'
+    weights and kernels, its RoPE tables, its final norm, its device and dtype."""
+
+    config: ModelConfig
+    layers: list
+    ropes: list
+    final_norm: torch.Tensor
+    device: torch.device
+    dtype: torch.dtype
 
 MAX_PROGRAMS = 32  # step shapes kept (rows and their groups); the least recently used goes first
 FUSED_BELOW_ROWS = 16  # steps of fewer rows run fused: decode batches and verify chunks of a few sequences
@@ -41,7 +52,7 @@ FUSED_BELOW_ROWS = 16  # steps of fewer rows run fused: decode batches and verif
 class DecodePrograms:
     """A model's fused decode steps, one per step shape, built on first use."""
 
-    def __init__(self, model: LlamaModel, enabled: bool = True) -> None:
+    def __init__(self, model: DecoderModel, enabled: bool = True) -> None:
         self._model = model
         kernels = (step_kernels(), rms_norm_kernel(), rope_kernel())
         self._usable = (enabled and model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16)
@@ -102,7 +113,7 @@ class DecodeProgram:
         return b["h"].clone()
 
     @classmethod
-    def build(cls, model: LlamaModel, attention: PagedAttention, rows: int,
+    def build(cls, model: DecoderModel, attention: PagedAttention, rows: int,
               groups: tuple[tuple[tuple[int, int, int], ...], ...]) -> DecodeProgram | None:
         """The program, or None where a layer has no kernel call (a bias, a wrapped or torch layer)."""
         cfg, layers = model.config, model.layers
@@ -169,7 +180,7 @@ def _residual_add(step, norm, b: dict[str, torch.Tensor], out_norm: torch.Tensor
     return [norm.call(b["proj"], out_norm, eps, b["normed"]), step.add_call(b["x"], b["normed"])]
 
 
-def _buffers(model: LlamaModel, rows: int, num_kinds: int) -> dict[str, torch.Tensor]:
+def _buffers(model: DecoderModel, rows: int, num_kinds: int) -> dict[str, torch.Tensor]:
     """A program's own buffers [rows, ...] in the model's dtype (the K/V slots as int64)."""
     cfg = model.config
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

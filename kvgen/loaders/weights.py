@@ -1,0 +1,156 @@
+"""What every loader shares: the weights a model needs by name and shape (`expected_shapes`,
+`check_weights`), moving them to the device (`finalize_weights`), a tensor-parallel rank's plan
+(`shard_plan`) and the `LoadedModel` a loader hands the engine. Kept apart from `kvgen.loaders`, which
+picks the format, so that the format modules import these without importing their own dispatcher."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvgen.config import ModelConfig
+from kvgen.errors import ModelLoadError
+from kvgen.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvgen.distributed.shard import ShardPlan
+    from kvgen.loaders.gguf_tensors import GGUFWeight
+
+# Tensors older HF checkpoints carry that hold nothing the model needs (RoPE tables it recomputes).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    """What a loader hands the engine: config, weights (HF names), tokenizer, and where it came from.
+
+    `quantized` holds the block-quantized GGUF matrices, raw, when `load_model(keep_quantized=True)`
+    asked for them; those names are then absent from `weights`. Otherwise it is empty and `weights`
+    has every tensor.
+
+    `shard` is the tensor-parallel rank's plan when `load_model(shard=(rank, world))` asked for one
+    rank's part: `weights` and `quantized` then hold that rank's slices only (kvgen.distributed.shard).
+    `reload` loads the same files again for another rank (set by kvgen.llm.load; picklable).
+    """
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str
+    quantized: dict[str, GGUFWeight] = field(default_factory=dict)
+    shard: ShardPlan | None = None
+    reload: Callable[..., LoadedModel] | None = None
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the model needs, HF names -> shape (lm_head only when untied); which ones follow
+    from the architecture (kvgen.model.architectures): fused or separate projections, QK-norm, its norms."""
+    arch = config.arch
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_rows, kv_rows = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + name + ".weight": (hidden,) for name in arch.layer_norm_names()}
+        if arch.fused_checkpoint:
+            shapes |= {p + "self_attn.qkv_proj.weight": (q_rows + 2 * kv_rows, hidden),
+                       p + "mlp.gate_up_proj.weight": (2 * inter, hidden)}
+        else:
+            shapes |= {
+                p + "self_attn.q_proj.weight": (q_rows, hidden),
+                p + "self_attn.k_proj.weight": (kv_rows, hidden),
+                p + "self_attn.v_proj.weight": (kv_rows, hidden),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+            }
+        shapes |= {p + "self_attn.o_proj.weight": (hidden, q_rows), p + "mlp.down_proj.weight": (hidden, inter)}
+        if arch.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+        if config.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,)}
+            shapes |= {p + "self_attn.v_proj.bias": (kv_rows,)}
+        if config.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def is_norm_weight(name: str) -> bool:
+    """An RMSNorm weight, by its HF name (the layers' norms, QK-norm and the final norm)."""
+    return name.endswith(("norm.weight", "layernorm.weight"))
+
+
+def finalize_weights(
+    weights: dict[str, torch.Tensor],
+    config: ModelConfig,
+    source: object,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    *,
+    origins: Mapping[str, object] | None = None,
+    plan: ShardPlan | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Checks names and shapes (`check_weights`), then moves every tensor (the `plan`'s slice of it,
+    if given) to device/dtype. `shapes`: the full shapes, where `weights` holds one rank's slices
+    already (read so from the file).
+
+    A tied `lm_head.weight` that a checkpoint stores anyway is dropped (the model reuses the embedding).
+    """
+    take = plan.take if plan is not None and shapes is None else lambda _, w: w
+    shapes = shapes if shapes is not None else {name: tuple(w.shape) for name, w in weights.items()}
+    names = check_weights(shapes, config, source, origins=origins)
+    return {name: take(name, weights[name]).to(device=device, dtype=dtype) for name in names}
+
+
+def shard_plan(config: ModelConfig, shard: tuple[int, int] | None, source: object) -> ShardPlan | None:
+    """The plan of tensor-parallel rank `shard` = (rank, world) for this model, or None; a model that
+    does not split so raises ModelLoadError naming `source`."""
+    if shard is None:
+        return None
+    from kvgen.distributed.shard import ShardingError, ShardPlan
+
+    try:
+        return ShardPlan(config, *shard)
+    except ShardingError as e:
+        raise ModelLoadError(source, str(e)) from None
+
+
+def check_weights(
+    shapes: Mapping[str, tuple[int, ...]],
+    config: ModelConfig,
+    source: object,
+    *,
+    origins: Mapping[str, object] | None = None,
+) -> list[str]:
+    """Checks tensor names -> shapes against `expected_shapes(config)`; returns the names the model uses.
+
+    `origins` names the file each tensor came from (sharded checkpoints), for the error message.
+    """
+    expected = expected_shapes(config)
+    names = {n for n in shapes if not n.endswith(IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        names.discard("lm_head.weight")
+    missing = sorted(set(expected) - names)
+    if missing:
+        if missing == ["lm_head.weight"]:
+            raise ModelLoadError(source, "lm_head.weight is missing and the config does not tie embeddings")
+        raise ModelLoadError(source, f"missing tensors: {_listing(missing)}")
+    unexpected = sorted(names - set(expected))
+    if unexpected:
+        raise ModelLoadError(source, f"unexpected tensors (does the config match?): {_listing(unexpected)}")
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            problem = f"{name} has shape {tuple(shapes[name])}, config implies {shape}"
+            raise ModelLoadError((origins or {}).get(name, source), problem)
+    return list(expected)
+
+
+def _listing(names: list[str], limit: int = 5) -> str:
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
