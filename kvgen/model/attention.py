@@ -179,7 +179,9 @@ class PagedKVCache:
     The pools hold `dtype` (the model's by default). A quantized pool (int8, fp8) also holds a float32
     scale per (token, KV head), `k_scale`/`v_scale` [kv_heads, num_slots], indexed by slot like the
     values, so a block carries its scales wherever it is copied or shared. Writes quantize; reads
-    (gather, the decode kernel) dequantize to `compute_dtype`.
+    (gather, the decode kernel) dequantize to `compute_dtype`. A float pool of another dtype than
+    the model's (bf16 / fp16 pools under an fp32 model: half the bytes a token) is the same rule
+    without scales: writes round to the pool's dtype, reads widen back to `compute_dtype`.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -198,6 +200,15 @@ class PagedKVCache:
         # Reused by every gather: fresh multi-MB buffers each layer cost more in page faults than the copy.
         self._gathered_k = torch.empty(0, device=device, dtype=dtype)
         self._gathered_v = torch.empty(0, device=device, dtype=dtype)
+        # The same for a float pool's gathered copy widened to compute_dtype (see `_converted`).
+        self._converted_k = torch.empty(0, device=device, dtype=self.compute_dtype)
+        self._converted_v = torch.empty(0, device=device, dtype=self.compute_dtype)
+
+    @property
+    def converts(self) -> bool:
+        """Whether a float pool holds another dtype than the model computes in (read and written
+        through a conversion; kvgen.model.fused runs only pools of the model's dtype)."""
+        return not self.quantized and self.k[0].dtype != self.compute_dtype
 
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool of one layer viewed as [kv_heads, num_blocks + 1, block_size, head_dim] (fp8 pools
@@ -213,6 +224,8 @@ class PagedKVCache:
             if self.quantized:
                 x, x_scales = quantize(x, pool.dtype)
                 scales.index_copy_(1, slots, x_scales)
+            else:
+                x = x.to(pool.dtype)  # rounds to nearest even into a narrower float pool; a no-op for its own
             as_bytes(pool).index_copy_(1, slots, as_bytes(x))
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,8 +249,20 @@ class PagedKVCache:
                               self.compute_dtype)
             values = dequantize(values.view(pool_dtype), self._gather_scales(self.v_scale[layer], flat),
                                 self.compute_dtype)
+        elif self.converts:
+            keys, values = self._converted(keys, values)
         return (keys.view(kv_heads, batch, length, head_dim).transpose(0, 1),
                 values.view(kv_heads, batch, length, head_dim).transpose(0, 1))
+
+    def _converted(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A float pool's gathered keys / values widened (or narrowed) to compute_dtype, in buffers
+        reused like the gathered ones: SDPA and the prefill kernel take queries and keys of one dtype."""
+        size = keys.numel()
+        if self._converted_k.numel() < size:
+            self._converted_k, self._converted_v = keys.new_empty(size, dtype=self.compute_dtype), \
+                values.new_empty(size, dtype=self.compute_dtype)
+        return (self._converted_k[:size].view(keys.shape).copy_(keys),
+                self._converted_v[:size].view(values.shape).copy_(values))
 
     def _gather_scales(self, scales: torch.Tensor, flat_blocks: torch.Tensor) -> torch.Tensor:
         """scales [kv_heads, num_slots] -> [kv_heads, len(flat_blocks), block_size]."""
