@@ -25,6 +25,15 @@ def portable_paged_decode() -> PagedDecode:
 KERNELS = {"native": load_paged_decode, "portable": portable_paged_decode}
 
 
+@functools.cache
+def no_f16c_paged_decode() -> PagedDecode:
+    """The portable loops without F16C too: fp16 pool rows widened by their bits (from_f16)."""
+    return PagedDecode(ctypes.CDLL(str(build_library(SOURCE, (*FLAGS, "-mno-avx512f", "-mno-f16c")))))
+
+
+FLOAT_POOL_KERNELS = {**KERNELS, "no-f16c": no_f16c_paged_decode}
+
+
 def ragged_batch(dtype: torch.dtype, kv_heads: int, group: int, block_size: int, window: int | None, seed: int = 0,
                  head_dim: int = 32, long: int | None = None):
     """A pool holding 6 sequences of 1..70 keys (and one of `long` keys if given) in shuffled
@@ -117,6 +126,50 @@ def test_paged_decode_reads_quantized_pools_as_their_dequantized_values(pool_dty
     assert (got - exact).abs().max().item() <= 4 * step * values
 
 
+@pytest.mark.parametrize("dtype, pool_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                               (torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("build", FLOAT_POOL_KERNELS)
+def test_paged_decode_reads_pools_of_another_float_dtype(dtype, pool_dtype, block_size, head_dim, build):
+    """A model of `dtype` over float pools of `pool_dtype` (--kv-cache-dtype): the cache rounds what the
+    model writes into the pool; the kernel widens pool rows in registers, gather + SDPA converts a
+    copy to the model's dtype. Each case's pool holds values the model's dtype holds too (fp32 over
+    bf16 / fp16; bf16 over fp32 holding bf16 values, or over fp16, whose 11 bits hold bf16's 8 in
+    its normal range; its subnormals below 2**-14 err by 2**-25 at most, far below the bound), so
+    both attend over the same values: fp32 rounding apart, plus one bf16 rounding of the output
+    each (2**-8 relative) for a bf16 model."""
+    source, q, block_ids, mask = ragged_batch(dtype, 3, 4, block_size, None, head_dim=head_dim)
+    cache = PagedKVCache(1, source.num_blocks, block_size, 3, head_dim, CPU, pool_dtype, compute_dtype=dtype)
+    slots = torch.arange(cache.k[0].shape[1])
+    cache.write(0, slots, source.k[0].transpose(0, 1), source.v[0].transpose(0, 1))
+    assert cache.k[0].dtype == pool_dtype and torch.equal(cache.k[0], source.k[0].to(pool_dtype))
+    got = FLOAT_POOL_KERNELS[build]()(q, cache.k[0], cache.v[0], block_ids, block_size, mask)
+    want = gather_and_sdpa(cache, q, block_ids, mask)
+    assert got.dtype == want.dtype == dtype
+    values = cache.v[0].float().abs().max().item()
+    keys = int(mask.sum(-1).max())
+    tolerance = fp32_gap(head_dim + 2 * keys, values) + (2 * 2**-8 * values if dtype == torch.bfloat16 else 0)
+    assert (got.float() - want.float()).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("build", FLOAT_POOL_KERNELS)
+def test_every_finite_fp16_value_widens_exactly(build):
+    """Each query attends one key (softmax weight exactly 1), so its output is that key's value row
+    as the kernel widened it: every finite half, through F16C, AVX-512 or the bits (from_f16)."""
+    halves = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    halves = halves[torch.isfinite(halves)]
+    head_dim = 16 if build != "native" else 64  # 64 takes attend_avx512's _mm512_cvtph_ps
+    rows = torch.nn.functional.pad(halves, (0, -halves.numel() % head_dim)).view(-1, head_dim)
+    cache = PagedKVCache(1, rows.shape[0], 1, 1, head_dim, CPU, torch.float16, compute_dtype=torch.float32)
+    cache.v[0][0, : rows.shape[0]] = rows
+    block_ids = torch.arange(rows.shape[0])[:, None]
+    mask = torch.ones(rows.shape[0], 1, dtype=torch.bool)
+    out = FLOAT_POOL_KERNELS[build]()(torch.zeros(rows.shape[0], 1, head_dim), cache.k[0], cache.v[0], block_ids, 1,
+                                      mask)
+    assert torch.equal(out[:, 0], rows.float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("queries", [2, 9])
 @pytest.mark.parametrize("build", KERNELS)
@@ -189,12 +242,13 @@ def test_backend_choice():
     assert paged_decode_for("sdpa", CPU, torch.float32) is None
     assert paged_decode_for("auto", CPU, torch.float32) is load_paged_decode()
     assert paged_decode_for("native", CPU, torch.bfloat16) is load_paged_decode()
-    assert paged_decode_for("auto", CPU, torch.float16) is None  # no fp16 kernel: gather + SDPA
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
+    assert paged_decode_for("auto", CPU, torch.float16) is None  # fp16 models: gather + SDPA
+    with pytest.raises(ValueError, match="float32 or bfloat16 models"):
         paged_decode_for("native", CPU, torch.float16)
     assert paged_decode_for("auto", CPU, torch.float32, torch.int8) is load_paged_decode()
     assert paged_decode_for("auto", CPU, torch.bfloat16, torch.float8_e4m3fn) is load_paged_decode()
-    assert paged_decode_for("auto", CPU, torch.float32, torch.float16) is None  # fp16 pools: gather
+    assert paged_decode_for("auto", CPU, torch.float32, torch.float16) is load_paged_decode()  # widened exactly
+    assert paged_decode_for("native", CPU, torch.float32, torch.bfloat16) is load_paged_decode()
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="flash")
 

@@ -42,8 +42,9 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 # The host's ISA, but never AMX: some VMs advertise AMX tiles and trap on their first use (SIGILL).
 FLAGS = ("-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-fopenmp", "-shared", "-fPIC")
 POOL_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
-               torch.int8: "paged_decode_int8", torch.float8_e4m3fn: "paged_decode_fp8"}
-# Model (query) dtypes the kernel serves; its pools may also be int8 / fp8 with scales.
+               torch.float16: "paged_decode_f16", torch.int8: "paged_decode_int8", torch.float8_e4m3fn: "paged_decode_fp8"}
+# Model (query) dtypes the kernel serves (queries are widened to fp32); its pools may be any of
+# POOL_DTYPES, whatever the model's dtype: fp16 pools too, and int8 / fp8 with scales.
 QUERY_DTYPES = (torch.float32, torch.bfloat16)
 STORE_DTYPES = (torch.float32, torch.bfloat16)  # pools paged_store writes (quantized ones go through torch)
 
@@ -136,7 +137,7 @@ def _store_arguments(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Te
 
 
 class PagedDecode:
-    """Decode attention over K/V pools [kv_heads, num_slots, D] of fp32 or bf16, or of int8 / fp8 with
+    """Decode attention over K/V pools [kv_heads, num_slots, D] of fp32, bf16 or fp16, or of int8 / fp8 with
     float32 scales [kv_heads, num_slots], on the CPU; and stores into fp32 / bf16 pools."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
@@ -250,7 +251,7 @@ def paged_decode_for(backend: str, device: torch.device, dtype: torch.dtype,
     if device.type != "cpu" or dtype not in QUERY_DTYPES or pool_dtype not in POOL_DTYPES:
         if backend == "native":
             raise ValueError(f"attention_backend 'native' runs on the CPU, for float32 or bfloat16 models over "
-                             f"float32, bfloat16, int8 or fp8 pools, not {device.type} {dtype} over {pool_dtype}")
+                             f"float32, bfloat16, float16, int8 or fp8 pools, not {device.type} {dtype} over {pool_dtype}")
         return None
     try:
         return load_paged_decode()
