@@ -42,17 +42,28 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
 
 
-def agreeing_prefix(got, want, kv_dtype: str) -> int:
+# A greedy run's tokens and each step's top logprobs {token: logprob}.
+Trace = tuple[list[int], list[dict[int, float]]]
+
+
+def trace(output) -> Trace:
+    """A CompletionOutput (logprobs requested) as a Trace."""
+    return output.token_ids, [step.top for step in output.logprobs]
+
+
+def agreeing_prefix(got: Trace, want: Trace, kv_dtype: str) -> int:
     """How many greedy tokens agree; checks each agreeing step's logprobs within the bound (the
-    same context on both sides: teacher-forced) and that a divergence is a near-tie of the fp32 run."""
-    for step, (g, w) in enumerate(zip(got.logprobs, want.logprobs, strict=True)):
-        if got.token_ids[step] != want.token_ids[step]:
-            top, second = sorted(w.top.values(), reverse=True)[:2]
+    same context on both sides: teacher-forced) and that a divergence is a near-tie of the
+    reference run `want`."""
+    (got_ids, got_tops), (want_ids, want_tops) = got, want
+    for step, (g, w) in enumerate(zip(got_tops, want_tops, strict=True)):
+        if got_ids[step] != want_ids[step]:
+            top, second = sorted(w.values(), reverse=True)[:2]
             assert top - second <= 2 * bound(kv_dtype, top), f"step {step}: not a near-tie, {top} vs {second}"
             return step
-        for token in g.top.keys() & w.top.keys():
-            assert abs(g.top[token] - w.top[token]) <= bound(kv_dtype, w.top[token]), f"step {step}"
-    return len(want.token_ids)
+        for token in g.keys() & w.keys():
+            assert abs(g[token] - w[token]) <= bound(kv_dtype, w[token]), f"step {step}"
+    return len(want_ids)
 
 
 def check_teacher_forced(llm: LLM, reference: LLM, ids: list[int], kv_dtype: str) -> None:
@@ -83,7 +94,7 @@ def test_an_fp32_model_over_narrower_pools_stays_within_their_rounding(kv_dtype,
     llm = LLM(block_size=4, kv_cache_dtype=kv_dtype, attention_backend=backend)
     assert llm.engine.runner.cache.k[0].dtype == getattr(torch, kv_dtype)
     want, got = reference.generate(TEXTS, greedy(100)), llm.generate(TEXTS, greedy(100))
-    agreed = [agreeing_prefix(g.outputs[0], w.outputs[0], kv_dtype) for g, w in zip(got, want, strict=True)]
+    agreed = [agreeing_prefix(trace(g.outputs[0]), trace(w.outputs[0]), kv_dtype) for g, w in zip(got, want, strict=True)]
     assert sum(agreed) >= len(TEXTS) * 100 // 2  # near-ties are rare: most of the tokens agree
     for w in want:
         check_teacher_forced(llm, reference, w.prompt_token_ids + w.outputs[0].token_ids, kv_dtype)
