@@ -1,7 +1,9 @@
 """Starting the ranks: kvgen spawns N - 1 workers on this machine, or joins the group torchrun made.
 
-    one machine     rank 0 is this process; workers are spawned (torch.multiprocessing, spawn) and
-                    meet it at tcp://127.0.0.1:<free port>; each loads its own shard
+    one machine     rank 0 is this process; workers are fresh interpreters that import kvgen and
+                    not the caller's main script (kvgen.distributed.process: a script needs no
+                    `if __name__ == "__main__":` guard), meeting it at tcp://127.0.0.1:<free port>;
+                    each loads its own shard
     torchrun        every process runs the same command; RANK / WORLD_SIZE / MASTER_ADDR come from
                     torchrun (env://); rank 0 goes on to serve, the others run steps inside
                     `build_engine` and exit when rank 0 stops
@@ -16,7 +18,6 @@ import dataclasses
 import os
 
 import torch
-import torch.multiprocessing as mp
 
 from kvgen.config import EngineConfig
 from kvgen.distributed.engine import TensorParallelEngine
@@ -30,6 +31,7 @@ from kvgen.distributed.group import (
     torchrun_rank,
 )
 from kvgen.distributed.liveness import WorkerWatch
+from kvgen.distributed.process import WorkerProcess, worker_environment
 from kvgen.distributed.worker import exit_now, serve_worker, worker_main
 from kvgen.errors import KVGenError
 from kvgen.loaders import LoadedModel
@@ -87,23 +89,10 @@ def build_tensor_parallel_engine(loaded: LoadedModel, config: EngineConfig) -> T
         raise
 
 
-def _spawn(loaded: LoadedModel, config: EngineConfig, meeting: Rendezvous, world: int):
+def _spawn(loaded: LoadedModel, config: EngineConfig, meeting: Rendezvous, world: int) -> WorkerProcess:
     rank_config = dataclasses.replace(config, device=_rank_device(config.device, meeting.rank))
-    threads = str(max(1, torch.get_num_threads()))
-    context = mp.get_context("spawn")
-    process = context.Process(target=worker_main, args=(loaded.reload, rank_config, meeting),
-                              name=f"kvgen-tp-rank{meeting.rank}", daemon=True)
-    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
-    os.environ.update(OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads)  # read as the child starts
-    try:
-        process.start()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return process
+    threads = max(1, torch.get_num_threads())  # already this rank's share of the cores (_share_cores)
+    return WorkerProcess(worker_main, (loaded.reload, rank_config, meeting), worker_environment(threads))
 
 
 def _share_cores(ranks_here: int) -> None:

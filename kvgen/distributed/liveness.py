@@ -11,9 +11,8 @@ import logging
 import os
 import threading
 import time
-from multiprocessing.process import BaseProcess
-
 from kvgen.distributed.group import TensorParallelGroup
+from kvgen.distributed.process import WorkerProcess
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +22,7 @@ POLL_SECONDS = 0.2
 class WorkerWatch:
     """A daemon thread that polls the worker processes of rank 0."""
 
-    def __init__(self, workers: dict[int, BaseProcess], group: TensorParallelGroup, grace: float) -> None:
+    def __init__(self, workers: dict[int, WorkerProcess], group: TensorParallelGroup, grace: float) -> None:
         self.workers, self.group, self.grace = workers, group, grace
         self._stopping = threading.Event()
         group.diagnose = self.dead_worker

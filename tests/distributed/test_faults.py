@@ -17,6 +17,7 @@ import pytest
 
 from kvgen import LLM, SamplingParams
 from kvgen.distributed.group import DistributedError, free_port
+from kvgen.distributed.process import MARKER
 
 REPO = Path(__file__).resolve().parents[2]
 LONG = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
@@ -29,7 +30,7 @@ def _workers(pid: int) -> list[psutil.Process]:
         children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    return [c for c in children if MARKER in c.cmdline()]
 
 
 def _wait_gone(processes: list[psutil.Process], seconds: float) -> list[psutil.Process]:
