@@ -10,7 +10,7 @@ Two groups over the same ranks:
 
 Every failed or timed-out collective marks the group broken (`DistributedError`): rank 0 fails its
 requests and stops, workers exit. The ranks are one machine's processes started by kvgen
-(`torch.multiprocessing`, spawn) or the processes `torchrun` started on one or many machines.
+(kvgen.distributed.process) or the processes `torchrun` started on one or many machines.
 """
 
 from __future__ import annotations
