@@ -26,6 +26,11 @@ import pytest
 import torch
 
 from kvgen import LLM, SamplingParams
+from kvgen.llm import DEFAULT_MODEL
+from kvgen.model.kernels import paged_decode_for
+from kvgen.model.kernels.f32 import f32_kernel
+
+CPU = torch.device("cpu")
 
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play in the park with her dog"
 TEXTS = [" ".join(STORY.split()[:n]) for n in (1, 4, 9, 17)]
@@ -160,4 +165,25 @@ def test_the_real_smollm2_file_over_half_pools(smollm_gguf, kv_dtype):
             top, second = sorted(w.outputs[0].logprobs[first].top.values(), reverse=True)[:2]
             assert top - second <= 2 * bound("bfloat16", top), (first, top, second)
     assert sum(g.outputs[0].token_ids == w.outputs[0].token_ids for g, w in zip(got, want)) >= 3
+    assert llm.engine.kv.num_used_blocks == 0
+
+
+@pytest.mark.skipif(f32_kernel() is None or paged_decode_for("auto", CPU, torch.float32) is None,
+                    reason="needs kvgen's fp32 matmul (AVX-512) and attention kernels")
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_a_draft_model_over_half_pools_changes_no_bit(kv_dtype):
+    """Self-speculation (the model's int4 copy drafts) with the target's and the draft's pools in
+    `kv_dtype`: a verify chunk's rows get the bits their decodes would (kvgen's fp32 matmul, the
+    in-place kernel), so they round to the same pool values, and speculation changes no bit of a
+    logprob, as over fp32 pools (tests/engine/spec/test_speculative.py)."""
+    params = greedy(48)
+    plain = LLM(enable_prefix_caching=False, kv_cache_dtype=kv_dtype).generate(TEXTS, params)
+    llm = LLM(enable_prefix_caching=False, kv_cache_dtype=kv_dtype, speculative_method="draft",
+              draft_model=str(DEFAULT_MODEL), draft_quantization="int4", num_speculative_tokens=4)
+    spec = llm.generate(TEXTS, params)
+    assert llm.engine.speculator.proposer.cache.k[0].dtype == getattr(torch, kv_dtype)
+    assert llm.engine.stats().spec_accepted > 0
+    for got, want in zip(spec, plain, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].logprobs == want.outputs[0].logprobs  # floats compared exactly
     assert llm.engine.kv.num_used_blocks == 0
