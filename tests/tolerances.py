@@ -54,3 +54,46 @@ def assert_same_logprobs(a, b, config: ModelConfig, relative_floor: float = 0.0)
             for mine, theirs in ((la.top, lb.top), (lb.top, la.top)):
                 if extra := mine.keys() - shared:
                     assert theirs and all(mine[t] <= min(theirs.values()) + bound for t in extra)
+
+
+# -- lossy K/V pools (kv_cache_dtype) ---------------------------------------------------------------
+#
+# A pool format rounds each K/V element once, to nearest, and reads widen exactly: the relative error
+# it adds is its unit roundoff 2**-p for p significand bits (bf16 8, fp16 11, e4m3 4; fp32 24); an int8
+# row errs by half a step of max/127, counted as one step, 2**-7, of the row's largest element (most
+# elements are smaller). A bf16 model's two attention paths (the fp32 kernel rounding once, or bf16
+# SDPA) also differ by bf16 rounding.
+KV_ROUNDING = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11, "int8": 2.0**-7, "fp8": 2.0**-4}
+# To first order a logprob then moves by that u times the model's gain from a relative K/V perturbation
+# to the logprob. The gain has no a-priori bound short of the weights' norms, so it is declared: the
+# largest measured, teacher-forced, was 19 (int8 pools of bf16 stories260K); bf16 / fp16 pools under
+# fp32 gave 4-10 on stories260K and 6-9 on the SmolLM2 file dequantized to fp32, with u for each.
+KV_GAIN = 32
+
+# A greedy run's tokens and each step's top logprobs {token: logprob}.
+Trace = tuple[list[int], list[dict[int, float]]]
+
+
+def trace(output) -> Trace:
+    """A CompletionOutput (logprobs requested) as a Trace."""
+    return output.token_ids, [step.top for step in output.logprobs]
+
+
+def kv_bound(u: float, logprob: float) -> float:
+    """How far a logprob may move when K/V are perturbed by a relative u (see KV_GAIN)."""
+    return KV_GAIN * u * max(abs(logprob), 1.0)
+
+
+def agreeing_prefix(got: Trace, want: Trace, u: float) -> int:
+    """How many greedy tokens of `got` agree with the reference `want`; checks each agreeing step's top
+    logprobs within kv_bound (the same context on both sides: teacher-forced), and that a divergence
+    is a near-tie of the reference (its top two within twice the bound: either may win)."""
+    (got_ids, got_tops), (want_ids, want_tops) = got, want
+    for step, (g, w) in enumerate(zip(got_tops, want_tops, strict=True)):
+        if got_ids[step] != want_ids[step]:
+            top, second = sorted(w.values(), reverse=True)[:2]
+            assert top - second <= 2 * kv_bound(u, top), f"step {step}: not a near-tie, {top} vs {second}"
+            return step
+        for token in g.keys() & w.keys():
+            assert abs(g[token] - w[token]) <= kv_bound(u, w[token]), f"step {step}: {g[token]} vs {w[token]}"
+    return len(want_ids)

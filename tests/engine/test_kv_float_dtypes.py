@@ -2,19 +2,20 @@
 fp32 model, float32 under a bf16 one), through the real engine on real models: every path that
 writes or reads the pools converts (issue 34: every request used to fail in index_copy_).
 
-What the bounds rest on. A pool of `kv_dtype` rounds each K/V element to nearest once, a relative
-error of at most its unit roundoff u (bf16: 8 significand bits, u = 2**-8; fp16: 11 bits, u =
-2**-11), and reads widen exactly (tests/model/test_kernels.py). So:
+What the bounds rest on (tests/tolerances.py, KV_ROUNDING and KV_GAIN). A pool of `kv_dtype`
+rounds each K/V element to nearest once, a relative error of at most its unit roundoff u (bf16: 8
+significand bits, u = 2**-8; fp16: 11 bits, u = 2**-11), and reads widen exactly
+(tests/model/test_kernels.py). So:
 
 - layer 0's K/V depend on the tokens alone, and its pools must hold exactly the fp32 run's values
   rounded to the pool's dtype: an exact check of the write path;
 - later layers see the rounding of earlier ones. To first order a logprob moves by u times the
   model's gain from a relative K/V perturbation to that logprob. That gain has no a-priori bound
-  short of the weights' norms, so it is declared: GAIN = 32, three times the largest seen on
-  stories260K and on the SmolLM2 file dequantized to fp32 (5.9 to 9.8, for both bf16 and fp16,
-  over 4 prompts x 100-128 tokens, teacher-forced). The bound is GAIN * u * max(|logprob|, 1):
-  fp16's is 8x tighter than bf16's, as the rounding is. It holds on any CPU: fp32 ordering noise is
-  ~1e-6 of it;
+  short of the weights' norms, so it is declared: KV_GAIN = 32, three times the largest seen for
+  these pools on stories260K and on the SmolLM2 file dequantized to fp32 (4 to 9.8, for both bf16
+  and fp16, over 4 prompts x 100-128 tokens, teacher-forced). The bound is KV_GAIN * u *
+  max(|logprob|, 1): fp16's is 8x tighter than bf16's, as the rounding is. It holds on any CPU:
+  fp32 ordering noise is ~1e-6 of it;
 - greedy tokens then agree until the fp32 run's top-2 gap falls within twice the bound (either
   token may win a near-tie); the tests count how many agree and check that any divergence is
   such a near-tie.
@@ -29,46 +30,20 @@ from kvgen import LLM, SamplingParams
 from kvgen.llm import DEFAULT_MODEL
 from kvgen.model.kernels import paged_decode_for
 from kvgen.model.kernels.f32 import f32_kernel
+from tests.tolerances import KV_ROUNDING, agreeing_prefix, kv_bound, trace
 
 CPU = torch.device("cpu")
 
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play in the park with her dog"
 TEXTS = [" ".join(STORY.split()[:n]) for n in (1, 4, 9, 17)]
-# Unit roundoff of each narrower float pool (2**-significand bits) and the declared gain (above).
-UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
-GAIN = 32
 
 
 def bound(kv_dtype: str, logprob: float) -> float:
-    return GAIN * UNIT_ROUNDOFF[kv_dtype] * max(abs(logprob), 1.0)
+    return kv_bound(KV_ROUNDING[kv_dtype], logprob)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
-
-
-# A greedy run's tokens and each step's top logprobs {token: logprob}.
-Trace = tuple[list[int], list[dict[int, float]]]
-
-
-def trace(output) -> Trace:
-    """A CompletionOutput (logprobs requested) as a Trace."""
-    return output.token_ids, [step.top for step in output.logprobs]
-
-
-def agreeing_prefix(got: Trace, want: Trace, kv_dtype: str) -> int:
-    """How many greedy tokens agree; checks each agreeing step's logprobs within the bound (the
-    same context on both sides: teacher-forced) and that a divergence is a near-tie of the
-    reference run `want`."""
-    (got_ids, got_tops), (want_ids, want_tops) = got, want
-    for step, (g, w) in enumerate(zip(got_tops, want_tops, strict=True)):
-        if got_ids[step] != want_ids[step]:
-            top, second = sorted(w.values(), reverse=True)[:2]
-            assert top - second <= 2 * bound(kv_dtype, top), f"step {step}: not a near-tie, {top} vs {second}"
-            return step
-        for token in g.keys() & w.keys():
-            assert abs(g[token] - w[token]) <= bound(kv_dtype, w[token]), f"step {step}"
-    return len(want_ids)
 
 
 def check_teacher_forced(llm: LLM, reference: LLM, ids: list[int], kv_dtype: str) -> None:
@@ -99,7 +74,8 @@ def test_an_fp32_model_over_narrower_pools_stays_within_their_rounding(kv_dtype,
     llm = LLM(block_size=4, kv_cache_dtype=kv_dtype, attention_backend=backend)
     assert llm.engine.runner.cache.k[0].dtype == getattr(torch, kv_dtype)
     want, got = reference.generate(TEXTS, greedy(100)), llm.generate(TEXTS, greedy(100))
-    agreed = [agreeing_prefix(trace(g.outputs[0]), trace(w.outputs[0]), kv_dtype) for g, w in zip(got, want, strict=True)]
+    u = KV_ROUNDING[kv_dtype]
+    agreed = [agreeing_prefix(trace(g.outputs[0]), trace(w.outputs[0]), u) for g, w in zip(got, want, strict=True)]
     assert sum(agreed) >= len(TEXTS) * 100 // 2  # near-ties are rare: most of the tokens agree
     for w in want:
         check_teacher_forced(llm, reference, w.prompt_token_ids + w.outputs[0].token_ids, kv_dtype)
