@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvgen.model.kernels import STORE_DTYPES, GroupDecode, PagedDecode
+from kvgen.model.kernels import GroupDecode, PagedDecode, stores
 from kvgen.model.kernels.prefill import prefill_attention_kernel
 from kvgen.model.kv_quant import as_bytes, dequantize, is_quantized, quantize
 from kvgen.model.layers import apply_rope
@@ -327,10 +327,9 @@ class PagedAttention(Attention):
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _write(self, cache: PagedKVCache, meta: PagedMetadata, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The step's K/V into the pools: through the kernel's store where they already have the pool's
-        dtype, fp32 or bf16 (the same bytes, in a third of the time of torch's index_copy_), else
-        PagedKVCache.write."""
-        if self.decode_kernel is not None and cache.k[layer].dtype in STORE_DTYPES and k.dtype == cache.k[layer].dtype:
+        """The step's K/V into the pools: through the kernel's store into float pools (the same bits
+        as torch's .to() and index_copy_, in a third of the time), else PagedKVCache.write."""
+        if self.decode_kernel is not None and stores(k.dtype, cache.k[layer].dtype):
             self.decode_kernel.store(cache.k[layer], cache.v[layer], meta.slot_mapping, k, v)
         else:
             cache.write(layer, meta.slot_mapping, k, v)

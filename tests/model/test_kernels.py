@@ -267,18 +267,44 @@ def test_without_a_compiler_auto_falls_back_and_native_says_why(tmp_path, monkey
         load_paged_decode.cache_clear()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_writes_what_the_cache_writes(dtype):
-    """k/v as the model hands them over: views into a q/k/v row, each token's heads contiguous."""
+def hard_values(count: int, gen: torch.Generator) -> torch.Tensor:
+    """fp32 values that test a rounding: ties (the halfway points of bf16 and of fp16), subnormals of
+    fp16, values past fp16's largest (65504: to infinity), infinities, zeros of both signs, and
+    ordinary ones of every scale."""
+    special = torch.tensor([0.0, -0.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-11, 1.0 + 3 * 2**-11, 2**-24, 2**-25,
+                            3 * 2**-26, 6e-8, 65504.0, 65519.0, 65520.0, 1e6, -1e6, float("inf"), float("-inf"),
+                            3.0e38, 1e-40])
+    ordinary = torch.randn(count, generator=gen) * torch.exp2(torch.randint(-30, 30, (count,), generator=gen).float())
+    return torch.cat([special, -special, ordinary])[:count]
+
+
+@pytest.mark.parametrize("dtype, pool_dtype", [(d, p) for d in (torch.float32, torch.bfloat16)
+                                               for p in (torch.float32, torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("build", FLOAT_POOL_KERNELS)
+def test_store_writes_what_the_cache_writes(dtype, pool_dtype, build):
+    """k/v as the model hands them over: views into a q/k/v row, each token's heads contiguous, of
+    values that test the rounding; into a pool of another float type the store rounds to nearest
+    even as torch's .to() does (F16C, or the bits without it), bit for bit."""
     gen = torch.Generator().manual_seed(3)
     kv_heads, head_dim, tokens = 3, 64, 5
-    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    qkv = hard_values(tokens * (9 + 2 * kv_heads) * head_dim, gen).view(tokens, -1).to(dtype)
     k = qkv[:, 9 * head_dim : (9 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     v = qkv[:, (9 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
     slots = torch.tensor([7, 0, 33, 34, 12])
-    want, got = (PagedKVCache(1, 4, 16, kv_heads, head_dim, CPU, dtype) for _ in range(2))
+    want, got = (PagedKVCache(1, 4, 16, kv_heads, head_dim, CPU, pool_dtype, compute_dtype=dtype) for _ in range(2))
     want.write(0, slots, k, v)
-    load_paged_decode().store(got.k[0], got.v[0], slots, k, v)
-    assert torch.equal(got.k[0], want.k[0]) and torch.equal(got.v[0], want.v[0])
-    with pytest.raises(ValueError, match="paged store"):
-        load_paged_decode().store(got.k[0], got.v[0], slots, k.float() if dtype == torch.bfloat16 else k.bfloat16(), v)
+    FLOAT_POOL_KERNELS[build]().store(got.k[0], got.v[0], slots, k, v)
+    assert torch.equal(got.k[0].view(torch.uint8), want.k[0].view(torch.uint8))
+    assert torch.equal(got.v[0].view(torch.uint8), want.v[0].view(torch.uint8))
+
+
+def test_store_refuses_what_it_cannot_write():
+    k = torch.randn(2, 3, 64)
+    cache = PagedKVCache(1, 4, 16, 3, 64, CPU, torch.float32)
+    with pytest.raises(ValueError, match="paged store"):  # k and v of two dtypes
+        load_paged_decode().store(cache.k[0], cache.v[0], torch.tensor([0, 1]), k, k.bfloat16())
+    with pytest.raises(ValueError, match="paged store"):  # an fp16 model's rows
+        load_paged_decode().store(cache.k[0], cache.v[0], torch.tensor([0, 1]), k.half(), k.half())
+    quantized = PagedKVCache(1, 4, 16, 3, 64, CPU, torch.int8)
+    with pytest.raises(ValueError, match="paged store"):  # quantized pools go through PagedKVCache.write
+        load_paged_decode().store(quantized.k[0], quantized.v[0], torch.tensor([0, 1]), k, k)

@@ -46,7 +46,15 @@ POOL_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_
 # Model (query) dtypes the kernel serves (queries are widened to fp32); its pools may be any of
 # POOL_DTYPES, whatever the model's dtype: fp16 pools too, and int8 / fp8 with scales.
 QUERY_DTYPES = (torch.float32, torch.bfloat16)
-STORE_DTYPES = (torch.float32, torch.bfloat16)  # pools paged_store writes (quantized ones go through torch)
+# paged_store's element types (`enum store_element`): it reads K/V rows of fp32 or bf16 (QUERY_DTYPES,
+# the models it serves) and writes float pools of any of these, rounding to nearest even as torch's
+# .to() does; quantized pools go through torch (PagedKVCache.write).
+STORE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def stores(source: torch.dtype, pool: torch.dtype) -> bool:
+    """Whether paged_store writes K/V rows of `source` into pools of `pool`."""
+    return source in QUERY_DTYPES and pool in STORE_KINDS
 
 
 class _Args(ctypes.Structure):
@@ -117,7 +125,8 @@ class _StoreArgs(ctypes.Structure):
     _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("k_stride", ctypes.c_int64),
                 ("v_stride", ctypes.c_int64), ("slots", ctypes.c_void_p), ("T", ctypes.c_int64),
                 ("kv_heads", ctypes.c_int64), ("dim", ctypes.c_int64), ("num_slots", ctypes.c_int64),
-                ("element_size", ctypes.c_int64), ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p)]
+                ("source_kind", ctypes.c_int64), ("pool_kind", ctypes.c_int64), ("k_pool", ctypes.c_void_p),
+                ("v_pool", ctypes.c_void_p)]
 
 
 def _store_arguments(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
@@ -125,33 +134,37 @@ def _store_arguments(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Te
     """paged_store's arguments, once the tensors are checked (see PagedDecode.store)."""
     kv_heads, num_slots, head_dim = k_pool.shape
     layout = (kv_heads, head_dim, head_dim, 1)  # each token's heads contiguous, rows of head_dim
-    if (k.dtype != k_pool.dtype or v.dtype != k_pool.dtype or (*k.shape[1:], *k.stride()[1:]) != layout
+    if (not stores(k.dtype, k_pool.dtype) or v.dtype != k.dtype or (*k.shape[1:], *k.stride()[1:]) != layout
             or (*v.shape[1:], *v.stride()[1:]) != layout or k.shape[0] != slots.numel()
             or v.shape[0] != slots.numel()):
-        raise ValueError(f"paged store: k/v [{slots.numel()}, {kv_heads}, {head_dim}] {k_pool.dtype} with "
-                         f"contiguous heads, not {k.dtype} {list(k.shape)} / {v.dtype} {list(v.shape)}")
-    assert (k_pool.dtype in STORE_DTYPES and v_pool.dtype == k_pool.dtype and k_pool.is_contiguous()
-            and v_pool.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous())
+        raise ValueError(f"paged store: k/v [{slots.numel()}, {kv_heads}, {head_dim}] of fp32 or bf16 with "
+                         f"contiguous heads into {k_pool.dtype} pools, not {k.dtype} {list(k.shape)} / "
+                         f"{v.dtype} {list(v.shape)}")
+    assert (v_pool.dtype == k_pool.dtype and k_pool.is_contiguous() and v_pool.is_contiguous()
+            and slots.dtype == torch.int64 and slots.is_contiguous())
     return (k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), slots.numel(), kv_heads,
-            head_dim, num_slots, k_pool.element_size(), k_pool.data_ptr(), v_pool.data_ptr())
+            head_dim, num_slots, STORE_KINDS[k.dtype], STORE_KINDS[k_pool.dtype], k_pool.data_ptr(),
+            v_pool.data_ptr())
 
 
 class PagedDecode:
     """Decode attention over K/V pools [kv_heads, num_slots, D] of fp32, bf16 or fp16, or of int8 / fp8 with
-    float32 scales [kv_heads, num_slots], on the CPU; and stores into fp32 / bf16 pools."""
+    float32 scales [kv_heads, num_slots], on the CPU; and stores fp32 / bf16 rows into fp32, bf16 or
+    fp16 pools."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = dtype_functions(library, POOL_DTYPES, [ctypes.POINTER(_Args)], ctypes.c_int)
         self._store = library.paged_store
-        self._store.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 \
+        self._store.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 6 \
             + [ctypes.c_void_p] * 2
         self._store.restype = None
         self._store_call = library.paged_store_call
 
     def store(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
-        """k/v [T, kv_heads, D] (each token's heads contiguous) into pools [kv_heads, num_slots, D] of
-        their dtype, fp32 or bf16, at slots [T] (int64): what PagedKVCache.write does for such pools."""
+        """k/v [T, kv_heads, D] of fp32 or bf16 (each token's heads contiguous) into pools
+        [kv_heads, num_slots, D] of fp32, bf16 or fp16 at slots [T] (int64), rounded to nearest even
+        where the pool is narrower: what PagedKVCache.write does for such pools, bit for bit."""
         self._store(*_store_arguments(k_pool, v_pool, slots, k, v))
 
     def store_call(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
@@ -214,7 +227,7 @@ class GroupDecode:
 class DecodeCalls:
     """Decode attention of one group of sequences in every layer, a KernelCall each (`calls`), over
     fixed queries q [B * Q, heads, D] (heads contiguous, rows q.stride(0) apart: a view into the
-    q/k/v projection's output), fp32 / bf16 pools (k, v) per layer [kv_heads, num_slots, D] and an
+    q/k/v projection's output), float pools (k, v) per layer [kv_heads, num_slots, D] and an
     output [B * Q, heads, D] of fp32; the group's block tables change each step (set_blocks). The
     pools belong to their KV cache, which must outlive the calls."""
 
@@ -223,7 +236,7 @@ class DecodeCalls:
                  queries: int) -> None:
         self.calls = []
         for k_pool, v_pool in pools:
-            assert k_pool.dtype in STORE_DTYPES
+            assert k_pool.dtype in STORE_KINDS
             args = _Args(batch=q.shape[0], queries=queries, block_size=block_size,
                          num_threads=torch.get_num_threads())
             _layer(args, q, k_pool, v_pool, out)
