@@ -6,8 +6,9 @@ Where every piece of the step has a C kernel, `DecodePrograms` writes the step o
 kernel calls over buffers of its own (kvgen.model.kernels.step) and runs it each step with one
 ctypes call. That holds on the CPU for fp32 models whose projections run kvgen's own kernels
 (packed GGUF / int8 / int4 layers, or fp32 ones) and for bf16 models on its bf16 kernel, without
-biases, with K/V pools of the model's dtype, for every architecture (QK-norm, GeGLU, Gemma's
-sandwich norms and a hybrid cache's per-kind pools, slots and RoPE bases included), when every
+biases, with float K/V pools (any the store writes: fp32, bf16, fp16), for every architecture
+(QK-norm, GeGLU, Gemma's sandwich norms and a hybrid cache's per-kind pools, slots and RoPE bases
+included), when every
 sequence of the step attends through the in-place attention kernel (a decode or a speculative
 verify chunk; no heavy-hitter scores, no re-rotated keys) and there are fewer rows than the norm
 kernel serves. Anything else runs
@@ -27,7 +28,7 @@ import torch
 
 from kvgen.config import ModelConfig
 from kvgen.model.attention import Attention, PagedAttention, PagedKVCache
-from kvgen.model.kernels import KernelCall, PagedDecode
+from kvgen.model.kernels import KernelCall, PagedDecode, stores
 from kvgen.model.kernels.norm import rms_norm_kernel
 from kvgen.model.kernels.rope import rope_kernel
 from kvgen.model.kernels.step import CallList, step_kernels
@@ -64,7 +65,7 @@ class DecodePrograms:
         """The program for this step, or None where it must run layer by layer."""
         if (not self._usable or rows >= FUSED_BELOW_ROWS or not isinstance(attention, PagedAttention)
                 or not attention.decodes_in_place()
-                or any(cache.k[0].dtype != self._model.dtype for cache, _ in attention.kinds)):
+                or any(not stores(self._model.dtype, cache.k[0].dtype) for cache, _ in attention.kinds)):
             return None
         groups = tuple(tuple((g.first_row, g.mask.shape[0], g.mask.shape[2]) for g in meta.groups)
                        for _, meta in attention.kinds)

@@ -29,6 +29,7 @@ import torch
 from kvgen import LLM, SamplingParams
 from kvgen.llm import DEFAULT_MODEL
 from kvgen.model.kernels import paged_decode_for
+from kvgen.model.kernels.bf16 import bf16_kernel
 from kvgen.model.kernels.f32 import f32_kernel
 from tests.tolerances import KV_ROUNDING, agreeing_prefix, kv_bound, trace
 
@@ -80,7 +81,26 @@ def test_an_fp32_model_over_narrower_pools_stays_within_their_rounding(kv_dtype,
     for w in want:
         check_teacher_forced(llm, reference, w.prompt_token_ids + w.outputs[0].token_ids, kv_dtype)
     assert llm.engine.kv.num_used_blocks == 0
-    assert llm.engine.runner.model.decode_programs.fused_steps == 0  # pools of another dtype: layer by layer
+    assert (llm.engine.runner.model.decode_programs.fused_steps > 0) == (backend == "native")
+
+
+@pytest.mark.skipif(f32_kernel() is None or paged_decode_for("auto", CPU, torch.float32) is None,
+                    reason="needs kvgen's fp32 matmul (AVX-512) and attention kernels")
+@pytest.mark.parametrize("dtype, kv_dtype", [("float32", "bfloat16"), ("float32", "float16"),
+                                             ("bfloat16", "float32"), ("bfloat16", "float16")])
+def test_fused_steps_round_into_the_pools_as_the_layered_forward_does(dtype, kv_dtype):
+    """The fused step stores through the same conversion (paged_store) and reads through the same
+    kernel as the layer-by-layer forward: the same bits."""
+    if dtype == "bfloat16" and bf16_kernel() is None:
+        pytest.skip("bf16 layers run F.linear here (no AVX-512 BF16), which has no fused call")
+    params = greedy(40)
+    runs = {}
+    for fused in (True, False):
+        llm = LLM(block_size=4, dtype=dtype, kv_cache_dtype=kv_dtype, fused_decode=fused, max_num_seqs=3)
+        runs[fused] = ([trace(o.outputs[0]) for o in llm.generate(TEXTS, params)],
+                       llm.engine.runner.model.decode_programs.fused_steps)
+    assert runs[True][1] > 20 and runs[False][1] == 0
+    assert runs[True][0] == runs[False][0]
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
