@@ -206,8 +206,8 @@ class PagedKVCache:
 
     @property
     def converts(self) -> bool:
-        """Whether a float pool holds another dtype than the model computes in (read and written
-        through a conversion; kvgen.model.fused runs only pools of the model's dtype)."""
+        """Whether a float pool holds another dtype than the model computes in: gathered copies are
+        converted to compute_dtype (the decode kernel and the store convert in C)."""
         return not self.quantized and self.k[0].dtype != self.compute_dtype
 
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,8 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 # The host's ISA, but never AMX: some VMs advertise AMX tiles and trap on their first use (SIGILL).
 FLAGS = ("-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-fopenmp", "-shared", "-fPIC")
 POOL_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
-               torch.float16: "paged_decode_f16", torch.int8: "paged_decode_int8", torch.float8_e4m3fn: "paged_decode_fp8"}
+               torch.float16: "paged_decode_f16", torch.int8: "paged_decode_int8",
+               torch.float8_e4m3fn: "paged_decode_fp8"}
 # Model (query) dtypes the kernel serves (queries are widened to fp32); its pools may be any of
 # POOL_DTYPES, whatever the model's dtype: fp16 pools too, and int8 / fp8 with scales.
 QUERY_DTYPES = (torch.float32, torch.bfloat16)
@@ -264,7 +265,8 @@ def paged_decode_for(backend: str, device: torch.device, dtype: torch.dtype,
     if device.type != "cpu" or dtype not in QUERY_DTYPES or pool_dtype not in POOL_DTYPES:
         if backend == "native":
             raise ValueError(f"attention_backend 'native' runs on the CPU, for float32 or bfloat16 models over "
-                             f"float32, bfloat16, float16, int8 or fp8 pools, not {device.type} {dtype} over {pool_dtype}")
+                             f"float32, bfloat16, float16, int8 or fp8 pools, not {device.type} {dtype} over "
+                             f"{pool_dtype}")
         return None
     try:
         return load_paged_decode()
