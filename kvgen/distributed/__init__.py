@@ -8,5 +8,6 @@ machines. See docs/tensor_parallel.md.
     engine.py    rank 0's engine (TensorParallelEngine)
     worker.py    a worker rank's loop
     liveness.py  who watches whom
-    launch.py    spawning the workers, or joining torchrun's group
+    launch.py    starting the workers, or joining torchrun's group
+    process.py   a worker's process: a fresh interpreter that never imports the caller's main script
 """
