@@ -122,7 +122,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     runners = {"latency": _latency, "throughput": _throughput, "scaling": _scaling, "memory": _memory,
                "serve": _serve}
-    emit(runners[args.mode](args), args.output_dir)
+    emit(runners[args.mode](args), args.output_dir, args.argv)
     return 0
 
 
