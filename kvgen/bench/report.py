@@ -228,7 +228,8 @@ def emit(report: Report, output_dir: Path, argv: Sequence[str] = ()) -> list[Pat
 # -- plots (from the JSON data) -----------------------------------------------------------------
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on a backend that needs no display."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,7 +240,7 @@ def _pyplot():
 
 def plot_throughput(data: dict, path: Path) -> None:
     """Output tokens/s per system: batched kvgen next to one-at-a-time kvgen and the peers."""
-    plt = _pyplot()
+    plt = pyplot()
     names = list(data["results"])
     values = [data["results"][n]["output_tokens_per_s"] for n in names]
     fig, ax = plt.subplots(figsize=(max(4.0, 1.4 * len(names) + 1), 3.6))
@@ -256,7 +257,7 @@ def plot_throughput(data: dict, path: Path) -> None:
 
 def plot_scaling(data: dict, path: Path) -> None:
     """Left: time of one decode step against position. Right: total time for n tokens, with fitted slopes."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, (name, series) in enumerate(data["results"].items()):
         color = f"C{i}"
