@@ -150,10 +150,10 @@ def section(run: Run) -> list[str]:
 def title(run: Run) -> str:
     s = run.data["settings"]
     if run.mode == "latency":
-        return (f"{s['model']}, {s['dtype']}: latency, {s.get('task', 'random')} prompt {s['prompt_len']}, "
+        return (f"{_model(run)}, {s['dtype']}: latency, {s.get('task', 'random')} prompt {s['prompt_len']}, "
                 f"{s['gen_len']} new tokens, median of {s['repeats']}")
     (p0, p1), (o0, o1) = s["prompt_len_range"], s["output_len_range"]
-    return f"{s['model']}, {s['dtype']}: throughput, {s['num_requests']} requests, prompts {p0}-{p1}, outputs {o0}-{o1}"
+    return f"{_model(run)}, {s['dtype']}: throughput, {s['num_requests']} requests, prompts {p0}-{p1}, outputs {o0}-{o1}"
 
 
 def machine(run: Run) -> str:
@@ -228,8 +228,13 @@ def ratio_bars(runs: Sequence[Run]) -> list[tuple[str, float]]:
 def _short(run: Run) -> str:
     s = run.data["settings"]
     if run.mode == "latency":
-        return f"{s['model']} {s['dtype']} {s['prompt_len']}/{s['gen_len']}"
-    return f"{s['model']} {s['dtype']} {s['num_requests']} requests"
+        return f"{_model(run)} {s['dtype']} {s['prompt_len']}/{s['gen_len']}"
+    return f"{_model(run)} {s['dtype']} {s['num_requests']} requests"
+
+
+def _model(run: Run) -> str:
+    """The model's file name (`--model` as given may be a long path; the command shows it whole)."""
+    return Path(run.data["settings"]["model"]).name
 
 
 def plot_ratios(runs: Sequence[Run], path: Path) -> bool:
@@ -240,7 +245,9 @@ def plot_ratios(runs: Sequence[Run], path: Path) -> bool:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.3 * len(bars)))
     labels, values = zip(*reversed(bars))
-    drawn = ax.barh(labels, values, color=["C0" if v >= 1 else "C3" for v in values])
+    # Positions, not labels, place the bars: two runs may share a label (the same command, another environment).
+    drawn = ax.barh(range(len(bars)), values, color=["C0" if v >= 1 else "C3" for v in values])
+    ax.set_yticks(range(len(bars)), labels)
     ax.bar_label(drawn, labels=[f"{v:.2f}x" for v in values], padding=2)
     ax.axvline(1.0, color="k", linewidth=0.8)
     ax.set_xlabel("kvgen / peer (above 1: kvgen faster), each from one run with the peer in it")
