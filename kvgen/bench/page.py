@@ -163,7 +163,7 @@ def machine(run: Run) -> str:
     isa = " ".join(m["isa"]) if m.get("isa") else "not recorded"
     bandwidth = run.data.get("memory_bandwidth_bytes_per_s")
     measured = f"{bandwidth / 1e9:.1f} GB/s (copy, read + written)" if bandwidth else "not measured by this bench"
-    return (f"Machine: {m['cpu']}, {cores} cores, torch threads {m.get('torch_threads')}; ISA: {isa}; "
+    return (f"- Machine: {m['cpu']}, {cores} cores, torch threads {m.get('torch_threads')}; ISA: {isa}; "
             f"memory bandwidth {measured}.")
 
 
@@ -172,7 +172,8 @@ def provenance(run: Run) -> str:
     m, kvgen = run.data["machine"], _lookup(run.data, "run.kvgen") or {}
     commit = kvgen.get("commit")
     at = f"commit {commit[:9]}{' with local changes' if kvgen.get('dirty') else ''}" if commit else "commit not recorded"
-    return f"Date: {m['date']}; kvgen {kvgen.get('version') or ''} {at}, torch {m.get('torch')}; from `{run.source}`."
+    name = " ".join(part for part in ("kvgen", kvgen.get("version"), at) if part)
+    return f"- Date: {m['date']}; {name}, torch {m.get('torch')}; from `{run.source}`."
 
 
 def command(run: Run) -> str:

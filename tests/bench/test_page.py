@@ -109,7 +109,7 @@ def test_page_has_a_table_per_workload_with_ratios_machine_and_command(runs, tmp
         assert "    " + " ".join([*(f"{k}={shlex.quote(v)}" for k, v in data["run"]["env"].items()),
                                   data["run"]["command"]]) in section.splitlines()
         machine = data["machine"]
-        assert f"Machine: {machine['cpu']}, {machine['usable_cores']} of {machine['logical_cores']} cores" in section
+        assert f"- Machine: {machine['cpu']}, {machine['usable_cores']} of {machine['logical_cores']} cores" in section
         assert " ".join(data["machine"]["isa"]) in section and data["machine"]["date"] in section
     bandwidth = latency["memory_bandwidth_bytes_per_s"] / 1e9
     assert f"memory bandwidth {bandwidth:.1f} GB/s" in lat and "memory bandwidth not measured" in thr
