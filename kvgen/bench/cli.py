@@ -81,7 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                         "peer, with the machine, date and command of each run")
     p.add_argument("paths", type=Path, nargs="+", metavar="JSON", help="latency.json / throughput.json files")
     p.add_argument("--output", type=Path, help="write the page here (default: print it)")
-    p.add_argument("--plots-dir", type=Path, help="also draw the ratios into PLOTS_DIR/benchmarks.png, linked "
+    p.add_argument("--plots-dir", type=Path, help="also draw the ratios into PLOTS_DIR/benchmark-ratios.png, linked "
                                                   "from the page")
     p.set_defaults(func=cmd_report)
 

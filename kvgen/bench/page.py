@@ -41,7 +41,7 @@ REQUIRED = {
     "throughput": ("settings.model", "settings.dtype", "settings.num_requests", "settings.prompt_len_range",
                    "settings.output_len_range", "results.kvgen", "machine.cpu", "machine.date"),
 }
-PLOT_NAME = "benchmarks.png"
+PLOT_NAME = "benchmark-ratios.png"
 
 INTRO = """\
 # kvgen benchmarks
