@@ -226,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed, for the records commands keep (bench JSON)
     try:
         return args.func(args) or 0
     except (KVGenError, ValueError) as e:

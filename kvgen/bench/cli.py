@@ -1,4 +1,5 @@
-"""`kvgen bench MODE`: latency, throughput, scaling, serve (and plot, to redraw figures from JSON).
+"""`kvgen bench MODE`: latency, throughput, scaling, serve (and plot, to redraw figures from JSON; report,
+to write BENCHMARKS.md from it: kvgen.bench.page).
 
 Every mode prints a table, writes `<output-dir>/<mode>.json` and, where it has a figure, `<mode>.png`.
 Engine options are the same as for `generate` / `serve`; peers (`--compare hf|llama.cpp|ct2`) run on
@@ -18,6 +19,7 @@ import torch
 
 from kvgen.bench import latency, memory, scaling, throughput
 from kvgen.bench.models import BenchModel, resolve
+from kvgen.bench.page import write_page
 from kvgen.bench.peers import PEERS, KvgenSystem, load_peer
 from kvgen.bench.report import PLOTS, Report, emit
 from kvgen.bench.system import PeerUnavailable, System
@@ -75,6 +77,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
     p.set_defaults(func=cmd_plot)
 
+    p = modes.add_parser("report", help="BENCHMARKS.md from latency / throughput JSON files: kvgen against each "
+                                        "peer, with the machine, date and command of each run")
+    p.add_argument("paths", type=Path, nargs="+", metavar="JSON", help="latency.json / throughput.json files")
+    p.add_argument("--output", type=Path, help="write the page here (default: print it)")
+    p.add_argument("--plots-dir", type=Path, help="also draw the ratios into PLOTS_DIR/benchmark-ratios.png, linked "
+                                                  "from the page")
+    p.set_defaults(func=cmd_report)
+
 
 def _mode(modes: argparse._SubParsersAction, name: str, help: str, engine: bool = False) -> argparse.ArgumentParser:
     parser = modes.add_parser(name, help=help, description=help)
@@ -122,7 +132,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     runners = {"latency": _latency, "throughput": _throughput, "scaling": _scaling, "memory": _memory,
                "serve": _serve}
-    emit(runners[args.mode](args), args.output_dir)
+    emit(runners[args.mode](args), args.output_dir, args.argv)
     return 0
 
 
@@ -239,6 +249,15 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--gen-len must be at least 2 (decode speed is measured after the first token)")
     if getattr(args, "points", 2) < 2:
         raise ValueError("--points must be at least 2 (slopes are fitted through them)")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    page = write_page(args.paths, args.output, args.plots_dir)
+    if args.output is None:
+        print(page, end="")
+    else:
+        print(f"wrote {args.output} ({len(page.splitlines())} lines) from {len(args.paths)} JSON files")
+    return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

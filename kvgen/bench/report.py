@@ -11,17 +11,29 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvgen.threads import foreign_environment
+
 PERCENTILES = (50, 90, 99)
+# The CPU features that decide which kernels run, kvgen's and the peers' (/proc/cpuinfo's names).
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512vbmi",
+             "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
+# Environment variables that change what a bench measures (kernels, threads, the peers' builds).
+ENV_PREFIXES = ("KVGEN_", "LLAMA_CPP_", "ONEDNN_", "DNNL_", "OMP_", "GOMP_", "OPENBLAS_", "MKL_")
+PEER_PACKAGES = ("transformers", "llama-cpp-python", "ctranslate2")
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- timing and statistics ----------------------------------------------------------------------
@@ -64,11 +76,51 @@ def machine_info() -> dict:
     info = {
         "cpu": _cpu_model(), "logical_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "python": sys.version.split()[0], "platform": platform.platform(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "isa": _isa_flags(),
     }
     if hasattr(os, "sched_getaffinity"):
         info["usable_cores"] = len(os.sched_getaffinity(0))
     return info
+
+
+def _isa_flags() -> list[str]:
+    """ISA_FLAGS this CPU reports, in that order (empty where /proc/cpuinfo is not there)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+    return [f for f in ISA_FLAGS if f in flags]
+
+
+def run_info(argv: Sequence[str]) -> dict:
+    """How the numbers were made (goes into every JSON file): the command as typed, the environment
+    variables that change what it measures, kvgen's version and git commit, the peers' versions."""
+    env = {k: v for k, v in sorted(foreign_environment().items()) if k.startswith(ENV_PREFIXES)}
+    return {"argv": list(argv), "command": shlex.join(["kvgen", *argv]), "env": env,
+            "kvgen": {"version": _version("kvgen"), **_git_commit()},
+            "peers": {name: _version(name) for name in PEER_PACKAGES}}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> dict:
+    """The commit kvgen runs from, and whether its tracked files differ from it; {} outside a checkout."""
+    if not (REPO / ".git").exists():
+        return {}
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        changes = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"commit": commit, "dirty": bool(changes.strip())}
 
 
 def _cpu_model() -> str:
@@ -152,15 +204,18 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
 
-def emit(report: Report, output_dir: Path) -> list[Path]:
-    """Prints the tables and notes, writes the JSON (and the PNG); returns the files written."""
+def emit(report: Report, output_dir: Path, argv: Sequence[str] = ()) -> list[Path]:
+    """Prints the tables and notes, writes the JSON (and the PNG); returns the files written.
+    `argv`: the command's arguments after `kvgen`, recorded so that `kvgen bench report` can print
+    the exact command beside its figures."""
     for table in report.tables:
         print(table.render())
         print()
     for note in report.notes:
         print(note)
     output_dir.mkdir(parents=True, exist_ok=True)
-    data = report.data | {"mode": report.mode, "machine": machine_info(), "notes": report.notes}
+    data = report.data | {"mode": report.mode, "machine": machine_info(), "run": run_info(argv),
+                          "notes": report.notes}
     written = [output_dir / f"{report.mode}.json"]
     written[0].write_text(json.dumps(data, indent=2) + "\n")
     if report.mode in PLOTS:
@@ -173,7 +228,8 @@ def emit(report: Report, output_dir: Path) -> list[Path]:
 # -- plots (from the JSON data) -----------------------------------------------------------------
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on a backend that needs no display."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -184,7 +240,7 @@ def _pyplot():
 
 def plot_throughput(data: dict, path: Path) -> None:
     """Output tokens/s per system: batched kvgen next to one-at-a-time kvgen and the peers."""
-    plt = _pyplot()
+    plt = pyplot()
     names = list(data["results"])
     values = [data["results"][n]["output_tokens_per_s"] for n in names]
     fig, ax = plt.subplots(figsize=(max(4.0, 1.4 * len(names) + 1), 3.6))
@@ -201,7 +257,7 @@ def plot_throughput(data: dict, path: Path) -> None:
 
 def plot_scaling(data: dict, path: Path) -> None:
     """Left: time of one decode step against position. Right: total time for n tokens, with fitted slopes."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, (name, series) in enumerate(data["results"].items()):
         color = f"C{i}"

@@ -1,5 +1,5 @@
 """Two "machines" on this one: two torchrun agents (--nnodes 2, one process each) meeting at
-127.0.0.1, the multi-machine recipe of the README, give the same tokens as one process."""
+127.0.0.1, the multi-machine recipe of docs/tensor_parallel.md, give the same tokens as one process."""
 
 from __future__ import annotations
 
