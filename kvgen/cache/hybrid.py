@@ -42,11 +42,15 @@ def layer_kinds(windows: Sequence[int | None]) -> list[LayerKind]:
     return [LayerKind(w, tuple(i for i, lw in enumerate(windows) if lw == w)) for w in order]
 
 
-def split_budget(kinds: list[LayerKind], budget: int, bytes_per_layer_token: int, max_len: int,
-                 chunk: int, block_size: int) -> list[int]:
-    """The KV budget in bytes per kind, in proportion to what a sequence of `max_len` tokens holds
-    in each (so the kinds run out together for sequences of that length)."""
-    needs = [len(k.layers) * bytes_per_layer_token * k.tokens_held(max_len, chunk, block_size) for k in kinds]
+def sequence_bytes(kinds: list[LayerKind], bytes_per_layer_token: int, max_len: int, chunk: int,
+                   block_size: int) -> list[int]:
+    """Per kind, the bytes one sequence of `max_len` tokens holds in its pool at most."""
+    return [len(k.layers) * bytes_per_layer_token * k.tokens_held(max_len, chunk, block_size) for k in kinds]
+
+
+def split_budget(budget: int, needs: list[int]) -> list[int]:
+    """The KV budget in bytes per kind, in proportion to `needs` (`sequence_bytes`: so the kinds run
+    out together for sequences of that length)."""
     return [budget * need // sum(needs) for need in needs]
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvgen.cache.hybrid import HybridKVManager, LayerKind, layer_kinds, split_budget
+from kvgen.cache.hybrid import HybridKVManager, LayerKind, layer_kinds, sequence_bytes, split_budget
 from kvgen.cache.kv_manager import NULL_BLOCK, KVCacheManager
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of, num_blocks_for_budget
 from kvgen.config import DEFAULT_KV_MEMORY, EngineConfig
@@ -94,12 +94,11 @@ class LLMEngine(Engine):
         if cfg.num_kv_blocks is not None:
             return [cfg.num_kv_blocks] * len(self.layer_kinds)
         per_layer = kv_bytes_per_token_of(1, model.num_kv_heads, model.head_dim, cfg.kv_dtype)
-        held = sum(len(k.layers) * per_layer * k.tokens_held(self.max_model_len, cfg.max_num_batched_tokens,
-                                                                cfg.block_size) for k in self.layer_kinds)
-        budget = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else min(cfg.max_num_seqs * held,
-                                                                                   DEFAULT_KV_MEMORY)
-        shares = split_budget(self.layer_kinds, budget, per_layer, self.max_model_len, cfg.max_num_batched_tokens,
-                              cfg.block_size)
+        needs = sequence_bytes(self.layer_kinds, per_layer, self.max_model_len, cfg.max_num_batched_tokens,
+                               cfg.block_size)
+        wanted = cfg.max_num_seqs * sum(needs)
+        budget = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else min(wanted, DEFAULT_KV_MEMORY)
+        shares = split_budget(budget, needs)
         blocks = [num_blocks_for_budget(share, cfg.block_size, per_layer * len(k.layers))
                   for share, k in zip(shares, self.layer_kinds)]
         if min(blocks) < 1:
