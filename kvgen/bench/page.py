@@ -251,11 +251,11 @@ def plot_ratios(runs: Sequence[Run], path: Path) -> bool:
     ax.set_yticks(range(len(bars)), labels)
     ax.bar_label(drawn, labels=[f"{v:.2f}x" for v in values], padding=2)
     ax.axvline(1.0, color="k", linewidth=0.8)
-    ax.set_xlabel("kvgen / peer (above 1: kvgen faster), each from one run with the peer in it")
+    ax.set_xlabel("kvgen / peer (above 1: kvgen faster),\neach from one run with the peer in it")
     ax.margins(x=0.12)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return True
 
