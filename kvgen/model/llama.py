@@ -61,9 +61,10 @@ class LlamaModel:
         # Gemma scales embeddings by sqrt(hidden), rounded to the model's dtype first as HF does.
         self.embed_scale = (torch.tensor(math.sqrt(config.hidden_size)).to(dtype).item()
                             if config.arch.scaled_embeddings else None)
-        thetas = sorted({config.rope_theta_of(i) for i in range(config.num_layers)}, key=config.rope_theta.__ne__)
-        self.layers = [_layer_weights(weights, i, config, build, thetas.index(config.rope_theta_of(i)))
-                       for i in range(config.num_layers)]
+        layer_thetas = [config.rope_theta_of(i) for i in range(config.num_layers)]
+        thetas = [config.rope_theta, *sorted(set(layer_thetas) - {config.rope_theta})]
+        self.layers = [_layer_weights(weights, i, config, build, thetas.index(theta))
+                       for i, theta in enumerate(layer_thetas)]
         self.final_norm = build.float(weights["model.norm.weight"])
         # ropes[0]: the global layers' base and scaling; a hybrid model's windowed layers may have their own.
         self.ropes = [RotaryEmbedding(config if theta == config.rope_theta else
