@@ -88,3 +88,17 @@ def test_snapshot_shows_each_pool(gemma):
     assert snap.pool_kinds == (("1 global layers", 32), ("3 window 8 layers", 32))
     assert len(snap.blocks.codes) == 64
     assert snap.blocks.counts()["used"] == llm.engine.kv.num_used_blocks > 0
+
+
+@pytest.mark.parametrize("options", [dict(attention_backend="sdpa"), dict(fused_decode=False), dict(block_size=16),
+                                     dict(quantization="int8"), dict(dtype="bfloat16"), dict(kv_cache_dtype="int8"),
+                                     dict(kv_cache_dtype="bfloat16")])
+def test_options_compose_with_the_hybrid_cache(gemma, reference, options):
+    """Lossless options give the plain tokens; lossy ones (weights, activations or K/V in fewer bits:
+    this random model's top two logits lie 0.001 apart, so its tokens may move) run to the end, give
+    every block back (checked in `tokens`) and serve the next request."""
+    llm = LLM(gemma, **({"block_size": 4, "num_kv_blocks": 128} | options))
+    got = tokens(llm)
+    if set(options) <= {"attention_backend", "fused_decode", "block_size"}:
+        assert got == reference
+    assert [len(g) for g in got + tokens(llm, PROMPTS[:1])] == [GREEDY.max_tokens] * (len(PROMPTS) + 1)
