@@ -33,8 +33,8 @@ class WorkerProcess:
     """The few things of multiprocessing.Process that rank 0 uses (pid, exitcode, join, terminate, kill),
     over subprocess.Popen. `target` must be importable by reference from kvgen (pickle)."""
 
-    def __init__(self, target: Callable[..., None], args: tuple, env: dict[str, str]) -> None:
-        command = [sys.executable, "-c", BOOTSTRAP, MARKER]
+    def __init__(self, target: Callable[..., None], args: tuple, env: dict[str, str], marker: str = MARKER) -> None:
+        command = [sys.executable, "-c", BOOTSTRAP, marker]
         self._popen = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
         try:
             pickle.dump(list(sys.path), self._popen.stdin)

@@ -41,23 +41,28 @@ class LLMEngine(Engine):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None = None) -> None:
         """`draft`: the draft model of speculative_method 'draft' (loaded by kvgen.llm.build_engine)."""
         super().__init__(loaded, config)
-        cfg = loaded.config
-        self.bytes_per_token = kv_bytes_per_token_of(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_dtype)
-        self.layer_kinds = layer_kinds([cfg.window(i) for i in range(cfg.num_layers)]) if cfg.is_hybrid else []
-        if self.layer_kinds:
-            self.kind_blocks = self._kind_blocks()
-            self.kv = HybridKVManager([KVCacheManager(n, config.block_size, config.enable_prefix_caching)
-                                       for n in self.kind_blocks], self.layer_kinds, config.max_num_batched_tokens)
-            num_blocks = self.kind_blocks[0]
-        else:
-            num_blocks = self._num_blocks()
-            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        num_blocks = self._build_kv_manager()
         self.runner = self._build_runner(num_blocks)
         self.speculator: Speculator | None = build_speculator(config, loaded.config, self.kv, draft)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv,
                                    self.speculator.lookahead if self.speculator is not None else None)
         self.step_log = StepLog()
         log.info("%s", self.capacity_report())
+
+    def _build_kv_manager(self) -> int:
+        """Sizes the pools and sets `self.kv` (block bookkeeping only, no tensors); returns the blocks of
+        the global pool. The data-parallel front end sizes its admission view by it (kvgen.replicas)."""
+        cfg, config = self.model_config, self.config
+        self.bytes_per_token = kv_bytes_per_token_of(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_dtype)
+        self.layer_kinds = layer_kinds([cfg.window(i) for i in range(cfg.num_layers)]) if cfg.is_hybrid else []
+        if self.layer_kinds:
+            self.kind_blocks = self._kind_blocks()
+            self.kv = HybridKVManager([KVCacheManager(n, config.block_size, config.enable_prefix_caching)
+                                       for n in self.kind_blocks], self.layer_kinds, config.max_num_batched_tokens)
+            return self.kind_blocks[0]
+        num_blocks = self._num_blocks()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        return num_blocks
 
     def _build_runner(self, num_blocks: int) -> ModelRunner:
         if not self.layer_kinds:

@@ -20,6 +20,7 @@ from fastapi import Depends, FastAPI
 from kvgen.async_llm import AsyncLLM
 from kvgen.engine.base import Engine
 from kvgen.engine.llm_engine import LLMEngine
+from kvgen.replicas.frontend import ReplicaSet
 from kvgen.server import chat_completions, completions, info
 from kvgen.server.chat import ChatTemplate
 from kvgen.server.dashboard import routes as dashboard_routes
@@ -32,12 +33,13 @@ from kvgen.server.state import ServerState, check_api_key
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
 
-def create_app(engine: Engine | AsyncLLM, *, model_name: str, api_key: str | None = None,
+def create_app(engine: Engine | AsyncLLM | ReplicaSet, *, model_name: str, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: RequestLimits | None = None,
                max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, dashboard: bool = True) -> FastAPI:
-    """The server's ASGI app over an engine (or an AsyncLLM already wrapping one). The dashboard needs
-    the paged engine (the one-at-a-time reference has no block pool to show)."""
-    llm = engine if isinstance(engine, AsyncLLM) else AsyncLLM(engine)
+    """The server's ASGI app over an engine, an AsyncLLM already wrapping one, or data-parallel replicas
+    (kvgen.replicas.ReplicaSet, which has AsyncLLM's interface). The dashboard needs the paged engine in
+    this process (the one-at-a-time reference has no block pool to show; replicas keep theirs)."""
+    llm = engine if isinstance(engine, (AsyncLLM, ReplicaSet)) else AsyncLLM(engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -46,7 +48,7 @@ def create_app(engine: Engine | AsyncLLM, *, model_name: str, api_key: str | Non
 
     app = FastAPI(title="kvgen", summary="OpenAI-compatible API over the kvgen engine", lifespan=lifespan)
     app.state.kvgen = ServerState(llm=llm, model_name=model_name, api_key=api_key,
-                                  metrics=ServerMetrics(llm.engine), chat_template=ChatTemplate(llm.tokenizer),
+                                  metrics=ServerMetrics(llm.engine, getattr(llm, "metrics_collector", None)), chat_template=ChatTemplate(llm.tokenizer),
                                   limits=limits or RequestLimits(), max_queued_requests=max_queued_requests)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     add_error_handlers(app)
@@ -54,7 +56,7 @@ def create_app(engine: Engine | AsyncLLM, *, model_name: str, api_key: str | Non
     app.include_router(info.v1_router)
     app.include_router(completions.router)
     app.include_router(chat_completions.router)
-    if dashboard and isinstance(llm.engine, LLMEngine):
+    if dashboard and isinstance(llm.engine, LLMEngine) and isinstance(llm, AsyncLLM):
         app.state.dashboard = DashboardSource(llm, app.state.kvgen.metrics)
         app.include_router(dashboard_routes.page)
         app.include_router(dashboard_routes.data, dependencies=[Depends(check_api_key)])

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 from kvgen.cache.sizing import parse_bytes
 from kvgen.errors import KVGenError
 from kvgen.options import add_engine_options, build_engine_from_args
 from kvgen.server.limits import DEFAULT_MAX_QUEUED_REQUESTS, RequestLimits
+
+ROUTERS = ("prefix", "round-robin")  # kvgen.replicas.frontend.ROUTERS (not imported here: the parser stays light)
 
 # Each request limit is an option of the same name (--max-n ...); a request over one gets a 400.
 LIMIT_HELP = {
@@ -45,6 +48,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                    help=f"sequences waiting for the engine past which new requests get 429 "
                         f"(default: {DEFAULT_MAX_QUEUED_REQUESTS})")
+    dp = serve.add_argument_group("data-parallel replicas (docs/serving.md)")
+    dp.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                    help="engine processes on this machine, each with its own KV pool and cores (default: 1, "
+                         "the engine runs in the server's process)")
+    dp.add_argument("--threads-per-replica", type=int, metavar="T",
+                    help="cores (and torch threads) per replica (default: this process's cores / N)")
+    dp.add_argument("--router", choices=ROUTERS,
+                    help="how a request picks its replica: prefix (default: the replica that served the "
+                         "longest prefix of its prompt, unless it is loaded) or round-robin")
     limits = serve.add_argument_group("request limits (a request over one gets a 400 naming it)")
     defaults = RequestLimits()
     for name, what in LIMIT_HELP.items():
@@ -65,8 +77,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.model and args.model != args.model_arg:
             raise KVGenError(f"two models given: {args.model_arg} and --model {args.model}")
         args.model = args.model_arg
-    engine = build_engine_from_args(args)  # prints the KV capacity
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    if args.data_parallel_size != 1:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+        engine = _replicas(args)
+    elif args.threads_per_replica is not None or args.router is not None:
+        raise KVGenError("--threads-per-replica and --router need --data-parallel-size N with N > 1")
+    else:
+        engine = build_engine_from_args(args)  # prints the KV capacity
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     limits = RequestLimits(**{name: getattr(args, name) for name in LIMIT_HELP})
     app = create_app(engine, model_name=args.served_model_name or _model_name(args.model),
                      api_key=args.api_key, max_request_bytes=args.max_request_bytes, limits=limits,
@@ -75,10 +93,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tensor_parallel = isinstance(engine, TensorParallelEngine)
     if tensor_parallel:  # a broken group ends the server, gracefully: the failed requests' answers go out first
         engine.on_failure = lambda _: setattr(server, "should_exit", True)
-    server.run()
+    try:
+        server.run()  # SIGTERM / ^C: uvicorn shuts down, and the app's shutdown stops the replicas
+    finally:
+        if args.data_parallel_size != 1:
+            engine.close()
     if tensor_parallel and engine.failure:
         raise KVGenError(engine.failure)
     return 0
+
+
+def _replicas(args: argparse.Namespace):  # noqa: ANN202 - a ReplicaSet (imported here: it loads torch)
+    from kvgen.options import engine_config
+    from kvgen.replicas.frontend import ReplicaSet
+
+    replicas = ReplicaSet(model=args.model, config=engine_config(args), num_replicas=args.data_parallel_size,
+                          threads_per_replica=args.threads_per_replica, router=args.router or "prefix",
+                          tokenizer=args.tokenizer, gguf_file=args.gguf_file)
+    print(f"{args.data_parallel_size} replicas on cores {' | '.join(','.join(map(str, c)) for c in replicas.cores)}, "
+          f"router {replicas.router.name}; each one's {replicas.engine.capacity_report()}", file=sys.stderr)
+    return replicas
 
 
 def _model_name(model: str | None) -> str:

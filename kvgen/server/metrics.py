@@ -47,6 +47,17 @@ def stats_families(stats: EngineStats) -> Iterator[Metric]:
                             "Tokens emitted per verifying sequence-step (accepted + the target's own).", mean)
 
 
+def labelled_families(readings: list[tuple[dict[str, str], EngineStats]]) -> Iterator[Metric]:
+    """The families of `stats_families`, one sample per reading with that reading's labels (a
+    data-parallel server's replicas: {"replica": "0"}, ...)."""
+    merged: dict[str, Metric] = {}
+    for labels, stats in readings:
+        for family in stats_families(stats):
+            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            into.samples += [s._replace(labels={**s.labels, **labels}) for s in family.samples]
+    return iter(merged.values())
+
+
 class EngineStatsCollector(Collector):
     """Gauges and engine-side counters, read from the engine when scraped."""
 
@@ -60,7 +71,9 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     """The registry of one app; the app reports each engine request's outputs and its end."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, engine_collector: Collector | None = None) -> None:
+        """`engine_collector` replaces the engine's own gauges and counters (a data-parallel server
+        reports them per replica)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("kvgen_time_to_first_token_seconds", "Time to first token.",
@@ -76,7 +89,7 @@ class ServerMetrics:
         self.rejected = Counter("kvgen_requests_rejected", "Requests refused before admission: queue_full "
                                 "(429, backpressure) or over_limit (400, a field over a server limit).", ["reason"],
                                 registry=r)
-        r.register(EngineStatsCollector(engine))
+        r.register(engine_collector or EngineStatsCollector(engine))
         self._own = (self.ttft, self.inter_token, self.e2e, self.prompt_tokens, self.generation_tokens,
                      self.requests, self.rejected)
 

@@ -1,0 +1,383 @@
+"""The front end of data-parallel serving: N replica processes (kvgen.replicas.replica) behind one
+object with AsyncLLM's interface, so the server's routes run on it unchanged.
+
+    replicas = ReplicaSet(model=..., config=EngineConfig(...), num_replicas=2)
+    app = create_app(replicas, model_name=...)
+
+What the routes read of `llm.engine` (tokenizer, encode_prompt, check_fits, compile_grammar,
+max_model_len) is an `AdmissionEngine`: the model's tokenizer and config and a KV pool sized as each
+replica's, without weights or KV tensors, so a request is refused (400) before it is routed exactly as
+one engine would refuse it. `generate` routes the request (kvgen.replicas.router), sends it to the
+replica, and yields the RequestOutputs the replica sends back after each step; closing the iteration
+early (a client that went away) sends an abort, which the replica applies before its next step.
+
+Faults: each replica's connection has a reader thread. When a replica dies its connection closes:
+it is taken out of routing at once, its in-flight requests fail (ReplicaFailedError: a 500, or an
+error event in a stream), its series in /metrics read as an empty pool, and a new replica is started
+on the same cores (again and again, with a growing pause if it keeps dying).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import secrets
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import TypeVar
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvgen.config import EngineConfig
+from kvgen.distributed.process import WorkerProcess, worker_environment
+from kvgen.engine.base import EngineStats, Prompt
+from kvgen.engine.grammar import GrammarCompiler
+from kvgen.engine.llm_engine import LLMEngine
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.sequence import RequestOutput
+from kvgen.errors import InvalidRequestError, KVGenError
+from kvgen.loaders import LoadedModel
+from kvgen.replicas.replica import MARKER, replica_main
+from kvgen.replicas.router import PrefixRouter, RoundRobinRouter
+from kvgen.server.metrics import labelled_families
+
+log = logging.getLogger("kvgen.replicas")
+T = TypeVar("T")
+ROUTERS = ("prefix", "round-robin")
+START_TIMEOUT_S = 600.0
+_EMPTY = EngineStats(num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=0)
+
+
+class ReplicaFailedError(Exception):
+    """The replica serving a request died: the request fails (500), the others go on."""
+
+
+def assign_cores(num_replicas: int, threads_per_replica: int | None, cores: list[int]) -> list[list[int]]:
+    """Each replica's cores, `threads_per_replica` each (default: an equal share of `cores`); raises
+    KVGenError when they do not fit."""
+    if num_replicas < 1:
+        raise KVGenError(f"--data-parallel-size must be at least 1, got {num_replicas}")
+    threads = threads_per_replica if threads_per_replica is not None else max(len(cores) // num_replicas, 1)
+    if threads < 1:
+        raise KVGenError(f"--threads-per-replica must be at least 1, got {threads}")
+    if num_replicas * threads > len(cores):
+        raise KVGenError(f"{num_replicas} replicas x {threads} threads need {num_replicas * threads} cores, "
+                         f"but this process may run on {len(cores)}")
+    return [cores[i * threads:(i + 1) * threads] for i in range(num_replicas)]
+
+
+class AdmissionEngine(LLMEngine):
+    """What the server's routes check a request against, in the front end: the tokenizer, the context,
+    the vocabulary, grammars and a block pool sized as each replica's (bookkeeping only, never used),
+    but no weights and no KV tensors. It never steps; `stats()` is the replicas' sum."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, stats: Callable[[], EngineStats]) -> None:
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size)
+        self.requests = {}
+        self.speculator = None
+        self._build_kv_manager()
+        self._stats = stats
+
+    def check_speculative(self, params: SamplingParams) -> None:
+        if self.config.speculative_method is None:
+            super().check_speculative(params)
+        # else the replica's speculator judges it when the request is added (a refusal is a 400 there)
+
+    def stats(self) -> EngineStats:
+        return self._stats()
+
+    def step(self) -> list[RequestOutput]:
+        raise RuntimeError("the admission engine does not run requests; the replicas do")
+
+
+@dataclasses.dataclass(eq=False)
+class _Replica:
+    """One incarnation of replica `index`: a new one replaces it after it dies."""
+
+    index: int
+    process: WorkerProcess
+    conn: Connection | None = None
+    pid: int | None = None
+    up: bool = False
+    stats: EngineStats = dataclasses.field(default_factory=lambda: _EMPTY)
+    unreported_adds: int = 0  # adds sent since its last stats (waiting, as AsyncLLM counts its queued adds)
+    inflight: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = dataclasses.field(default_factory=dict)
+    ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+    send_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def send(self, message: tuple) -> bool:
+        try:
+            with self.send_lock:
+                self.conn.send(message)
+            return True
+        except (OSError, ValueError, AttributeError):  # it is dying: its reader thread handles that
+            return False
+
+
+class ReplicaSet:
+    """N engine processes on this machine behind AsyncLLM's interface (generate, num_waiting, shutdown)."""
+
+    def __init__(self, *, model: str | Path | None, config: EngineConfig, num_replicas: int,
+                 threads_per_replica: int | None = None, router: str = "prefix", tokenizer: str | None = None,
+                 gguf_file: str | None = None, load_threshold: int | None = None,
+                 start_timeout: float = START_TIMEOUT_S) -> None:
+        from kvgen.llm import load
+
+        if config.tensor_parallel_size > 1:
+            raise KVGenError("--data-parallel-size does not combine with --tensor-parallel-size yet")
+        if config.kv_cache != "paged":
+            raise KVGenError("--data-parallel-size needs the paged KV cache (--kv-cache paged)")
+        if router not in ROUTERS:
+            raise KVGenError(f"unknown router {router!r} (expected one of {', '.join(ROUTERS)})")
+        self.cores = assign_cores(num_replicas, threads_per_replica, sorted(os.sched_getaffinity(0)))
+        self.num_replicas = num_replicas
+        self.config = config
+        self._spawn_args = (str(model) if model is not None else None, tokenizer, gguf_file, config)
+        self._lock = threading.Lock()
+        self._closing = False
+        self.engine = AdmissionEngine(load(model, config, tokenizer, gguf_file), config, self._total_stats)
+        self.tokenizer = self.engine.tokenizer
+        self.router = (PrefixRouter(num_replicas, config.block_size, load_threshold or config.max_num_seqs)
+                       if router == "prefix" else RoundRobinRouter(num_replicas))
+        self.routed = {reason: 0 for reason in (("prefix", "load") if router == "prefix" else ("round_robin",))}
+        self.restarts = [0] * num_replicas
+        self._authkey = secrets.token_bytes(32)
+        self._dir = tempfile.TemporaryDirectory(prefix="kvgen-replicas-")
+        self._listener = Listener(str(Path(self._dir.name) / "front.sock"), "AF_UNIX", authkey=self._authkey)
+        threading.Thread(target=self._accept, name="kvgen-replica-accept", daemon=True).start()
+        self.replicas: list[_Replica | None] = [None] * num_replicas
+        for i in range(num_replicas):
+            self.replicas[i] = self._spawn(i)
+        try:
+            for replica in self.replicas:
+                self._wait_ready(replica, start_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.metrics_collector = ReplicaCollector(self)
+
+    # -- AsyncLLM's interface -------------------------------------------------------------------
+
+    async def generate(self, prompt: Prompt, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's output after every step of its replica that changed it; the last one is
+        finished. Raises InvalidRequestError for a request that can never be served,
+        ReplicaFailedError when its replica dies."""
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        token_ids = self.engine.encode_prompt(prompt)
+        self.engine.check_fits(len(token_ids), params)
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            live = [r.up for r in self.replicas]
+            if not any(live):
+                raise ReplicaFailedError("no replica is up (they are restarting); retry later")
+            index, reason = self.router.choose(token_ids, [len(r.inflight) for r in self.replicas], live)
+            self.routed[reason] += 1
+            replica = self.replicas[index]
+            replica.inflight[request_id] = (asyncio.get_running_loop(), queue)
+            replica.unreported_adds += 1
+        replica.send(("add", request_id, token_ids, params))
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            with self._lock:
+                replica.inflight.pop(request_id, None)
+            if not finished and replica.up:
+                replica.send(("abort", request_id))
+
+    def num_waiting(self) -> int:
+        """Sequences waiting in every replica's scheduler, plus requests sent since a replica last said."""
+        with self._lock:
+            return sum(r.stats.num_waiting + r.unreported_adds for r in self.replicas)
+
+    async def between_steps(self, fn: Callable[[LLMEngine], T]) -> T:
+        raise NotImplementedError("the dashboard does not show replicas yet")
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        """Stops every replica (asked to exit, then terminated, then killed); idempotent."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            replicas = [r for r in getattr(self, "replicas", []) if r is not None]
+        for r in replicas:
+            if r.conn is not None:
+                r.send(("close",))
+        deadline = time.monotonic() + 5
+        for r in replicas:
+            r.process.join(max(deadline - time.monotonic(), 0))
+            r.process.terminate()
+        for r in replicas:
+            r.process.join(2)
+            r.process.kill()
+        self._listener.close()
+        self._dir.cleanup()
+
+    # -- replicas -------------------------------------------------------------------------------
+
+    def live(self) -> list[bool]:
+        with self._lock:
+            return [r.up for r in self.replicas]
+
+    def pids(self) -> list[int | None]:
+        with self._lock:
+            return [r.pid if r.up else None for r in self.replicas]
+
+    def _total_stats(self) -> EngineStats:
+        with self._lock:
+            readings = [r.stats for r in self.replicas]
+        return EngineStats(**{f.name: sum(getattr(s, f.name) for s in readings)
+                              for f in dataclasses.fields(EngineStats)})
+
+    def _spawn(self, index: int) -> _Replica:
+        cores = self.cores[index]
+        args = (index, self._listener.address, self._authkey, cores, len(cores), *self._spawn_args)
+        process = WorkerProcess(replica_main, args, worker_environment(len(cores)), marker=f"{MARKER}-{index}")
+        return _Replica(index, process)
+
+    def _wait_ready(self, replica: _Replica, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not replica.ready.wait(0.1):
+            code = replica.process.exitcode
+            if code is not None:
+                raise KVGenError(f"replica {replica.index} exited with status {code} while starting")
+            if time.monotonic() > deadline:
+                replica.process.kill()
+                raise KVGenError(f"replica {replica.index} did not start within {timeout:.0f} s")
+
+    def _accept(self) -> None:
+        """Takes each replica's connection as it comes up (its first message says which it is)."""
+        while True:
+            try:
+                conn = self._listener.accept()
+                _, index, pid, stats = conn.recv()
+            except (OSError, EOFError):
+                if self._closing:
+                    return
+                continue
+            while (replica := self.replicas[index]) is None:  # __init__ is still starting the others
+                time.sleep(0.01)
+            replica.conn, replica.pid, replica.stats = conn, pid, stats
+            with self._lock:
+                replica.up = not self._closing
+            replica.ready.set()
+            threading.Thread(target=self._read, args=(replica,), name=f"kvgen-replica-{index}", daemon=True).start()
+            log.info("replica %d is up (pid %d, cores %s)", index, pid, ",".join(map(str, self.cores[index])))
+
+    def _read(self, replica: _Replica) -> None:
+        """The replica's messages, until its connection closes (it exited, or was killed)."""
+        try:
+            while True:
+                message = replica.conn.recv()
+                kind = message[0]
+                if kind == "outputs":
+                    _, outputs, stats = message
+                    with self._lock:
+                        replica.stats, replica.unreported_adds = stats, 0
+                        targets = [(replica.inflight.get(o.request_id), o) for o in outputs]
+                        for _, o in targets:
+                            if o.finished:
+                                replica.inflight.pop(o.request_id, None)
+                    for target, out in targets:
+                        if target is not None:
+                            target[0].call_soon_threadsafe(target[1].put_nowait, out)
+                elif kind == "stats":
+                    with self._lock:
+                        replica.stats, replica.unreported_adds = message[1], 0
+                elif kind == "rejected":
+                    _, request_id, error = message
+                    with self._lock:
+                        target = replica.inflight.pop(request_id, None)
+                    if target is not None:
+                        target[0].call_soon_threadsafe(target[1].put_nowait, InvalidRequestError(error))
+        except (EOFError, OSError):
+            pass
+        self._on_exit(replica)
+
+    def _on_exit(self, replica: _Replica) -> None:
+        replica.process.join(2)
+        with self._lock:
+            replica.up = False
+            failed, replica.inflight = replica.inflight, {}
+            replica.stats = dataclasses.replace(_EMPTY, kv_blocks_total=replica.stats.kv_blocks_total)
+            self.router.forget(replica.index)
+            closing = self._closing
+        if closing:
+            return
+        code = replica.process.exitcode
+        log.error("replica %d (pid %s) exited with status %s; %d requests failed; restarting it", replica.index,
+                  replica.pid, code, len(failed))
+        error = ReplicaFailedError(f"replica {replica.index} exited (status {code}) while serving this request")
+        for loop, queue in failed.values():
+            loop.call_soon_threadsafe(queue.put_nowait, error)
+        threading.Thread(target=self._restart, args=(replica.index,), name=f"kvgen-restart-{replica.index}",
+                         daemon=True).start()
+
+    def _restart(self, index: int) -> None:
+        pause = 0.5
+        while True:
+            time.sleep(pause)
+            with self._lock:
+                if self._closing:
+                    return
+                replica = self._spawn(index)
+                self.replicas[index] = replica
+                self.restarts[index] += 1
+            try:
+                self._wait_ready(replica, START_TIMEOUT_S)
+                return
+            except KVGenError as error:
+                log.error("%s; trying again", error)
+                pause = min(pause * 2, 30.0)
+
+
+class ReplicaCollector(Collector):
+    """/metrics of the replicas: the engine's gauges and counters per replica (label `replica`), each
+    replica's state, and the router's decisions."""
+
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self.replicas = replicas
+
+    def collect(self) -> Iterator[Metric]:
+        rs = self.replicas
+        with rs._lock:
+            readings = [({"replica": str(r.index)}, r.stats) for r in rs.replicas]
+            up = [(str(r.index), float(r.up)) for r in rs.replicas]
+            restarts = list(rs.restarts)
+            routed = dict(rs.routed)
+        yield from labelled_families(readings)
+        live = GaugeMetricFamily("kvgen_replica_up", "1 while the replica serves requests.", labels=["replica"])
+        restarted = CounterMetricFamily("kvgen_replica_restarts", "Times the replica was restarted after dying.",
+                                        labels=["replica"])
+        for (index, value), n in zip(up, restarts):
+            live.add_metric([index], value)
+            restarted.add_metric([index], n)
+        yield live
+        yield restarted
+        decisions = CounterMetricFamily("kvgen_router_requests", "Requests routed: by prefix match, by load "
+                                        "(least loaded), or round_robin.", labels=["reason"])
+        for reason, n in routed.items():
+            decisions.add_metric([reason], n)
+        yield decisions

@@ -1,0 +1,78 @@
+"""One data-parallel replica: a process with its own engine and KV pool, pinned to its own cores.
+
+It is started as a fresh interpreter (kvgen.distributed.process.WorkerProcess, never fork: see there)
+running `replica_main`, which pins itself to its cores, builds the engine, connects back to the front
+end over a local socket (multiprocessing.connection, with an auth key) and serves a small loop:
+
+    front end -> replica    ("add", request_id, token_ids, params)   ("abort", request_id)   ("close",)
+    replica -> front end    ("ready", index, pid, stats)
+                            ("outputs", [RequestOutput, ...], stats)    after every step
+                            ("rejected", request_id, message)           add_request refused it (a 400)
+                            ("stats", stats)                            after adds / aborts with no step
+
+Between two steps it applies what arrived (adds, then aborts: an abort gives the request's blocks
+back at once); when the engine has nothing to do it blocks on the connection. A step that raises ends
+the process with status 1 after telling the front end nothing more: the front end sees the connection
+close, fails the replica's in-flight requests and starts a new replica (kvgen.replicas.frontend). If
+the front end goes away (the connection closes), the replica exits too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+MARKER = "kvgen-replica"  # in each replica's command line (ps, tests)
+
+
+def replica_main(index: int, address: str, authkey: bytes, cores: list[int], threads: int, model: str | None,
+                 tokenizer: str | None, gguf_file: str | None, config: object) -> None:
+    os.sched_setaffinity(0, cores)  # before torch starts its OpenMP pool: its threads inherit the mask
+    import logging
+
+    import torch
+
+    import kvgen  # noqa: F401 - thread settings first (kvgen.threads)
+    from multiprocessing.connection import Client
+
+    from kvgen.llm import build_engine, load
+
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING, format=f"replica {index}: %(levelname)s: %(message)s")
+    engine = build_engine(load(model, config, tokenizer, gguf_file), config)
+    conn = Client(address, authkey=authkey)
+    try:
+        conn.send(("ready", index, os.getpid(), engine.stats()))
+        _serve(engine, conn)
+    except (EOFError, OSError):  # the front end went away
+        pass
+    finally:
+        conn.close()
+
+
+def _serve(engine, conn) -> None:  # noqa: ANN001 - engine and connection types live in the child only
+    from kvgen.errors import InvalidRequestError
+
+    while True:
+        # Block for a message only when there is nothing to step.
+        while conn.poll(0) or not engine.has_unfinished():
+            message = conn.recv()
+            kind = message[0]
+            if kind == "close":
+                return
+            if kind == "add":
+                _, request_id, token_ids, params = message
+                try:
+                    engine.add_request(request_id, token_ids, params)
+                except InvalidRequestError as error:
+                    conn.send(("rejected", request_id, str(error)))
+            elif kind == "abort":
+                engine.abort(message[1])
+            if not conn.poll(0) and not engine.has_unfinished():
+                conn.send(("stats", engine.stats()))
+        try:
+            outputs = engine.step()
+        except Exception as error:  # noqa: BLE001 - a broken engine: the front end restarts the replica
+            print(f"kvgen replica: a step failed: {error!r}", file=sys.stderr, flush=True)
+            os._exit(1)
+        conn.send(("outputs", outputs, engine.stats()))
