@@ -329,8 +329,8 @@ class ReplicaSet:
         code = replica.process.exitcode
         log.error("replica %d (pid %s) exited with status %s; %d requests failed; restarting it", replica.index,
                   replica.pid, code, len(failed))
-        error = ReplicaFailedError(f"replica {replica.index} exited (status {code}) while serving this request")
-        for loop, queue in failed.values():
+        for loop, queue in failed.values():  # one error each: a raised exception carries its own traceback
+            error = ReplicaFailedError(f"replica {replica.index} exited (status {code}) while serving this request")
             loop.call_soon_threadsafe(queue.put_nowait, error)
         threading.Thread(target=self._restart, args=(replica.index,), name=f"kvgen-restart-{replica.index}",
                          daemon=True).start()
