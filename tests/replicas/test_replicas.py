@@ -57,7 +57,7 @@ def serve(*options: str) -> Iterator[tuple[str, subprocess.Popen]]:
         assert len(replicas) == 2
         yield url, proc
     finally:
-        replicas = [p for p in psutil.Process(proc.pid).children()] if proc.poll() is None else []
+        replicas = psutil.Process(proc.pid).children() if proc.poll() is None else []
         proc.terminate()  # SIGTERM to the front end stops every replica
         proc.communicate(timeout=30)
         gone, alive = psutil.wait_procs(replicas, timeout=10)
@@ -194,11 +194,12 @@ def _prefix_hit_rate(*options: str) -> tuple[float, dict]:
         return hits / queries, metrics(url)
 
 
+@pytest.mark.slow  # two servers of two replicas each: ~30 s on two cores
 def test_prefix_routing_beats_round_robin_on_the_prefix_cache():
     prefix_rate, prefix_metrics = _prefix_hit_rate("--router", "prefix")
     round_robin_rate, rr_metrics = _prefix_hit_rate("--router", "round-robin")
-    assert prefix_rate > round_robin_rate
-    # each system prompt is computed once (4 misses) instead of once per replica (8)
+    # each system prompt is computed once (4 misses) instead of once per replica (8): measured 0.65 against 0.43
+    assert prefix_rate > round_robin_rate + 0.1
     assert prefix_metrics[("kvgen_router_requests_total", (("reason", "prefix"),))] >= 12
     assert rr_metrics[("kvgen_router_requests_total", (("reason", "round_robin"),))] == len(ORDER)
 
@@ -254,3 +255,28 @@ def test_a_dead_replica_fails_only_its_requests_and_comes_back():
         for _ in range(2):
             assert api.completions.create(model=MODEL, prompt="Tom", max_tokens=4).usage.completion_tokens == 4
         assert all(v > 0 for v in per_replica(url, "kvgen_prefix_cache_queries_total"))
+
+
+def test_backpressure_and_a_killed_front_end():
+    """Past --max-queued-requests sequences waiting over all replicas, 429 with Retry-After; a front end
+    killed outright leaves no replica behind (each exits when its connection closes)."""
+    with serve("--max-num-seqs", "1", "--max-queued-requests", "2") as (url, proc):
+        statuses: list[tuple[int, str | None]] = []
+
+        def post() -> None:
+            r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                           json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 150, "ignore_eos": True})
+            statuses.append((r.status_code, r.headers.get("retry-after")))
+
+        threads = [threading.Thread(target=post) for _ in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert (429, "1") in statuses and (200, None) in statuses
+        assert {s for s, _ in statuses} == {200, 429}
+
+        replicas = psutil.Process(proc.pid).children()
+        proc.kill()
+        gone, alive = psutil.wait_procs(replicas, timeout=10)
+        assert not alive
