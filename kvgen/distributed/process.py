@@ -33,9 +33,12 @@ class WorkerProcess:
     """The few things of multiprocessing.Process that rank 0 uses (pid, exitcode, join, terminate, kill),
     over subprocess.Popen. `target` must be importable by reference from kvgen (pickle)."""
 
-    def __init__(self, target: Callable[..., None], args: tuple, env: dict[str, str], marker: str = MARKER) -> None:
+    def __init__(self, target: Callable[..., None], args: tuple, env: dict[str, str], marker: str = MARKER,
+                 new_session: bool = False) -> None:
+        """`new_session`: out of the parent's process group, so that a terminal's ^C or a group's SIGTERM
+        reaches the parent alone, which then stops the worker (data-parallel replicas)."""
         command = [sys.executable, "-c", BOOTSTRAP, marker]
-        self._popen = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
+        self._popen = subprocess.Popen(command, stdin=subprocess.PIPE, env=env, start_new_session=new_session)
         try:
             pickle.dump(list(sys.path), self._popen.stdin)
             pickle.dump((target, args), self._popen.stdin)

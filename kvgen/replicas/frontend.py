@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import os
 import secrets
@@ -31,7 +32,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
-from typing import TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -43,6 +43,7 @@ from kvgen.engine.grammar import GrammarCompiler
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import RequestOutput
+from kvgen.engine.snapshot import EngineSnapshot
 from kvgen.errors import InvalidRequestError, KVGenError
 from kvgen.loaders import LoadedModel
 from kvgen.replicas.replica import MARKER, replica_main
@@ -50,7 +51,6 @@ from kvgen.replicas.router import PrefixRouter, RoundRobinRouter
 from kvgen.server.metrics import labelled_families
 
 log = logging.getLogger("kvgen.replicas")
-T = TypeVar("T")
 ROUTERS = ("prefix", "round-robin")
 START_TIMEOUT_S = 600.0
 _EMPTY = EngineStats(num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=0)
@@ -115,6 +115,7 @@ class _Replica:
     stats: EngineStats = dataclasses.field(default_factory=lambda: _EMPTY)
     unreported_adds: int = 0  # adds sent since its last stats (waiting, as AsyncLLM counts its queued adds)
     inflight: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = dataclasses.field(default_factory=dict)
+    snapshots: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = dataclasses.field(default_factory=dict)
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
     send_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -148,6 +149,7 @@ class ReplicaSet:
         self._spawn_args = (str(model) if model is not None else None, tokenizer, gguf_file, config)
         self._lock = threading.Lock()
         self._closing = False
+        self._tokens = itertools.count()
         self.engine = AdmissionEngine(load(model, config, tokenizer, gguf_file), config, self._total_stats)
         self.tokenizer = self.engine.tokenizer
         self.router = (PrefixRouter(num_replicas, config.block_size, load_threshold or config.max_num_seqs)
@@ -209,8 +211,23 @@ class ReplicaSet:
         with self._lock:
             return sum(r.stats.num_waiting + r.unreported_adds for r in self.replicas)
 
-    async def between_steps(self, fn: Callable[[LLMEngine], T]) -> T:
-        raise NotImplementedError("the dashboard does not show replicas yet")
+    async def snapshot(self, index: int, released_since: int) -> EngineSnapshot:
+        """Replica `index`'s engine as the dashboard shows it, taken by the replica between two steps;
+        raises ReplicaFailedError while it is down."""
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            replica = self.replicas[index]
+            if not replica.up:
+                raise ReplicaFailedError(f"replica {index} is restarting")
+            token = next(self._tokens)
+            replica.snapshots[token] = (asyncio.get_running_loop(), future)
+        if not replica.send(("snapshot", token, released_since)):
+            raise ReplicaFailedError(f"replica {index} is restarting")
+        try:
+            return await future
+        finally:
+            with self._lock:
+                replica.snapshots.pop(token, None)
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.close)
@@ -254,7 +271,8 @@ class ReplicaSet:
     def _spawn(self, index: int) -> _Replica:
         cores = self.cores[index]
         args = (index, self._listener.address, self._authkey, cores, len(cores), *self._spawn_args)
-        process = WorkerProcess(replica_main, args, worker_environment(len(cores)), marker=f"{MARKER}-{index}")
+        process = WorkerProcess(replica_main, args, worker_environment(len(cores)), marker=f"{MARKER}-{index}",
+                                new_session=True)
         return _Replica(index, process)
 
     def _wait_ready(self, replica: _Replica, timeout: float) -> None:
@@ -306,6 +324,12 @@ class ReplicaSet:
                 elif kind == "stats":
                     with self._lock:
                         replica.stats, replica.unreported_adds = message[1], 0
+                elif kind == "snapshot":
+                    _, token, snap = message
+                    with self._lock:
+                        target = replica.snapshots.pop(token, None)
+                    if target is not None:
+                        target[0].call_soon_threadsafe(_settle, target[1], snap)
                 elif kind == "rejected":
                     _, request_id, error = message
                     with self._lock:
@@ -321,9 +345,12 @@ class ReplicaSet:
         with self._lock:
             replica.up = False
             failed, replica.inflight = replica.inflight, {}
+            snapshots, replica.snapshots = replica.snapshots, {}
             replica.stats = dataclasses.replace(_EMPTY, kv_blocks_total=replica.stats.kv_blocks_total)
             self.router.forget(replica.index)
             closing = self._closing
+        for loop, future in snapshots.values():
+            loop.call_soon_threadsafe(_settle, future, f"replica {replica.index} exited")
         if closing:
             return
         code = replica.process.exitcode
@@ -351,6 +378,15 @@ class ReplicaSet:
             except KVGenError as error:
                 log.error("%s; trying again", error)
                 pause = min(pause * 2, 30.0)
+
+
+def _settle(future: asyncio.Future, snap: EngineSnapshot | str) -> None:
+    if future.done():
+        return
+    if isinstance(snap, str):
+        future.set_exception(ReplicaFailedError(snap))
+    else:
+        future.set_result(snap)
 
 
 class ReplicaCollector(Collector):

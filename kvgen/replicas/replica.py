@@ -5,10 +5,12 @@ running `replica_main`, which pins itself to its cores, builds the engine, conne
 end over a local socket (multiprocessing.connection, with an auth key) and serves a small loop:
 
     front end -> replica    ("add", request_id, token_ids, params)   ("abort", request_id)   ("close",)
+                            ("snapshot", token, released_since)     the dashboard asks for the engine's state
     replica -> front end    ("ready", index, pid, stats)
                             ("outputs", [RequestOutput, ...], stats)    after every step
                             ("rejected", request_id, message)           add_request refused it (a 400)
                             ("stats", stats)                            after adds / aborts with no step
+                            ("snapshot", token, EngineSnapshot | str)   (a str: why there is none)
 
 Between two steps it applies what arrived (adds, then aborts: an abort gives the request's blocks
 back at once); when the engine has nothing to do it blocks on the connection. A step that raises ends
@@ -68,6 +70,9 @@ def _serve(engine, conn) -> None:  # noqa: ANN001 - engine and connection types 
                     conn.send(("rejected", request_id, str(error)))
             elif kind == "abort":
                 engine.abort(message[1])
+            elif kind == "snapshot":  # the dashboard's view of this replica, between two steps
+                _, token, released_since = message
+                conn.send(("snapshot", token, _snapshot(engine, released_since)))
             if not conn.poll(0) and not engine.has_unfinished():
                 conn.send(("stats", engine.stats()))
         try:
@@ -76,3 +81,12 @@ def _serve(engine, conn) -> None:  # noqa: ANN001 - engine and connection types 
             print(f"kvgen replica: a step failed: {error!r}", file=sys.stderr, flush=True)
             os._exit(1)
         conn.send(("outputs", outputs, engine.stats()))
+
+
+def _snapshot(engine, released_since: int):  # noqa: ANN001, ANN202
+    from kvgen.engine.snapshot import take_snapshot
+
+    try:
+        return take_snapshot(engine, released_since=released_since)
+    except Exception as error:  # noqa: BLE001 - the dashboard's request fails, not the replica
+        return f"the replica could not take a snapshot: {error!r}"

@@ -56,8 +56,10 @@ def create_app(engine: Engine | AsyncLLM | ReplicaSet, *, model_name: str, api_k
     app.include_router(info.v1_router)
     app.include_router(completions.router)
     app.include_router(chat_completions.router)
-    if dashboard and isinstance(llm.engine, LLMEngine) and isinstance(llm, AsyncLLM):
-        app.state.dashboard = DashboardSource(llm, app.state.kvgen.metrics)
+    if dashboard and isinstance(llm.engine, LLMEngine):
+        metrics = app.state.kvgen.metrics
+        app.state.dashboard = (DashboardSource(llm, metrics) if isinstance(llm, AsyncLLM) else
+                               [DashboardSource(llm, metrics, replica=i) for i in range(llm.num_replicas)])
         app.include_router(dashboard_routes.page)
         app.include_router(dashboard_routes.data, dependencies=[Depends(check_api_key)])
     return app

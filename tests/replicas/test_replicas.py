@@ -155,6 +155,14 @@ def test_two_replicas_answer_as_one_engine(one_engine_answers):
                          json={"model": MODEL, "prompt": "x", "max_tokens": 100000})
         assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
 
+        # The dashboard shows each replica's pool: ?replica=i
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        for i in range(2):
+            state = httpx.get(f"{url}/dashboard/state?replica={i}", headers=auth).json()
+            assert state["pool"]["num_blocks"] == 256 and state["step"] > 0
+            assert state["metrics"]["kvgen_kv_cache_blocks_total"] == 256
+        assert httpx.get(f"{url}/dashboard/state?replica=2", headers=auth).status_code == 404
+
         # A client that goes away mid-stream: the abort reaches its replica, which gives its blocks back.
         with httpx.stream("POST", f"{url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                           json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,

@@ -6,6 +6,8 @@ server's API key, which the page asks for once and sends as a header.
     GET /dashboard/state             a snapshot now; ?snapshot=ID one of the last few; ?compact=1 the
                                      event stream's pool encoding
     GET /dashboard/events            server-sent events: `event: state` with a compact snapshot
+
+With data-parallel replicas each takes `?replica=i` (default 0): that replica's pool.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ data = APIRouter(prefix="/dashboard")
 
 
 def _source(request: Request) -> DashboardSource:
-    return request.app.state.dashboard
+    """The app's source, or with data-parallel replicas (a list, one per replica) `?replica=i`'s."""
+    sources = request.app.state.dashboard
+    if not isinstance(sources, list):
+        return sources
+    replica = request.query_params.get("replica", "0")
+    if not replica.isdigit() or int(replica) >= len(sources):
+        raise HTTPException(404, f"no replica {replica!r}: this server has {len(sources)} (?replica=0 to "
+                                 f"{len(sources) - 1})")
+    return sources[int(replica)]
 
 
 @functools.cache

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 
 from kvgen.async_llm import AsyncLLM
 from kvgen.engine.base import Engine
-from kvgen.engine.snapshot import take_snapshot
+from kvgen.engine.snapshot import EngineSnapshot, take_snapshot
+from kvgen.replicas.frontend import ReplicaFailedError, ReplicaSet
 from kvgen.server.dashboard.state import DashboardSnapshot, state_json
 from kvgen.server.metrics import ServerMetrics
 
@@ -27,9 +28,12 @@ KEEPALIVE_S = 15.0
 class DashboardSource:
     """The snapshots of one app's engine, for its dashboard's routes."""
 
-    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics, *, max_rate: float = 10.0, max_share: float = 0.01,
-                 keep: int = 16) -> None:
+    def __init__(self, llm: AsyncLLM | ReplicaSet, metrics: ServerMetrics, *, replica: int | None = None,
+                 max_rate: float = 10.0, max_share: float = 0.01, keep: int = 16) -> None:
+        """`replica`: the data-parallel replica to show (`llm` is then a ReplicaSet, and the replica
+        takes each snapshot between two of its steps and sends it over)."""
         self.llm = llm
+        self.replica = replica
         self.metrics = metrics
         self.max_rate = max_rate
         self.max_share = max_share
@@ -53,7 +57,7 @@ class DashboardSource:
     async def take(self) -> DashboardSnapshot:
         """A new snapshot, taken at the engine loop's next pause (shared with concurrent callers)."""
         if self._pending is None:
-            self._pending = asyncio.ensure_future(self.llm.between_steps(self._capture))
+            self._pending = asyncio.ensure_future(self._take())
             self._pending.add_done_callback(lambda _: setattr(self, "_pending", None))
         return await asyncio.shield(self._pending)
 
@@ -67,7 +71,12 @@ class DashboardSource:
         """Server-sent events: a compact state whenever something changed, at most once per `interval`."""
         sent, quiet_since = None, time.monotonic()
         while True:
-            snap = await self.latest()
+            try:
+                snap = await self.latest()
+            except ReplicaFailedError:  # the replica is restarting: keep the page's stream open
+                yield ": the replica is restarting\n\n"
+                await asyncio.sleep(1.0)
+                continue
             if snap.fingerprint != sent:
                 sent, quiet_since = snap.fingerprint, time.monotonic()
                 yield f"event: state\ndata: {self._compact_payload(snap)}\n\n"
@@ -76,10 +85,21 @@ class DashboardSource:
                 yield ": keep-alive\n\n"
             await asyncio.sleep(max(self.interval - (time.monotonic() - self._last_at), 0.0))
 
+    async def _take(self) -> DashboardSnapshot:
+        if self.replica is None:
+            return await self.llm.between_steps(self._capture)
+        started = time.perf_counter()
+        engine_snap = await self.llm.snapshot(self.replica, self._since())
+        return self._record(engine_snap, started)
+
+    def _since(self) -> int:
+        return self._last.engine.step if self._last is not None else 0
+
     def _capture(self, engine: Engine) -> DashboardSnapshot:
         started = time.perf_counter()
-        since = self._last.engine.step if self._last is not None else 0
-        engine_snap = take_snapshot(engine, released_since=since)
+        return self._record(take_snapshot(engine, released_since=self._since()), started)
+
+    def _record(self, engine_snap: EngineSnapshot, started: float) -> DashboardSnapshot:
         snap = DashboardSnapshot(next(self._ids), engine_snap, self.metrics.values(engine_snap.stats))
         self._recent[snap.id] = snap
         while len(self._recent) > self._keep:

@@ -44,10 +44,16 @@ $("key-form").addEventListener("submit", (event) => {
   connect();
 });
 
+// With data-parallel replicas the page shows one: /dashboard?replica=i (default 0).
+function replicaQuery() {
+  const replica = new URLSearchParams(location.search).get("replica");
+  return replica === null ? "" : "?replica=" + encodeURIComponent(replica);
+}
+
 async function connect() {
   let response;
   try {
-    response = await fetch("/dashboard/events", { headers: headers(), cache: "no-store" });
+    response = await fetch("/dashboard/events" + replicaQuery(), { headers: headers(), cache: "no-store" });
   } catch (error) {
     return retry("server unreachable");
   }
