@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from kvgen.async_llm import AsyncLLM
 from kvgen.engine.base import Engine
+from kvgen.replicas.frontend import ReplicaSet
 from kvgen.server.chat import ChatTemplate
 from kvgen.server.limits import RequestLimits
 from kvgen.server.metrics import ServerMetrics
@@ -20,7 +21,7 @@ from kvgen.server.protocol import ErrorInfo, ErrorResponse, SamplingRequest
 
 @dataclass
 class ServerState:
-    llm: AsyncLLM
+    llm: AsyncLLM | ReplicaSet  # the engine loop, or data-parallel replicas behind the same interface
     model_name: str
     api_key: str | None
     metrics: ServerMetrics
