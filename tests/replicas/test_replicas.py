@@ -202,7 +202,6 @@ def _prefix_hit_rate(*options: str) -> tuple[float, dict]:
         return hits / queries, metrics(url)
 
 
-@pytest.mark.slow  # two servers of two replicas each: ~30 s on two cores
 def test_prefix_routing_beats_round_robin_on_the_prefix_cache():
     prefix_rate, prefix_metrics = _prefix_hit_rate("--router", "prefix")
     round_robin_rate, rr_metrics = _prefix_hit_rate("--router", "round-robin")
