@@ -97,3 +97,34 @@ def agreeing_prefix(got: Trace, want: Trace, u: float) -> int:
         for token in g.keys() & w.keys():
             assert abs(g[token] - w[token]) <= kv_bound(u, w[token]), f"step {step}: {g[token]} vs {w[token]}"
     return len(want_ids)
+
+
+# -- lossy weights (dtype, quantization) ------------------------------------------------------------
+#
+# A model's weights rounded once more than the plain path's fp32 ones, as a relative u per element, on
+# the same footing as KV_ROUNDING (KV_GAIN turns it into a logprob bound): a bf16 model rounds weights
+# and activations to 8 significand bits; int8 packs groups of 32 at max/127 a step; int4 at max/7 (a
+# GGUF's own 4-bit blocks, quantization "auto", taken as int4). Their quantized matmuls also round the
+# activations to int8 per group, so two paths whose fp32 sums differ in the last bit (batching,
+# chunking, another attention kernel) may land on neighbouring int8 steps: ACTIVATION_ROUNDING.
+# Measured against the fp32 plain path, teacher-forced, worst |d logprob| / max(|logprob|, 1): bf16 0.07
+# (stories260K) and 0.08 (SmolLM2), int8 0.05 and 0.16, int4 0.49 (stories260K): all within
+# KV_GAIN * u.
+WEIGHT_ROUNDING = {"bfloat16": 2.0**-8, "int8": 2.0**-7, "int4": 2.0**-3}
+ACTIVATION_ROUNDING = 2.0**-7
+
+
+def agreeing_prefix_within(got: Trace, want: Trace, bound) -> int:
+    """agreeing_prefix with the tolerance a function of the reference logprob (kv_bound's, or
+    logprob_gap's for fp32 paths); the two traces may end at different lengths only after they
+    diverge (a grammar stops where its own tokens complete it)."""
+    (got_ids, got_tops), (want_ids, want_tops) = got, want
+    for step, (g, w) in enumerate(zip(got_tops, want_tops)):
+        if got_ids[step] != want_ids[step]:
+            top, second = sorted(w.values(), reverse=True)[:2]
+            assert top - second <= 2 * bound(top), f"step {step}: not a near-tie, {top} vs {second}"
+            return step
+        for token in g.keys() & w.keys():
+            assert abs(g[token] - w[token]) <= bound(w[token]), f"step {step}: {g[token]} vs {w[token]}"
+    assert len(got_ids) == len(want_ids), f"the same tokens, but {len(got_ids)} of them against {len(want_ids)}"
+    return len(want_ids)
