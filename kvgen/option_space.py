@@ -101,6 +101,8 @@ REFUSED: tuple[Refusal, ...] = (
             "does not compose with speculative decoding", "request"),
     Refusal(("speculative_method", ("draft",)), ("tensor_parallel_size", ("> 1",)), ValueError,
             "'draft' runs in one process", "engine"),
+    Refusal(("tensor_parallel_size", ("> 1",)), ("kv_policy", ("h2o",)), InvalidRequestError,
+            "kv_policy h2o is not supported with tensor parallelism", "request"),
     Refusal(("dtype", ("float16",)), ("attention_backend", ("native",)), ValueError,
             "attention_backend 'native' runs on the CPU, for float32 or bfloat16 models", "engine"),
 )
