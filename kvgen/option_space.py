@@ -15,11 +15,9 @@ from dataclasses import dataclass
 from kvgen.config import (
     ATTENTION_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_MODES, QUANTIZATION_MODES, SPECULATIVE_METHODS,
 )
+from kvgen.cache.policies import FORMS as KV_POLICY_FORMS, KINDS as KV_POLICY_KINDS
 from kvgen.errors import InvalidRequestError
 
-# The forms `kv_policy` takes (kvgen.cache.policies parses them), and one instance of each to test:
-# windows of 8 tokens, so that short prompts and 24 generated tokens already evict.
-KV_POLICY_FORMS = ("full", "window:W", "sinks:S,W", "h2o:H,W")
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # kvgen.config.DTYPES' canonical names
 
@@ -41,6 +39,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("quantization", "engine", "--quantization", QUANTIZATION_MODES, QUANTIZATION_MODES),
     Option("kv_cache_dtype", "engine", "--kv-cache-dtype", KV_CACHE_DTYPES, KV_CACHE_DTYPES),
     Option("kv_cache", "engine", "--kv-cache", KV_CACHE_MODES, ("paged", "contiguous")),
+    # One instance of each form: windows of 8 tokens, so that short prompts and 24 tokens evict.
     Option("kv_policy", "request", "--kv-policy", KV_POLICY_FORMS, ("full", "window:8", "sinks:2,8", "h2o:4,8")),
     Option("speculative_method", "engine", "--speculative-method", (None, *SPECULATIVE_METHODS), (None, "ngram")),
     Option("grammar", "request", "response_format", (None, *GRAMMAR_KINDS), (None, "json_schema", "regex")),
@@ -87,7 +86,7 @@ class Refusal:
 
 
 _LOSSY_POOLS = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
-_BOUNDED = ("window", "sinks", "h2o")
+_BOUNDED = tuple(k for k in KV_POLICY_KINDS if k != "full")
 REFUSED: tuple[Refusal, ...] = (
     Refusal(("kv_cache", ("contiguous", "none")), ("kv_cache_dtype", _LOSSY_POOLS), ValueError,
             "needs the paged KV cache", "engine"),
@@ -118,6 +117,12 @@ def refusal_of(case: dict) -> Refusal | None:
 def refused(first: str, first_value: object, second: str, second_value: object) -> bool:
     """Whether the pair of two options' values is refused by design."""
     return refusal_of({first: first_value, second: second_value}) is not None
+
+
+def refused_pairs_text() -> str:
+    """The refused pairs in a sentence each, for --help."""
+    return "; ".join(f"{a} {'|'.join(map(str, av))} with {b} {'|'.join(map(str, bv))}"
+                     for (a, av), (b, bv) in ((r.first, r.second) for r in REFUSED))
 
 
 def _show(values: tuple) -> str:

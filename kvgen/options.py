@@ -20,11 +20,13 @@ from kvgen.engine.base import Engine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import ModelLoadError
 from kvgen.llm import build_engine, load
+from kvgen.option_space import KV_POLICY_FORMS, refused_pairs_text
 from kvgen.loaders import load_model
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model and engine")
+    g = parser.add_argument_group("model and engine", "Any value of one option goes with any of another "
+                                  f"except (docs/options.md): {refused_pairs_text()}.")
     g.add_argument("--model", help="HF directory, .gguf, llama2.c .bin, or a Hugging Face repo id: org/name, "
                                    "org/name:Q4_K_M (default: stories260K, or $KVGEN_MODEL)")
     g.add_argument("--gguf-file", help="the .gguf file to use in a GGUF repo or directory given by --model")
@@ -115,7 +117,7 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--kv-policy", default="full", help="full, window:W, sinks:S,W or h2o:H,W (paged cache only)")
+    g.add_argument("--kv-policy", default="full", help=f"{', '.join(KV_POLICY_FORMS)} (bounded ones: paged cache only)")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from kvgen.errors import InvalidRequestError
 
 KINDS = ("full", "window", "sinks", "h2o")
+FORMS = ("full", "window:W", "sinks:S,W", "h2o:H,W")  # what `kv_policy` accepts, as help and errors show it
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class CachePolicy:
             numbers = None
         arity = {"full": 0, "window": 1, "sinks": 2, "h2o": 2}
         if kind not in arity or numbers is None or len(numbers) != arity[kind] or any(n < 0 for n in numbers):
-            raise InvalidRequestError(f"kv_policy {spec!r} is not one of full, window:W, sinks:S,W, h2o:H,W "
+            raise InvalidRequestError(f"kv_policy {spec!r} is not one of {', '.join(FORMS)} "
                                       "(non-negative integers)")
         if kind in ("window", "sinks", "h2o") and numbers[-1] < 1:
             raise InvalidRequestError(f"kv_policy {spec!r}: the window must keep at least one token")

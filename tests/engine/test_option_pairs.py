@@ -96,6 +96,13 @@ def test_every_refusal_names_tested_or_declared_values():
     assert {refusal_of(c).when for c in REFUSAL_CASES} == {"engine", "request"}
 
 
+def test_the_refusals_follow_the_engines_constants():
+    from kvgen.engine.spec.speculator import UNSPECULATED_POLICIES
+
+    (spec,) = [r for r in REFUSED if (r.first[0], r.second[0]) == ("speculative_method", "kv_policy")]
+    assert spec.second[1] == UNSPECULATED_POLICIES
+
+
 def test_the_docs_list_the_declared_refusals():
     text = (Path(__file__).resolve().parents[2] / "docs" / "options.md").read_text()
     start = text.index("-->\n", text.index("<!-- refused pairs")) + len("-->\n")
