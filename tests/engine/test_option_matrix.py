@@ -1,7 +1,7 @@
 """The numerics options against each other, pairwise, on stories260K: model dtype x kv_cache_dtype x
 attention_backend x fused decode. Every pair of values of two options meets in at least one case
-(all_pairs, generated from the options' declared values: kvgen.config's for the KV and attention
-options), so a combination that breaks shows up without running the whole product (72 cases; run
+(tests.pairwise.all_pairs, generated from the options' declared values: kvgen.config's for the KV and
+attention options), so a combination that breaks shows up without running the whole product (72 cases; run
 once by hand: all passed, the native backend refused for fp16 models).
 
 Each case runs a few greedy requests against the plain path of its model dtype (default options)
@@ -11,18 +11,22 @@ and checks:
   bound of the lossiest difference (tests/tolerances.py, KV_ROUNDING, KV_GAIN): the pool's rounding,
   or a half-precision model's other attention path (its rounding), or an fp32 model's (fp32's);
 - that every KV block went back, and that the engine then serves the next request;
-- a combination the engine refuses raises its declared ValueError naming the option, never an
-  internal error (the native backend for an fp16 model).
+- a combination the engine refuses raises the error kvgen.option_space declares for it, never an
+  internal error (the native backend for an fp16 model); tests/engine/test_option_pairs.py runs every
+  other option against these pairwise.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
 from kvgen import LLM, SamplingParams
 from kvgen.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
+from kvgen.option_space import refusal_of
+from tests.pairwise import all_pairs
 from tests.tolerances import KV_ROUNDING, agreeing_prefix, logprob_gap, trace
 
 OPTIONS = {
@@ -33,24 +37,6 @@ OPTIONS = {
 }
 TEXTS = ["Once upon a time", "Lily had a red ball and", "Tom"]
 PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
-
-
-def all_pairs(options: dict[str, tuple]) -> list[dict]:
-    """A small set of cases covering every pair of values of every two options: greedily, the case
-    of the full product that covers the most uncovered pairs, until none is left (deterministic)."""
-    names = list(options)
-    product = [dict(zip(names, values, strict=True)) for values in itertools.product(*options.values())]
-
-    def pairs(case: dict) -> set:
-        return {((a, case[a]), (b, case[b])) for a, b in itertools.combinations(names, 2)}
-
-    uncovered = set().union(*map(pairs, product))
-    cases = []
-    while uncovered:
-        best = max(product, key=lambda case: len(pairs(case) & uncovered))
-        cases.append(best)
-        uncovered -= pairs(best)
-    return cases
 
 
 CASES = all_pairs(OPTIONS)
@@ -89,11 +75,11 @@ def test_the_cases_cover_every_pair_in_fewer_runs_than_the_product():
 
 @pytest.mark.parametrize("case", CASES, ids=map(case_id, CASES))
 def test_options_compose(case, plain):
-    try:
-        llm = LLM(block_size=4, **case)
-    except ValueError as refusal:  # declared: names the option it refuses
-        assert any(name in str(refusal) for name in OPTIONS), refusal
+    if (refusal := refusal_of(case)) is not None:
+        with pytest.raises(refusal.error, match=re.escape(refusal.message)):
+            LLM(block_size=4, **case)
         return
+    llm = LLM(block_size=4, **case)
     reference, want = plain[case["dtype"]]
     got = [trace(o.outputs[0]) for o in llm.generate(TEXTS, PARAMS)]
     same_path = (llm.engine.runner.decode_kernel is None) == (reference.engine.runner.decode_kernel is None)
