@@ -293,3 +293,21 @@ def test_stories_lossy_numerics_within_their_bound(dtype, quantization, referenc
 @pytest.mark.parametrize(("dtype", "quantization"), BASES)
 def test_smollm2_lossy_numerics_within_their_bound(dtype, quantization, references, smollm_path):
     check_base("smollm2", dtype, quantization, references)
+
+
+# -- what the CLI user gets ------------------------------------------------------------------------------
+
+CLI_REFUSALS = [c for c in REFUSAL_CASES if c["tensor_parallel_size"] == 1 or refusal_of(c).when == "engine"]
+
+
+def cli_flags(case: dict) -> list[str]:
+    """The CLI flags of a case's values that differ from PLAIN (the refused pair: value options only)."""
+    return [str(a) for name, v in case.items() if v != PLAIN[name] for a in (BY_NAME[name].flag, v)]
+
+
+@pytest.mark.parametrize("case", CLI_REFUSALS, ids=map(case_id, CLI_REFUSALS))
+def test_the_cli_refuses_each_pair_in_one_line(capsys, case):
+    from tests.test_cli import assert_user_error, run
+
+    code, _, err = run(capsys, "generate", "--prompt", "Tom", "--max-tokens", "4", *cli_flags(case))
+    assert_user_error(code, err, refusal_of(case).message)
