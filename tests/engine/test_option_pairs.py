@@ -135,7 +135,6 @@ def references(request):
             for i, (p, g) in enumerate(wanted):
                 traces = [trace(o.outputs[0]) for o in outs[i * len(TEXTS):(i + 1) * len(TEXTS)]]
                 cache[(model_name, case["dtype"], case["quantization"], p, g)] = traces
-            cache[(model_name, "engine", case["dtype"], case["quantization"])] = llm.engine.model_config
             llm.close()
         return cache[key]
 
@@ -150,7 +149,8 @@ def rounding(model_name: str, case: dict) -> float:
     24 on that sum, 61 on its largest term alone; SmolLM2's bf16 contiguous path 34 on one bf16 u)."""
     pool = case["kv_cache_dtype"]
     u_pool = 0.0 if pool in ("auto", case["dtype"], "float32") else KV_ROUNDING[pool]
-    quantized = case["quantization"] in ("int8", "int4") or (case["quantization"] == "auto" and model_name != "stories260K")
+    gguf_blocks = case["quantization"] == "auto" and model_name != "stories260K"
+    quantized = case["quantization"] in ("int8", "int4") or gguf_blocks
     u_path = 2 * KV_ROUNDING["bfloat16"] if case["dtype"] == "bfloat16" else 0.0  # the reference's own batch too
     if case["dtype"] == "bfloat16" and case["tensor_parallel_size"] > 1:
         u_path += KV_ROUNDING["bfloat16"]  # each row-parallel layer's all-reduce rounds its partial sums
@@ -236,7 +236,8 @@ OUTLIERS = {"bfloat16-int8-float16-paged-window:8-ngram-none-1-on-512-off-native
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [
-    pytest.param(c, marks=[pytest.mark.xfail(reason=OUTLIERS[case_id(c)], strict=False)] if case_id(c) in OUTLIERS else [])
+    pytest.param(c, marks=[pytest.mark.xfail(reason=OUTLIERS[case_id(c)], strict=False)]
+                 if case_id(c) in OUTLIERS else [])
     for c in FULL], ids=map(case_id, FULL))
 def test_smollm2_pairs_full(case, references, smollm_path):
     run_case("smollm2", case, references)
@@ -263,7 +264,8 @@ def check_refusal(model_name: str, case: dict, references) -> None:
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param(c, marks=[pytest.mark.slow] if c["tensor_parallel_size"] > 1 and refusal_of(c).when == "request" else [])
+    pytest.param(c, marks=[pytest.mark.slow] if c["tensor_parallel_size"] > 1 and refusal_of(c).when == "request"
+                 else [])
     for c in REFUSAL_CASES], ids=map(case_id, REFUSAL_CASES))
 def test_stories_refused_pairs(case, references):
     check_refusal("stories260K", case, references)
