@@ -25,6 +25,8 @@ from kvgen.sampler import TokenLogprobs
 from kvgen.tokenizer import Tokenizer
 
 BUNDLED_TEXT = "tinystory.txt"
+# --text-set: one text of each kind, each over 2,000 SmolLM2 tokens (data/README.md: sources, licences)
+TEXT_SET = ("gpl-3.0.txt", "python-textwrap.txt", "chat.txt")
 
 
 @dataclass
@@ -54,10 +56,15 @@ def streaming_config(config: EngineConfig) -> EngineConfig:
     return replace(config, max_num_batched_tokens=1, enable_prefix_caching=False)
 
 
+def bundled_text(name: str) -> str:
+    """A text shipped in kvgen/eval/data."""
+    return resources.files("kvgen.eval").joinpath("data", name).read_text(encoding="utf-8")
+
+
 def read_text(path: Path | None) -> str:
     """The text at `path` (UTF-8), or the bundled story; raises KVGenError if unreadable or empty."""
     if path is None:
-        return resources.files("kvgen.eval").joinpath("data", BUNDLED_TEXT).read_text(encoding="utf-8")
+        return bundled_text(BUNDLED_TEXT)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
@@ -125,6 +132,46 @@ def table(results: list[PolicyResult], num_tokens: int) -> str:
             for r, ratio in zip(results, ratios_to_full(results))]
     return Table(f"perplexity over {num_tokens} tokens, one token per step",
                  ["policy", "KV kept", "scored", "perplexity", "vs full"], rows).render()
+
+
+def prefix_perplexity(nll: list[float], num_tokens: int) -> float:
+    """Perplexity of the first `num_tokens` tokens (BOS included) of a streamed text. One token per
+    step, token i is predicted from tokens 0..i-1 alone, so this is what streaming only those tokens
+    gives: one run at the longest length yields every shorter one."""
+    scored = nll[:num_tokens - 1]
+    return math.exp(sum(scored) / len(scored))
+
+
+@dataclass
+class SweepRow:
+    """One cell of `kvgen eval-ppl --text-set`: a text's first `tokens` tokens under one weights
+    setting and one KV pool dtype, and the same weights' perplexity with a float32 pool."""
+
+    text: str
+    tokens: int
+    weights: str        # --quantization
+    kv_dtype: str       # the pool's dtype (auto resolved)
+    perplexity: float
+    reference: float    # the same text, length and weights with a float32 pool
+
+    @property
+    def change(self) -> float:
+        """Relative change against the float32 pool, in percent."""
+        return 100 * (self.perplexity / self.reference - 1)
+
+
+def sweep_table(rows: list[SweepRow]) -> str:
+    cells = [[r.text, str(r.tokens), r.weights, r.kv_dtype, f"{r.perplexity:.4f}",
+              "ref" if r.kv_dtype == "float32" else f"{r.change:+.2f}%"] for r in rows]
+    return Table("perplexity by KV pool dtype, one token per step (change against the same weights' float32 pool)",
+                 ["text", "tokens", "weights", "KV dtype", "perplexity", "vs float32 KV"], cells).render()
+
+
+def write_sweep_json(path: Path, rows: list[SweepRow], settings: dict) -> None:
+    cells = [{"text": r.text, "tokens": r.tokens, "weights": r.weights, "kv_cache_dtype": r.kv_dtype,
+              "perplexity": r.perplexity, "float32_kv_perplexity": r.reference, "change_percent": r.change}
+             for r in rows]
+    _write(path, lambda: path.write_text(json.dumps({"settings": settings, "rows": cells}, indent=1) + "\n"))
 
 
 def write_json(path: Path, results: list[PolicyResult], settings: dict) -> None:
