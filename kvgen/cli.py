@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from kvgen.cache.hybrid import layer_kinds
-from kvgen.cache.sizing import KV_ELEMENT_BYTES, KV_SCALE_BYTES, format_bytes, kv_bytes_per_token
+from kvgen.cache.sizing import KV_ELEMENT_BYTES, format_bytes, kv_bytes_per_token, kv_scale_bytes
 from kvgen.commands import SUBSYSTEM_COMMANDS
 from kvgen.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from kvgen.engine.base import Engine
@@ -139,7 +139,7 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
         raise KVGenError(f"--tokens must be a positive number of tokens, got {args.tokens}")
     config = config_only(Path(args.model)) if args.model else _default_config()
     dtype = DTYPES[args.dtype] if args.kv_cache_dtype in (None, "auto") else args.kv_cache_dtype
-    element, scale = KV_ELEMENT_BYTES[dtype], KV_SCALE_BYTES.get(dtype, 0)
+    element, scale = KV_ELEMENT_BYTES[dtype], kv_scale_bytes(dtype, config.head_dim)
     per_layer = kv_bytes_per_token(1, config.num_kv_heads, config.head_dim, element, scale)
     per_token = per_layer * config.num_layers
     total = per_token * args.tokens
@@ -155,9 +155,11 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     print(f"layers {config.num_layers}, kv_heads {config.num_kv_heads}, head_dim {config.head_dim}, "
-          f"{dtype} ({element} bytes" + (f", plus a {scale}-byte scale per token and head)" if scale else ")"))
-    scaled = f"({config.head_dim} x {element} + {scale})" if scale else f"{config.head_dim} x {element}"
-    print(f"per token, per layer: 2 x {config.num_kv_heads} x {scaled} = {per_layer:,} bytes")
+          f"{dtype} ({element} bytes" + (f", plus {scale} bytes of float32 scales per token and head: one per 16 "
+                                         "dimensions of K, one for V)" if scale else ")"))
+    scaled = f"{config.num_kv_heads} x (2 x {config.head_dim} x {element} + {scale})" if scale else \
+        f"2 x {config.num_kv_heads} x {config.head_dim} x {element}"
+    print(f"per token, per layer: {scaled} = {per_layer:,} bytes")
     print(f"per token, all layers: {per_token:,} bytes ({format_bytes(per_token)})")
     print(f"{args.tokens:,} tokens: {per_layer * args.tokens:,} bytes per layer "
           f"({format_bytes(per_layer * args.tokens)}), {total:,} bytes in all ({format_bytes(total)}, "

@@ -267,14 +267,16 @@ def test_kv_size_of_stories260k(capsys, stories_dir):
 
 
 def test_kv_size_counts_the_scales_of_quantized_pools(capsys, llama70b):
-    # Llama 2 70B: 80 layers x 8 KV heads x head_dim 128; int8 and fp8 add a 4-byte scale per (token, head)
-    for dtype, per_layer in (("float16", 2 * 8 * 128 * 2), ("int8", 2 * 8 * (128 + 4)), ("fp8", 2 * 8 * (128 + 4))):
+    # Llama 2 70B: 80 layers x 8 KV heads x head_dim 128; int8 and fp8 add float32 scales per (token, head):
+    # 128 / 16 = 8 for K, 1 for V
+    quantized = 8 * (2 * 128 + 4 * (8 + 1))
+    for dtype, per_layer in (("float16", 2 * 8 * 128 * 2), ("int8", quantized), ("fp8", quantized)):
         code, out, err = run(capsys, "kv-size", llama70b, "--kv-cache-dtype", dtype, "--json")
         assert code == 0, err
         report = json.loads(out)
         assert report["bytes_per_token_per_layer"] == per_layer and report["bytes_per_token"] == 80 * per_layer
     code, out, _ = run(capsys, "kv-size", llama70b, "--kv-cache-dtype", "int8")
-    assert "2 x 8 x (128 x 1 + 4) = 2,112 bytes" in out
+    assert "8 x (2 x 128 x 1 + 36) = 2,336 bytes" in out
 
 
 @pytest.mark.parametrize(("args", "needle"), [

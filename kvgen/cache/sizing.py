@@ -15,26 +15,37 @@ _PREFIXES = "KMGTP"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([kmgtp]i?)?b?\s*$", re.IGNORECASE)
 
 
-# Bytes of one element of the KV pools, by `--kv-cache-dtype` name; int8 and fp8 (e4m3) also store one
-# float32 scale per (token, KV head) for K and for V.
+# Bytes of one element of the KV pools, by `--kv-cache-dtype` name; int8 and fp8 (e4m3) also store
+# float32 scales (kv_scale_bytes).
 KV_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1}
-KV_SCALE_BYTES = {"int8": 4, "fp8": 4}
+QUANTIZED_KV = ("int8", "fp8")
+
+
+def kv_scale_bytes(kv_dtype: str, head_dim: int) -> int:
+    """Scale bytes of one (token, KV head), K's and V's together: a float32 per 16 dimensions of the
+    key (kvgen.model.kv_quant.key_groups) and one for the value in int8 / fp8 pools, else 0."""
+    if kv_dtype not in QUANTIZED_KV:
+        return 0
+    from kvgen.model.kv_quant import key_groups  # torch, only for quantized pools
+
+    return 4 * (key_groups(head_dim) + 1)
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
                        scale_bytes: int = 0) -> int:
-    """Bytes one token's K and V take across all layers: 2 * layers * kv_heads * (head_dim * bytes + scale)."""
+    """Bytes one token's K and V take across all layers: layers * kv_heads * (2 * head_dim * bytes +
+    scale_bytes), scale_bytes being K's and V's scales of one (token, head) together."""
     for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
-    return 2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
+    return num_layers * num_kv_heads * (2 * head_dim * dtype_bytes + scale_bytes)
 
 
 def kv_bytes_per_token_of(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
     """`kv_bytes_per_token` for a pool dtype named as `--kv-cache-dtype` names it (resolved, not auto)."""
     return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, KV_ELEMENT_BYTES[kv_dtype],
-                              KV_SCALE_BYTES.get(kv_dtype, 0))
+                              kv_scale_bytes(kv_dtype, head_dim))
 
 
 def parse_bytes(size: str | int) -> int:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kvgen.model.kernels import GroupDecode, PagedDecode, stores
 from kvgen.model.kernels.prefill import prefill_attention_kernel
-from kvgen.model.kv_quant import as_bytes, dequantize, is_quantized, quantize
+from kvgen.model.kv_quant import as_bytes, dequantize, is_quantized, key_groups, quantize
 from kvgen.model.layers import apply_rope
 
 
@@ -176,9 +176,11 @@ class PagedKVCache:
     scratch space: sequences shorter than the longest of their group read it as padding (always
     masked out), so the hot path needs no conditionals.
 
-    The pools hold `dtype` (the model's by default). A quantized pool (int8, fp8) also holds a float32
-    scale per (token, KV head), `k_scale`/`v_scale` [kv_heads, num_slots], indexed by slot like the
-    values, so a block carries its scales wherever it is copied or shared. Writes quantize; reads
+    The pools hold `dtype` (the model's by default). A quantized pool (int8, fp8) also holds float32
+    scales, indexed by slot like the values, so a block carries its scales wherever it is copied or
+    shared: `k_scale` [kv_heads, num_slots, key_groups(D)] (one per 16 dimensions of a key: keys have
+    outlier channels; [kv_heads, num_slots] where key_groups is 1) and `v_scale` [kv_heads, num_slots]
+    (one per value row). Writes quantize; reads
     (gather, the decode kernel) dequantize to `compute_dtype`. A float pool of another dtype than
     the model's (bf16 / fp16 pools under an fp32 model: half the bytes a token) is the same rule
     without scales: writes round to the pool's dtype, reads widen back to `compute_dtype`.
@@ -192,8 +194,10 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.quantized = is_quantized(dtype)
         self.compute_dtype = compute_dtype or dtype
+        self.key_groups = key_groups(head_dim)
         scales = (num_kv_heads, num_slots) if self.quantized else (0, 0)
-        self.k_scale = [torch.zeros(scales, device=device) for _ in range(num_layers)]
+        k_scales = (*scales, self.key_groups) if self.key_groups > 1 else scales
+        self.k_scale = [torch.zeros(k_scales, device=device) for _ in range(num_layers)]
         self.v_scale = [torch.zeros(scales, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -219,10 +223,11 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [T, kv_heads, D] stored at slots [T] (quantized, with their scales, in a quantized pool)."""
-        for pool, scales, x in ((self.k[layer], self.k_scale[layer], k), (self.v[layer], self.v_scale[layer], v)):
+        for pool, scales, x, groups in ((self.k[layer], self.k_scale[layer], k, self.key_groups),
+                                        (self.v[layer], self.v_scale[layer], v, 1)):
             x = x.transpose(0, 1)  # [kv_heads, T, D]
             if self.quantized:
-                x, x_scales = quantize(x, pool.dtype)
+                x, x_scales = quantize(x, pool.dtype, groups)
                 scales.index_copy_(1, slots, x_scales)
             else:
                 x = x.to(pool.dtype)  # rounds to nearest even into a narrower float pool; a no-op for its own
@@ -265,8 +270,12 @@ class PagedKVCache:
                 self._converted_v[:size].view(values.shape).copy_(values))
 
     def _gather_scales(self, scales: torch.Tensor, flat_blocks: torch.Tensor) -> torch.Tensor:
-        """scales [kv_heads, num_slots] -> [kv_heads, len(flat_blocks), block_size]."""
-        return scales.view(scales.shape[0], -1, self.block_size).index_select(1, flat_blocks)
+        """scales [kv_heads, num_slots, *G] -> [kv_heads, len(flat_blocks), block_size, *G]."""
+        return self._scale_blocks(scales).index_select(1, flat_blocks)
+
+    def _scale_blocks(self, scales: torch.Tensor) -> torch.Tensor:
+        """scales [kv_heads, num_slots, *G] viewed as [kv_heads, num_blocks + 1, block_size, *G]."""
+        return scales.view(scales.shape[0], -1, self.block_size, *scales.shape[2:])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates whole blocks (src -> dst) in every layer."""
@@ -276,7 +285,7 @@ class PagedKVCache:
         dst = torch.tensor([d for _, d in copies], device=self.k[0].device)
         for layer in range(len(self.k)):
             scales = (self.k_scale[layer], self.v_scale[layer]) if self.quantized else ()
-            for pool in (*self.blocks(layer), *(s.view(s.shape[0], -1, self.block_size) for s in scales)):
+            for pool in (*self.blocks(layer), *(self._scale_blocks(s) for s in scales)):
                 pool[:, dst] = pool[:, src]
 
     def nbytes(self) -> int:

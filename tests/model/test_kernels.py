@@ -102,7 +102,7 @@ def test_long_sequences_merge_their_spans(dtype, block_size, window, head_dim, b
 @pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("kv_heads, group", [(1, 1), (3, 4)])
 @pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("head_dim", [32, 64, 256])
+@pytest.mark.parametrize("head_dim", [32, 40, 48, 64, 256])  # keys: 2, 1 (40 is no multiple of 16), 3, 4, 16 scales
 @pytest.mark.parametrize("build", KERNELS)
 def test_paged_decode_reads_quantized_pools_as_their_dequantized_values(pool_dtype, kv_heads, group, block_size,
                                                                         head_dim, build):
@@ -124,6 +124,33 @@ def test_paged_decode_reads_quantized_pools_as_their_dequantized_values(pool_dty
     exact = gather_and_sdpa(float_cache, q, block_ids, mask)
     step = 2**-7 if pool_dtype == torch.int8 else 2**-3  # relative: 1/127 of the row max; fp8's 3 bits
     assert (got - exact).abs().max().item() <= 4 * step * values
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("build", KERNELS)
+def test_paged_decode_applies_each_key_group_scale_to_its_own_dimensions(pool_dtype, head_dim, build):
+    """Keys with outlier channels (a few dimensions 30x the rest, as RoPE'd keys have): each group
+    of 16 dimensions has its own scale, and the kernel must multiply each partial dot product by
+    the right one. Against gather + SDPA over the same pool, and close to the float keys."""
+    float_cache, q, block_ids, mask = ragged_batch(torch.float32, 3, 3, 16, window=None, head_dim=head_dim, seed=3)
+    float_cache.k[0][:, :, 5] *= 30  # group 0
+    float_cache.k[0][:, :, head_dim // 2 + 5] *= 30  # its RoPE partner, in a middle group
+    cache = PagedKVCache(1, float_cache.num_blocks, 16, 3, head_dim, CPU, pool_dtype, compute_dtype=torch.float32)
+    assert cache.k_scale[0].shape == (3, cache.k[0].shape[1], head_dim // 16) and cache.v_scale[0].dim() == 2
+    slots = torch.arange(cache.k[0].shape[1])
+    cache.write(0, slots, float_cache.k[0].transpose(0, 1), float_cache.v[0].transpose(0, 1))
+    got = KERNELS[build]()(q, cache.k[0], cache.v[0], block_ids, 16, mask, (cache.k_scale[0], cache.v_scale[0]))
+    want = gather_and_sdpa(cache, q, block_ids, mask)
+    keys = int(mask.sum(-1).max())
+    values = float_cache.v[0].abs().max().item()
+    assert (got - want).abs().max().item() <= fp32_gap(head_dim + 2 * keys, values)
+    # the groups without an outlier keep their own fine steps: keys dequantize close to the floats there
+    gathered, _ = cache.gather(0, block_ids)
+    exact, _ = float_cache.gather(0, block_ids)
+    quiet = [d for d in range(head_dim) if d // 16 not in (0, (head_dim // 2 + 5) // 16)]
+    step = 2**-7 if pool_dtype == torch.int8 else 2**-4
+    assert ((gathered - exact)[..., quiet].abs() <= step * exact[..., quiet].abs().amax(-1, keepdim=True)).all()
 
 
 @pytest.mark.parametrize("dtype, pool_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),

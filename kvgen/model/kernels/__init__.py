@@ -68,7 +68,8 @@ class _Args(ctypes.Structure):
         ("batch", ctypes.c_int64), ("queries", ctypes.c_int64), ("q_stride", ctypes.c_int64),
         ("kv_heads", ctypes.c_int64),
         ("group", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("num_slots", ctypes.c_int64),
-        ("blocks_per_seq", ctypes.c_int64), ("block_size", ctypes.c_int64), ("scale", ctypes.c_float),
+        ("blocks_per_seq", ctypes.c_int64), ("block_size", ctypes.c_int64), ("key_groups", ctypes.c_int64),
+        ("scale", ctypes.c_float),
         ("num_threads", ctypes.c_int32),
     ]
 
@@ -205,8 +206,9 @@ class GroupDecode:
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """q [B * Q, heads, D], pools [kv_heads, num_slots, D], scales (k, v) [kv_heads, num_slots]
-        float32 for a quantized pool -> [B * Q, heads, D] in q's dtype."""
+        """q [B * Q, heads, D], pools [kv_heads, num_slots, D], scales (k [kv_heads, num_slots, G] or
+        [kv_heads, num_slots], v [kv_heads, num_slots]) float32 for a quantized pool -> [B * Q, heads, D]
+        in q's dtype. A key's G scales each cover D / G dimensions, a multiple of 16 unless G is 1."""
         kv_heads, num_slots, _ = k_pool.shape
         args = self._args
         assert (scales is not None) == (k_pool.dtype in (torch.int8, torch.float8_e4m3fn))
@@ -215,11 +217,15 @@ class GroupDecode:
         _layer(args, queries, k_pool, v_pool, out)
         if scales is not None:
             k_scale, v_scale = scales
-            assert (k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.shape == (kv_heads, num_slots)
-                    and k_scale.dtype == torch.float32)
-            args.k_scale, args.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+            head_dim = k_pool.shape[2]
+            groups = k_scale.shape[2] if k_scale.dim() == 3 else 1
+            assert (k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.shape[:2] == (kv_heads, num_slots)
+                    and v_scale.shape == (kv_heads, num_slots) and k_scale.dtype == v_scale.dtype == torch.float32
+                    and head_dim % groups == 0 and (groups == 1 or head_dim // groups % 16 == 0))
+            args.k_scale, args.v_scale, args.key_groups = k_scale.data_ptr(), v_scale.data_ptr(), groups
         else:
             args.k_scale = args.v_scale = None
+            args.key_groups = 1
         if self._functions[k_pool.dtype](ctypes.byref(args)):
             raise MemoryError("paged decode attention: out of memory for its scratch space")
         return out if q.dtype == torch.float32 else out.to(q.dtype)

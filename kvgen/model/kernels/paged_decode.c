@@ -21,9 +21,11 @@
  * same bits however it is run; with one span the merge is exact (out = acc / l).
  *
  * Masked keys are skipped without being read (padding, sliding windows). Pools are fp32, bf16 or fp16
- * (widened to fp32 on load, exactly), or int8 or fp8 (e4m3) with one fp32 scale per (KV head, slot): a key's
- * scale multiplies its dot product once, a value's scale its weight once, so quantized rows are
- * dequantized in registers. Queries, scores and outputs are fp32.
+ * (widened to fp32 on load, exactly), or int8 or fp8 (e4m3) with fp32 scales: `key_groups` per key
+ * (KV head, slot), each over head_dim / key_groups consecutive dimensions (a multiple of 16, or the
+ * whole row), and one per value (KV head, slot). A key's scales multiply the partial dot products of
+ * their groups, a value's scale its weight once, so quantized rows are dequantized in registers.
+ * Queries, scores and outputs are fp32.
  *
  * With AVX-512 and a head size of 64, 128 or 256 (Gemma 3), `attend_avx512` runs instead of the portable `attend`:
  * one query head at a time, its query (pre-scaled) and output rows in registers, the softmax's
@@ -47,8 +49,8 @@ struct paged_decode_args {
     const float *q;           /* [batch, kv_heads * group, head_dim], q_stride apart */
     const void *k_pool;       /* [kv_heads, num_slots, head_dim], fp32, bf16, fp16, int8 or fp8 */
     const void *v_pool;       /* same */
-    const float *k_scale;     /* [kv_heads, num_slots] for int8 / fp8 pools, else NULL */
-    const float *v_scale;     /* same */
+    const float *k_scale;     /* [kv_heads, num_slots, key_groups] for int8 / fp8 pools, else NULL */
+    const float *v_scale;     /* [kv_heads, num_slots] for int8 / fp8 pools, else NULL */
     const int64_t *block_ids; /* [batch / queries, blocks_per_seq]: pool block of each of a sequence's blocks */
     const uint8_t *mask;      /* [batch, blocks_per_seq * block_size]: 1 where the query attends */
     float *out;               /* [batch, kv_heads * group, head_dim] */
@@ -56,6 +58,7 @@ struct paged_decode_args {
     int64_t queries;          /* 1 for decodes; a verify chunk's K + 1 */
     int64_t q_stride;         /* elements from one query row to the next (heads contiguous) */
     int64_t kv_heads, group, head_dim, num_slots, blocks_per_seq, block_size;
+    int64_t key_groups;       /* scales per key row of a quantized pool (1 for float pools) */
     float scale;
     int32_t num_threads;
 };
@@ -168,15 +171,20 @@ static inline __attribute__((always_inline)) void attend(const struct paged_deco
     const int64_t count = allowed_rows(a, w, dim, rows);
     for (int64_t g = 0; g < group; g++)
         max_score[g] = -INFINITY, total[g] = 0.f;
+    const int64_t key_groups = kind == INT8 || kind == FP8 ? a->key_groups : 1, per_scale = dim / key_groups;
     for (int64_t i = 0; i < count; i++) {
         const int64_t row = rows[i];
-        const float key_scale = row_scale(a->k_scale, row, dim, kind);
+        const float *key_scales = kind == INT8 || kind == FP8 ? a->k_scale + row / dim * key_groups : NULL;
         for (int64_t g = 0; g < group; g++) {
             float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; d++)
-                dot += q[g * dim + d] * load(k_pool, row + d, kind);
-            const float score = dot * key_scale * scale;
+            for (int64_t s = 0; s < key_groups; s++) {
+                float part = 0.f;
+#pragma omp simd reduction(+ : part)
+                for (int64_t d = s * per_scale; d < (s + 1) * per_scale; d++)
+                    part += q[g * dim + d] * load(k_pool, row + d, kind);
+                dot += key_scales ? part * key_scales[s] : part;
+            }
+            const float score = dot * scale;
             weights[g * count + i] = score;
             max_score[g] = score > max_score[g] ? score : max_score[g];
         }
@@ -226,6 +234,8 @@ static inline __attribute__((always_inline)) void attend_avx512(const struct pag
                                                                const enum element kind, const int64_t dim) {
     enum { MAX_VECTORS = 16 };
     const int64_t group = a->group, vectors = dim / 16;
+    /* scales per key row, and 16-lane vectors per scale (the caller keeps dim / key_groups a multiple of 16) */
+    const int64_t key_groups = kind == INT8 || kind == FP8 ? a->key_groups : 1, per_scale = vectors / key_groups;
     const void *k_pool = a->k_pool, *v_pool = a->v_pool;
     const float *restrict q = a->q + w.b * a->q_stride + w.h * group * dim;
     int64_t *restrict rows = scratch;                      /* [count] */
@@ -237,10 +247,19 @@ static inline __attribute__((always_inline)) void attend_avx512(const struct pag
             query[c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim + 16 * c), _mm512_set1_ps(a->scale));
         float top = -INFINITY;
         for (int64_t i = 0; i < count; i++) {
-            __m512 dot = _mm512_mul_ps(query[0], load16(k_pool, rows[i], kind));
-            for (int64_t c = 1; c < vectors; c++)
-                dot = _mm512_fmadd_ps(query[c], load16(k_pool, rows[i] + 16 * c, kind), dot);
-            const float score = _mm512_reduce_add_ps(dot) * row_scale(a->k_scale, rows[i], dim, kind);
+            __m512 dot;
+            if (kind == INT8 || kind == FP8) { /* each 16-lane load meets one of the key's scales */
+                const float *key_scales = a->k_scale + rows[i] / dim * key_groups;
+                dot = _mm512_mul_ps(_mm512_mul_ps(query[0], _mm512_set1_ps(key_scales[0])), load16(k_pool, rows[i], kind));
+                for (int64_t c = 1; c < vectors; c++)
+                    dot = _mm512_fmadd_ps(_mm512_mul_ps(query[c], _mm512_set1_ps(key_scales[c / per_scale])),
+                                          load16(k_pool, rows[i] + 16 * c, kind), dot);
+            } else {
+                dot = _mm512_mul_ps(query[0], load16(k_pool, rows[i], kind));
+                for (int64_t c = 1; c < vectors; c++)
+                    dot = _mm512_fmadd_ps(query[c], load16(k_pool, rows[i] + 16 * c, kind), dot);
+            }
+            const float score = _mm512_reduce_add_ps(dot);
             weights[i] = score;
             top = score > top ? score : top;
         }
