@@ -175,5 +175,5 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.json:
         settings = {"model": str(model), "policy": policy.spec, "dtype": args.dtype, "tokens": lengths,
                     "texts": [name for name, _ in texts]}
-        ppl.write_sweep_json(args.json, rows, settings)
+        ppl.write_sweep_json(args.json, rows, settings, args.argv)
     return 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
-from kvgen.bench.report import Table
+from kvgen.bench.report import Table, machine_info, run_info
 from kvgen.cache.policies import CachePolicy
 from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
@@ -167,11 +167,14 @@ def sweep_table(rows: list[SweepRow]) -> str:
                  ["text", "tokens", "weights", "KV dtype", "perplexity", "vs float32 KV"], cells).render()
 
 
-def write_sweep_json(path: Path, rows: list[SweepRow], settings: dict) -> None:
+def write_sweep_json(path: Path, rows: list[SweepRow], settings: dict, argv: list[str]) -> None:
+    """The sweep as `kvgen bench report` reads it (mode kv-perplexity, with the machine and the command)."""
     cells = [{"text": r.text, "tokens": r.tokens, "weights": r.weights, "kv_cache_dtype": r.kv_dtype,
               "perplexity": r.perplexity, "float32_kv_perplexity": r.reference, "change_percent": r.change}
              for r in rows]
-    _write(path, lambda: path.write_text(json.dumps({"settings": settings, "rows": cells}, indent=1) + "\n"))
+    data = {"mode": "kv-perplexity", "settings": settings, "rows": cells, "machine": machine_info(),
+            "run": run_info(argv)}
+    _write(path, lambda: path.write_text(json.dumps(data, indent=1) + "\n"))
 
 
 def write_json(path: Path, results: list[PolicyResult], settings: dict) -> None:

@@ -150,7 +150,8 @@ def broken_files(runs: dict[str, Path], tmp_path: Path) -> list[tuple[Path, str]
     del data["results"]["kvgen"]
     partial.write_text(json.dumps(data))
     return [(tmp_path / "absent.json", "no such file"), (truncated, "not JSON"),
-            (other, "not the JSON of kvgen bench latency or throughput (mode 'scaling')"),
+            (other, "not the JSON of kvgen bench latency or throughput, or of kvgen eval-ppl --text-set "
+                    "(mode 'scaling')"),
             (partial, "a latency JSON without results.kvgen")]
 
 

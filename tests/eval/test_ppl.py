@@ -171,6 +171,22 @@ def test_sweep_table_against_the_float32_pool(capsys, tmp_path):
                            "--policy", "full", "--max-tokens", 40, "--kv-cache-dtype", "int8")
     chat40 = next(r for r in rows if r["text"] == "chat.txt" and r["tokens"] == 40 and r["kv_cache_dtype"] == "int8")
     assert chat40["perplexity"] == pytest.approx(perplexities(alone)["full"], rel=1e-12)
+    assert_rendered_by_bench_report(tmp_path / "ppl.json", report, capsys)
+
+
+def assert_rendered_by_bench_report(path: Path, report: dict, capsys) -> None:
+    """BENCHMARKS.md's table of quantized KV perplexity comes from this JSON: one row per sweep row, the
+    command as typed, the machine."""
+    path.write_text(json.dumps(report))  # the last eval_ppl call wrote another report over it
+    assert main(["bench", "report", str(path)]) == 0
+    page = capsys.readouterr().out
+    assert "perplexity by KV pool dtype, policy full" in page and report["machine"]["cpu"] in page
+    assert "kvgen eval-ppl --text-set --tokens 100,40" in page
+    lines = [line for line in page.splitlines() if line.startswith(("| gpl-3.0.txt", "| python-textwrap", "| chat"))]
+    assert len(lines) == len(report["rows"])
+    int8 = next(r for r in report["rows"] if r["kv_cache_dtype"] == "int8")
+    assert f"| {int8['text']} | {int8['tokens']} | auto | int8 | {int8['perplexity']:.4f} | " \
+           f"{int8['change_percent']:+.2f}% |" in lines
 
 
 def _data(name: str) -> Path:
