@@ -7,9 +7,10 @@ object with AsyncLLM's interface, so the server's routes run on it unchanged. Wh
 
 What the routes read of `llm.engine` (tokenizer, encode_prompt, check_fits, compile_grammar,
 max_model_len) is an AdmissionEngine (kvgen.replicas.admission), so a request is refused (400) before
-it is routed exactly as one engine would refuse it. `generate` routes the request (kvgen.replicas.router), sends it to the
-replica, and yields the RequestOutputs the replica sends back after each step; closing the iteration
-early (a client that went away) sends an abort, which the replica applies before its next step.
+it is routed exactly as one engine would refuse it. `generate` routes the request
+(kvgen.replicas.router), sends it to the replica, and yields the RequestOutputs the replica sends
+back after each step; closing the iteration early (a client that went away) sends an abort, which
+the replica applies before its next step.
 
 Faults: each replica's connection has a reader thread. When a replica dies its connection closes:
 it is taken out of routing at once, its in-flight requests fail (ReplicaFailedError: a 500, or an

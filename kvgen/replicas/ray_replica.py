@@ -141,7 +141,8 @@ def _connect(ray, address: str) -> None:  # noqa: ANN001
     try:
         ray.init(address=address, logging_level="warning")
     except (ConnectionError, ValueError) as error:
-        raise KVGenError(f"cannot join the Ray cluster at {address}: {str(error).splitlines()[0]}") from None
+        hint = "" if os.environ.get("RAY_AUTH_MODE") else " (with token authentication: RAY_AUTH_MODE=token)"
+        raise KVGenError(f"cannot join the Ray cluster at {address}: {str(error).splitlines()[0]}{hint}") from None
 
 
 def _place(ray, num_replicas: int, threads: int):  # noqa: ANN001, ANN202 - (PlacementGroup, placements)
