@@ -172,3 +172,57 @@ def run_all(url: str, requests: list[dict], model: str) -> list[list[str]]:
     for t in threads:
         t.join(timeout=300)
     return results
+
+
+# -- a replica killed mid-load ----------------------------------------------------------------------
+
+def kill_one_mid_load(url: str, front_end: int, model: str, max_tokens: int, prompt: str = "Once upon a time"
+                      ) -> dict[str, float]:
+    """Four long greedy streams on a round-robin server (two per replica); replica 1 is killed
+    (SIGKILL) once both replicas hold blocks. Replica 0's requests complete, replica 1's end with an
+    error event and [DONE] within 5 s (it is out of routing), it is back within 30 s as a new process,
+    no block stays used, and both serve again. Returns the seconds from the kill to replica 1's
+    requests failing ("failed_after_s") and to its being up again ("back_after_s")."""
+    replicas = replicas_of(front_end)
+    results: dict[int, list[str]] = {}
+    ended: dict[int, float] = {}
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                                "stream": True, "temperature": 0}, timeout=120) as r:
+            results[i] = [line for line in r.iter_lines() if line.startswith("data: ")]
+        ended[i] = time.monotonic()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while min(per_replica(url, "kvgen_kv_cache_blocks_used")) == 0:  # both replicas at work
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    replicas[1].kill()
+    killed_at = time.monotonic()
+    for t in threads:
+        t.join(timeout=180)
+    assert len(results) == 4 and all(lines[-1] == "data: [DONE]" for lines in results.values())
+    # round-robin gave each replica two: replica 0's complete, replica 1's end with an error event
+    ends = sorted("completed" if '"finish_reason":"length"' in lines[-2] else
+                  "failed" if "replica 1 exited" in lines[-2] else lines[-2] for lines in results.values())
+    assert ends == ["completed", "completed", "failed", "failed"]
+    failed_after = max(ended[i] - killed_at for i, lines in results.items() if "replica 1 exited" in lines[-2])
+    assert failed_after < 5, "the dead replica's requests did not fail within 5 s"
+
+    while per_replica(url, "kvgen_replica_up") != [1, 1]:
+        assert time.monotonic() - killed_at < 30, "the replica did not come back within 30 s"
+        time.sleep(0.1)
+    back_after = time.monotonic() - killed_at
+    assert metrics(url)[("kvgen_replica_restarts_total", (("replica", "1"),))] == 1
+    assert replicas_of(front_end)[1].pid != replicas[1].pid
+    assert per_replica(url, "kvgen_kv_cache_blocks_used") == [0, 0]
+    # both serve again: round-robin sends the next two requests to one each
+    api = client(url)
+    for _ in range(2):
+        assert api.completions.create(model=model, prompt=prompt, max_tokens=4).usage.completion_tokens == 4
+    assert per_replica(url, "kvgen_kv_cache_blocks_used") == [0, 0]
+    return {"failed_after_s": failed_after, "back_after_s": back_after}

@@ -16,8 +16,9 @@ import pytest
 
 from kvgen import LLM
 from kvgen.server.app import create_app
-from tests.replicas.harness import (API_KEY, BACKENDS, ENGINE_OPTIONS, FAULT_BACKENDS, MODEL, client, metrics,
-                                    mixed_requests, per_replica, replicas_of, run_all, serve)
+from tests.replicas.harness import (API_KEY, BACKENDS, ENGINE_OPTIONS, FAULT_BACKENDS, MODEL, client,
+                                    kill_one_mid_load, metrics, mixed_requests, per_replica, replicas_of, run_all,
+                                    serve)
 from tests.server.harness import running
 
 
@@ -126,47 +127,7 @@ def test_cores_that_do_not_fit_are_a_one_line_error():
 @pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_a_dead_replica_fails_only_its_requests_and_comes_back(backend):
     with serve("--router", "round-robin", *backend) as (url, proc):
-        replicas = replicas_of(proc.pid)
-        results: dict[int, list[str]] = {}
-        ended: dict[int, float] = {}
-
-        def stream(i: int) -> None:
-            with httpx.stream("POST", f"{url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                              json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480,
-                                    "ignore_eos": True, "stream": True, "temperature": 0}, timeout=60) as r:
-                results[i] = [line for line in r.iter_lines() if line.startswith("data: ")]
-            ended[i] = time.monotonic()
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 10
-        while min(per_replica(url, "kvgen_kv_cache_blocks_used")) == 0:  # both replicas at work
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        replicas[1].kill()
-        killed_at = time.monotonic()
-        for t in threads:
-            t.join(timeout=60)
-        assert all(lines[-1] == "data: [DONE]" for lines in results.values())
-        # round-robin gave each replica two: replica 0's complete, replica 1's end with an error event
-        ends = sorted("completed" if '"finish_reason":"length"' in lines[-2] else
-                      "failed" if "replica 1 exited" in lines[-2] else lines[-2] for lines in results.values())
-        assert ends == ["completed", "completed", "failed", "failed"]
-        # the dead replica is out of routing (its requests failed) within 5 s
-        assert all(ended[i] - killed_at < 5 for i, lines in results.items() if "replica 1 exited" in lines[-2])
-
-        while per_replica(url, "kvgen_replica_up") != [1, 1]:
-            assert time.monotonic() - killed_at < 30, "the replica did not come back within 30 s"
-            time.sleep(0.2)
-        assert metrics(url)[("kvgen_replica_restarts_total", (("replica", "1"),))] == 1
-        assert replicas_of(proc.pid)[1].pid != replicas[1].pid
-        assert per_replica(url, "kvgen_kv_cache_blocks_used") == [0, 0]
-        # both serve again: round-robin sends the next two requests to one each
-        api = client(url)
-        for _ in range(2):
-            assert api.completions.create(model=MODEL, prompt="Tom", max_tokens=4).usage.completion_tokens == 4
-        assert all(v > 0 for v in per_replica(url, "kvgen_prefix_cache_queries_total"))
+        kill_one_mid_load(url, proc.pid, MODEL, max_tokens=480)
 
 
 def test_backpressure_and_a_killed_front_end():

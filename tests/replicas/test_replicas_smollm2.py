@@ -15,7 +15,8 @@ import pytest
 
 from kvgen import LLM
 from kvgen.server.app import create_app
-from tests.replicas.harness import API_KEY, BACKENDS, metrics, mixed_requests, per_replica, run_all, serve
+from tests.replicas.harness import (API_KEY, BACKENDS, kill_one_mid_load, metrics, mixed_requests, per_replica,
+                                    run_all, serve)
 from tests.server.harness import running
 
 pytestmark = pytest.mark.slow
@@ -51,3 +52,13 @@ def test_two_replicas_answer_64_requests_as_one_engine(one_engine_answers, smoll
         assert per_replica(url, "kvgen_kv_cache_blocks_used") == [0, 0]
         assert sum(metrics(url).get(("kvgen_router_requests_total", (("reason", r),)), 0)
                    for r in ("prefix", "load")) == 65
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dead_replica_on_smollm2(smollm_gguf, backend):
+    """The fault test of test_replicas.py on the real file, with the default engine settings."""
+    args = ("--model", str(smollm_gguf), "--served-model-name", NAME, "--num-kv-blocks", "512")
+    with serve("--router", "round-robin", *backend, model_args=args) as (url, proc):
+        timings = kill_one_mid_load(url, proc.pid, NAME, max_tokens=160, prompt="Q: Why is the sky blue?\nA:")
+        print(f"{backend or 'local'}: failed after {timings['failed_after_s']:.2f} s, "
+              f"back after {timings['back_after_s']:.2f} s")
