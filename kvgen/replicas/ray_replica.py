@@ -61,6 +61,8 @@ class RayReplica:
 
     def exit_status(self) -> str | None:
         ray = import_ray()
+        if not ray.is_initialized():  # the front end has closed: every actor is gone
+            return "Ray is shut down"
         done, _ = ray.wait([self.ref], timeout=0)
         if not done:
             return None
@@ -71,13 +73,17 @@ class RayReplica:
             return f"Ray: {type(error).__name__}"
 
     def join(self, timeout: float) -> None:
-        import_ray().wait([self.ref], timeout=timeout)
+        ray = import_ray()
+        if ray.is_initialized():
+            ray.wait([self.ref], timeout=timeout)
 
     def terminate(self) -> None:
         self.kill()  # an actor busy in `run` takes no other call: a polite stop is the ("close",) message
 
     def kill(self) -> None:
-        import_ray().kill(self.actor, no_restart=True)
+        ray = import_ray()
+        if ray.is_initialized():
+            ray.kill(self.actor, no_restart=True)
 
 
 class RayLauncher:
