@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import TypeVar
 
@@ -23,6 +24,24 @@ from kvgen.engine.sequence import RequestOutput
 from kvgen.llm import build_engine, load
 
 T = TypeVar("T")
+
+
+async def drain(queue: asyncio.Queue, done: Callable[[bool], None]) -> AsyncIterator[RequestOutput]:
+    """One request's outputs as they arrive on its queue, up to the finished one; an exception put on
+    the queue is raised. `done(finished)` runs however the iteration ends: `finished` is False when it
+    ended early (the caller stopped iterating, or an error), so the request must be aborted. Shared by
+    AsyncLLM and the data-parallel front end (kvgen.replicas.frontend), which feed the queue from
+    their own engine loop and from a replica's connection respectively."""
+    finished = False
+    try:
+        while not finished:
+            out = await queue.get()
+            if isinstance(out, BaseException):
+                raise out
+            finished = out.finished
+            yield out
+    finally:
+        done(finished)
 
 
 class AsyncLLM:
@@ -57,18 +76,15 @@ class AsyncLLM:
         self._queues[request_id] = queue
         self._adds.append((request_id, prompt, params))
         self._ensure_loop().set()
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield out
-        finally:
+
+        def done(finished: bool) -> None:
             self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+        async with aclosing(drain(queue, done)) as outputs:  # closing this iteration closes drain's at once
+            async for out in outputs:
+                yield out
 
     def num_waiting(self) -> int:
         """Requests added but not yet in the engine, plus sequences the engine has not scheduled yet."""

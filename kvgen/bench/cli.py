@@ -1,4 +1,4 @@
-"""`kvgen bench MODE`: latency, throughput, scaling, serve (and plot, to redraw figures from JSON; report,
+"""`kvgen bench MODE`: latency, throughput, scaling, serve, replicas (and plot, to redraw figures from JSON; report,
 to write BENCHMARKS.md from it: kvgen.bench.page).
 
 Every mode prints a table, writes `<output-dir>/<mode>.json` and, where it has a figure, `<mode>.png`.
@@ -73,6 +73,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="the served model's file, for its vocabulary (default: the default model)")
     _add_workload(p)
 
+    p = _mode(modes, "replicas", "two data-parallel replicas vs one engine on requests sharing system prompts: "
+                                 "throughput, and the prefix cache's hit rate by router (starts its own servers)")
+    p.add_argument("--model", default=DEFAULT_BENCH_MODEL, help=f"model file (default: {DEFAULT_BENCH_MODEL})")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--num-prefixes", type=int, default=8, help="shared system prompts (default: 8)")
+    p.add_argument("--prefix-len", type=int, default=256, help="tokens in each shared prompt (default: 256)")
+    p.add_argument("--suffix-len-range", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"),
+                   help="tokens each request adds after its shared prompt (default: 16 64)")
+    p.add_argument("--output-len-range", type=int, nargs=2, default=[32, 64], metavar=("MIN", "MAX"))
+    p.add_argument("--rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (default: inf)")
+    p.add_argument("--threads-per-replica", type=int, default=1, help="cores per replica (default: 1)")
+    p.add_argument("--num-kv-blocks", type=int, default=1024, help="KV blocks per engine (default: 1024)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default: 64)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds the configurations take turns over (default: 1)")
+    p.add_argument("--ray-address", help="also run the prefix configuration as Ray actors on this cluster "
+                                         "('local': a private one)")
+
     p = modes.add_parser("plot", help="redraw the PNG figures from the JSON files in --output-dir")
     p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
     p.set_defaults(func=cmd_plot)
@@ -131,7 +148,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     runners = {"latency": _latency, "throughput": _throughput, "scaling": _scaling, "memory": _memory,
-               "serve": _serve}
+               "serve": _serve, "replicas": _replicas}
     emit(runners[args.mode](args), args.output_dir, args.argv)
     return 0
 
@@ -204,6 +221,17 @@ def _serve(args: argparse.Namespace) -> Report:
     return serve.run(args, config_only(model.path).vocab_size, settings)
 
 
+def _replicas(args: argparse.Namespace) -> Report:
+    from kvgen.bench import replicas  # here: it needs httpx, which kvgen itself does not
+
+    model = resolve(args.model)
+    keys = ("seed", "num_requests", "num_prefixes", "prefix_len", "suffix_len_range", "output_len_range",
+            "threads_per_replica", "num_kv_blocks", "max_num_seqs", "rounds", "ray_address")
+    settings = {"model": model.name, "model_path": str(model.path), "rate": str(args.rate)} | {
+        key: getattr(args, key) for key in keys}
+    return replicas.run(args, str(model.path), config_only(model.path).vocab_size, settings)
+
+
 def _setup(args: argparse.Namespace, **overrides) -> tuple[BenchModel, KvgenSystem, dict]:
     """The model, kvgen's engine on it (engine options + `overrides`), and the settings every JSON records."""
     model = resolve(args.model)
@@ -237,11 +265,11 @@ def _peers(args: argparse.Namespace, model: BenchModel, dtype: str, max_len: int
 def _check_args(args: argparse.Namespace) -> None:
     """Rejects values no mode can run with (one line, exit 2, like the rest of the CLI)."""
     for name in ("prompt_len", "repeats", "num_requests", "steps", "max_len", "bandwidth_size", "threads", "rate",
-                 "rounds"):
+                 "rounds", "num_prefixes", "prefix_len", "threads_per_replica", "num_kv_blocks"):
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    for name in ("prompt_len_range", "output_len_range"):
+    for name in ("prompt_len_range", "output_len_range", "suffix_len_range"):
         low, high = getattr(args, name, (1, 1))
         if not 1 <= low <= high:
             raise ValueError(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {low} {high}")

@@ -1,20 +1,22 @@
 """The front end of data-parallel serving: N replica processes (kvgen.replicas.replica) behind one
-object with AsyncLLM's interface, so the server's routes run on it unchanged.
+object with AsyncLLM's interface, so the server's routes run on it unchanged. Where the replicas run
+(this machine's cores, or a Ray cluster's nodes) is the launcher's business (kvgen.replicas.launch).
 
     replicas = ReplicaSet(model=..., config=EngineConfig(...), num_replicas=2)
     app = create_app(replicas, model_name=...)
 
 What the routes read of `llm.engine` (tokenizer, encode_prompt, check_fits, compile_grammar,
-max_model_len) is an `AdmissionEngine`: the model's tokenizer and config and a KV pool sized as each
-replica's, without weights or KV tensors, so a request is refused (400) before it is routed exactly as
-one engine would refuse it. `generate` routes the request (kvgen.replicas.router), sends it to the
-replica, and yields the RequestOutputs the replica sends back after each step; closing the iteration
-early (a client that went away) sends an abort, which the replica applies before its next step.
+max_model_len) is an AdmissionEngine (kvgen.replicas.admission), so a request is refused (400) before
+it is routed exactly as one engine would refuse it. `generate` routes the request
+(kvgen.replicas.router), sends it to the replica, and yields the RequestOutputs the replica sends
+back after each step; closing the iteration early (a client that went away) sends an abort, which
+the replica applies before its next step.
 
 Faults: each replica's connection has a reader thread. When a replica dies its connection closes:
 it is taken out of routing at once, its in-flight requests fail (ReplicaFailedError: a 500, or an
 error event in a stream), its series in /metrics read as an empty pool, and a new replica is started
-on the same cores (again and again, with a growing pause if it keeps dying).
+in its place: on the same cores, or in the same Ray bundle (again and again, with a growing pause if
+it keeps dying).
 """
 
 from __future__ import annotations
@@ -23,30 +25,26 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import os
-import secrets
-import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from multiprocessing.connection import Connection, Listener
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvgen.async_llm import drain
 from kvgen.config import EngineConfig
-from kvgen.distributed.process import WorkerProcess, worker_environment
 from kvgen.engine.base import EngineStats, Prompt
-from kvgen.engine.grammar import GrammarCompiler
-from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import RequestOutput
 from kvgen.engine.snapshot import EngineSnapshot
 from kvgen.errors import InvalidRequestError, KVGenError
-from kvgen.loaders import LoadedModel
-from kvgen.replicas.replica import MARKER, replica_main
+from kvgen.replicas.admission import AdmissionEngine
+from kvgen.replicas.launch import Launcher, LocalLauncher, ReplicaProcess
 from kvgen.replicas.router import PrefixRouter, RoundRobinRouter
 from kvgen.server.metrics import labelled_families
 
@@ -60,56 +58,14 @@ class ReplicaFailedError(Exception):
     """The replica serving a request died: the request fails (500), the others go on."""
 
 
-def assign_cores(num_replicas: int, threads_per_replica: int | None, cores: list[int]) -> list[list[int]]:
-    """Each replica's cores, `threads_per_replica` each (default: an equal share of `cores`); raises
-    KVGenError when they do not fit."""
-    if num_replicas < 1:
-        raise KVGenError(f"--data-parallel-size must be at least 1, got {num_replicas}")
-    threads = threads_per_replica if threads_per_replica is not None else max(len(cores) // num_replicas, 1)
-    if threads < 1:
-        raise KVGenError(f"--threads-per-replica must be at least 1, got {threads}")
-    if num_replicas * threads > len(cores):
-        raise KVGenError(f"{num_replicas} replicas x {threads} threads need {num_replicas * threads} cores, "
-                         f"but this process may run on {len(cores)}")
-    return [cores[i * threads:(i + 1) * threads] for i in range(num_replicas)]
-
-
-class AdmissionEngine(LLMEngine):
-    """What the server's routes check a request against, in the front end: the tokenizer, the context,
-    the vocabulary, grammars and a block pool sized as each replica's (bookkeeping only, never used),
-    but no weights and no KV tensors. It never steps; `stats()` is the replicas' sum."""
-
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, stats: Callable[[], EngineStats]) -> None:
-        self.config = config
-        self.tokenizer = loaded.tokenizer
-        self.model_config = loaded.config
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
-        self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size)
-        self.requests = {}
-        self.speculator = None
-        self._build_kv_manager()
-        self._stats = stats
-
-    def check_speculative(self, params: SamplingParams) -> None:
-        if self.config.speculative_method is None:
-            super().check_speculative(params)
-        # else the replica's speculator judges it when the request is added (a refusal is a 400 there)
-
-    def stats(self) -> EngineStats:
-        return self._stats()
-
-    def step(self) -> list[RequestOutput]:
-        raise RuntimeError("the admission engine does not run requests; the replicas do")
-
-
 @dataclasses.dataclass(eq=False)
 class _Replica:
     """One incarnation of replica `index`: a new one replaces it after it dies."""
 
     index: int
-    process: WorkerProcess
+    process: ReplicaProcess
     conn: Connection | None = None
+    host: str | None = None
     pid: int | None = None
     up: bool = False
     stats: EngineStats = dataclasses.field(default_factory=lambda: _EMPTY)
@@ -129,12 +85,13 @@ class _Replica:
 
 
 class ReplicaSet:
-    """N engine processes on this machine behind AsyncLLM's interface (generate, num_waiting, shutdown)."""
+    """N engine processes behind AsyncLLM's interface (generate, num_waiting, shutdown): on this
+    machine, or with `ray_address` as Ray actors on that cluster (kvgen.replicas.ray_replica)."""
 
     def __init__(self, *, model: str | Path | None, config: EngineConfig, num_replicas: int,
                  threads_per_replica: int | None = None, router: str = "prefix", tokenizer: str | None = None,
                  gguf_file: str | None = None, load_threshold: int | None = None,
-                 start_timeout: float = START_TIMEOUT_S) -> None:
+                 start_timeout: float = START_TIMEOUT_S, ray_address: str | None = None) -> None:
         from kvgen.llm import load
 
         if config.tensor_parallel_size > 1:
@@ -143,22 +100,28 @@ class ReplicaSet:
             raise KVGenError("--data-parallel-size needs the paged KV cache (--kv-cache paged)")
         if router not in ROUTERS:
             raise KVGenError(f"unknown router {router!r} (expected one of {', '.join(ROUTERS)})")
-        self.cores = assign_cores(num_replicas, threads_per_replica, sorted(os.sched_getaffinity(0)))
+        spawn_args = (str(model) if model is not None else None, tokenizer, gguf_file, config)
+        if ray_address is None:
+            self.launcher: Launcher = LocalLauncher(num_replicas, threads_per_replica, spawn_args)
+        else:
+            from kvgen.replicas.ray_replica import RayLauncher
+
+            self.launcher = RayLauncher(ray_address, num_replicas, threads_per_replica, spawn_args)
         self.num_replicas = num_replicas
         self.config = config
-        self._spawn_args = (str(model) if model is not None else None, tokenizer, gguf_file, config)
         self._lock = threading.Lock()
         self._closing = False
         self._tokens = itertools.count()
-        self.engine = AdmissionEngine(load(model, config, tokenizer, gguf_file), config, self._total_stats)
+        try:
+            self.engine = AdmissionEngine(load(model, config, tokenizer, gguf_file), config, self._total_stats)
+        except BaseException:
+            self.launcher.close()
+            raise
         self.tokenizer = self.engine.tokenizer
         self.router = (PrefixRouter(num_replicas, config.block_size, load_threshold or config.max_num_seqs)
                        if router == "prefix" else RoundRobinRouter(num_replicas))
         self.routed = {reason: 0 for reason in (("prefix", "load") if router == "prefix" else ("round_robin",))}
         self.restarts = [0] * num_replicas
-        self._authkey = secrets.token_bytes(32)
-        self._dir = tempfile.TemporaryDirectory(prefix="kvgen-replicas-")
-        self._listener = Listener(str(Path(self._dir.name) / "front.sock"), "AF_UNIX", authkey=self._authkey)
         threading.Thread(target=self._accept, name="kvgen-replica-accept", daemon=True).start()
         self.replicas: list[_Replica | None] = [None] * num_replicas
         for i in range(num_replicas):
@@ -192,19 +155,16 @@ class ReplicaSet:
             replica.inflight[request_id] = (asyncio.get_running_loop(), queue)
             replica.unreported_adds += 1
         replica.send(("add", request_id, token_ids, params))
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield out
-        finally:
+
+        def done(finished: bool) -> None:
             with self._lock:
                 replica.inflight.pop(request_id, None)
             if not finished and replica.up:
                 replica.send(("abort", request_id))
+
+        async with aclosing(drain(queue, done)) as outputs:  # closing this iteration closes drain's at once
+            async for out in outputs:
+                yield out
 
     def num_waiting(self) -> int:
         """Sequences waiting in every replica's scheduler, plus requests sent since a replica last said."""
@@ -249,8 +209,7 @@ class ReplicaSet:
         for r in replicas:
             r.process.join(2)
             r.process.kill()
-        self._listener.close()
-        self._dir.cleanup()
+        self.launcher.close()
 
     # -- replicas -------------------------------------------------------------------------------
 
@@ -269,18 +228,14 @@ class ReplicaSet:
                               for f in dataclasses.fields(EngineStats)})
 
     def _spawn(self, index: int) -> _Replica:
-        cores = self.cores[index]
-        args = (index, self._listener.address, self._authkey, cores, len(cores), *self._spawn_args)
-        process = WorkerProcess(replica_main, args, worker_environment(len(cores)), marker=f"{MARKER}-{index}",
-                                new_session=True)
-        return _Replica(index, process)
+        return _Replica(index, self.launcher.start(index))
 
     def _wait_ready(self, replica: _Replica, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not replica.ready.wait(0.1):
-            code = replica.process.exitcode
-            if code is not None:
-                raise KVGenError(f"replica {replica.index} exited with status {code} while starting")
+            status = replica.process.exit_status()
+            if status is not None:
+                raise KVGenError(f"replica {replica.index} exited ({status}) while starting")
             if time.monotonic() > deadline:
                 replica.process.kill()
                 raise KVGenError(f"replica {replica.index} did not start within {timeout:.0f} s")
@@ -289,20 +244,20 @@ class ReplicaSet:
         """Takes each replica's connection as it comes up (its first message says which it is)."""
         while True:
             try:
-                conn = self._listener.accept()
-                _, index, pid, stats = conn.recv()
+                conn = self.launcher.listener.accept()
+                _, index, host, pid, stats = conn.recv()
             except (OSError, EOFError):
                 if self._closing:
                     return
                 continue
             while (replica := self.replicas[index]) is None:  # __init__ is still starting the others
                 time.sleep(0.01)
-            replica.conn, replica.pid, replica.stats = conn, pid, stats
+            replica.conn, replica.host, replica.pid, replica.stats = conn, host, pid, stats
             with self._lock:
                 replica.up = not self._closing
             replica.ready.set()
             threading.Thread(target=self._read, args=(replica,), name=f"kvgen-replica-{index}", daemon=True).start()
-            log.info("replica %d is up (pid %d, cores %s)", index, pid, ",".join(map(str, self.cores[index])))
+            log.info("replica %d is up on %s (pid %d, %s)", index, host, pid, self.launcher.placements[index])
 
     def _read(self, replica: _Replica) -> None:
         """The replica's messages, until its connection closes (it exited, or was killed)."""
@@ -353,11 +308,11 @@ class ReplicaSet:
             loop.call_soon_threadsafe(_settle, future, f"replica {replica.index} exited")
         if closing:
             return
-        code = replica.process.exitcode
-        log.error("replica %d (pid %s) exited with status %s; %d requests failed; restarting it", replica.index,
-                  replica.pid, code, len(failed))
+        status = replica.process.exit_status() or "status unknown"
+        log.error("replica %d (pid %s on %s) exited (%s); %d requests failed; restarting it", replica.index,
+                  replica.pid, replica.host, status, len(failed))
         for loop, queue in failed.values():  # one error each: a raised exception carries its own traceback
-            error = ReplicaFailedError(f"replica {replica.index} exited (status {code}) while serving this request")
+            error = ReplicaFailedError(f"replica {replica.index} exited ({status}) while serving this request")
             loop.call_soon_threadsafe(queue.put_nowait, error)
         threading.Thread(target=self._restart, args=(replica.index,), name=f"kvgen-restart-{replica.index}",
                          daemon=True).start()

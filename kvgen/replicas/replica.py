@@ -1,12 +1,14 @@
-"""One data-parallel replica: a process with its own engine and KV pool, pinned to its own cores.
+"""One data-parallel replica: a process with its own engine, KV pool and cores.
 
-It is started as a fresh interpreter (kvgen.distributed.process.WorkerProcess, never fork: see there)
-running `replica_main`, which pins itself to its cores, builds the engine, connects back to the front
-end over a local socket (multiprocessing.connection, with an auth key) and serves a small loop:
+On this machine it is a fresh interpreter (kvgen.distributed.process.WorkerProcess, never fork: see
+there) running `replica_main`, which pins itself to its cores; on a Ray cluster it is a Ray actor
+(kvgen.replicas.ray_replica). Either way `run_replica` builds the engine, connects back to the front
+end (multiprocessing.connection, with an auth key: a local socket, or TCP from a Ray actor) and
+serves a small loop:
 
     front end -> replica    ("add", request_id, token_ids, params)   ("abort", request_id)   ("close",)
                             ("snapshot", token, released_since)     the dashboard asks for the engine's state
-    replica -> front end    ("ready", index, pid, stats)
+    replica -> front end    ("ready", index, host, pid, stats)
                             ("outputs", [RequestOutput, ...], stats)    after every step
                             ("rejected", request_id, message)           add_request refused it (a 400)
                             ("stats", stats)                            after adds / aborts with no step
@@ -22,14 +24,24 @@ the front end goes away (the connection closes), the replica exits too.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 MARKER = "kvgen-replica"  # in each replica's command line (ps, tests)
 
 
-def replica_main(index: int, address: str, authkey: bytes, cores: list[int], threads: int, model: str | None,
+def replica_main(index: int, address: str, authkey: bytes, cores: list[int], model: str | None,
                  tokenizer: str | None, gguf_file: str | None, config: object) -> None:
+    """A replica process on this machine (kvgen.replicas.launch), pinned to `cores`."""
     os.sched_setaffinity(0, cores)  # before torch starts its OpenMP pool: its threads inherit the mask
+    run_replica(index, address, authkey, len(cores), model, tokenizer, gguf_file, config)
+
+
+def run_replica(index: int, address: str | tuple[str, int], authkey: bytes, threads: int, model: str | None,
+                tokenizer: str | None, gguf_file: str | None, config: object) -> None:
+    """Builds the engine on `threads` torch threads, connects to the front end at `address` and serves
+    it until it says close or goes away. Run in a local replica process, or in a Ray actor
+    (kvgen.replicas.ray_replica), where `address` is the front end's TCP address."""
     import logging
 
     import torch
@@ -44,7 +56,7 @@ def replica_main(index: int, address: str, authkey: bytes, cores: list[int], thr
     engine = build_engine(load(model, config, tokenizer, gguf_file), config)
     conn = Client(address, authkey=authkey)
     try:
-        conn.send(("ready", index, os.getpid(), engine.stats()))
+        conn.send(("ready", index, socket.gethostname(), os.getpid(), engine.stats()))
         _serve(engine, conn)
     except (EOFError, OSError):  # the front end went away
         pass

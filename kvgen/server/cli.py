@@ -53,10 +53,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="engine processes on this machine, each with its own KV pool and cores (default: 1, "
                          "the engine runs in the server's process)")
     dp.add_argument("--threads-per-replica", type=int, metavar="T",
-                    help="cores (and torch threads) per replica (default: this process's cores / N)")
+                    help="cores (and torch threads) per replica (default: this process's cores / N; with "
+                         "--ray-address, the Ray cluster's CPUs / N)")
     dp.add_argument("--router", choices=ROUTERS,
                     help="how a request picks its replica: prefix (default: the replica that served the "
                          "longest prefix of its prompt, unless it is loaded) or round-robin")
+    dp.add_argument("--ray-address", metavar="ADDR",
+                    help="run the replicas as Ray actors on the Ray cluster at ADDR, spread over its nodes "
+                         "(pip install 'kvgen[ray]'): HOST:PORT of its head, 'auto' for the cluster started "
+                         "on this machine with `ray start --head`, 'local' for a private one-machine cluster")
     limits = serve.add_argument_group("request limits (a request over one gets a 400 naming it)")
     defaults = RequestLimits()
     for name, what in LIMIT_HELP.items():
@@ -80,8 +85,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size != 1:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
         engine = _replicas(args)
-    elif args.threads_per_replica is not None or args.router is not None:
-        raise KVGenError("--threads-per-replica and --router need --data-parallel-size N with N > 1")
+    elif args.threads_per_replica is not None or args.router is not None or args.ray_address is not None:
+        raise KVGenError("--threads-per-replica, --router and --ray-address need --data-parallel-size N with N > 1")
     else:
         engine = build_engine_from_args(args)  # prints the KV capacity
         logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
@@ -109,8 +114,8 @@ def _replicas(args: argparse.Namespace):  # noqa: ANN202 - a ReplicaSet (importe
 
     replicas = ReplicaSet(model=args.model, config=engine_config(args), num_replicas=args.data_parallel_size,
                           threads_per_replica=args.threads_per_replica, router=args.router or "prefix",
-                          tokenizer=args.tokenizer, gguf_file=args.gguf_file)
-    print(f"{args.data_parallel_size} replicas on cores {' | '.join(','.join(map(str, c)) for c in replicas.cores)}, "
+                          tokenizer=args.tokenizer, gguf_file=args.gguf_file, ray_address=args.ray_address)
+    print(f"{args.data_parallel_size} replicas on {' | '.join(replicas.launcher.placements)}, "
           f"router {replicas.router.name}; each one's {replicas.engine.capacity_report()}", file=sys.stderr)
     return replicas
 

@@ -5,78 +5,21 @@ and comes back."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
 import psutil
 import pytest
-from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvgen import LLM
 from kvgen.server.app import create_app
+from tests.replicas.harness import (API_KEY, BACKENDS, ENGINE_OPTIONS, FAULT_BACKENDS, MODEL, client,
+                                    kill_one_mid_load, metrics, mixed_requests, per_replica, replicas_of, run_all,
+                                    serve)
 from tests.server.harness import running
-
-API_KEY = "test-key"
-MODEL = "stories260K"
-ENGINE_ARGS = ["--num-kv-blocks", "256", "--max-num-seqs", "32"]
-ENGINE_OPTIONS = {"num_kv_blocks": 256, "max_num_seqs": 32}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def serve(*options: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`kvgen serve` with two replicas on a free loopback port; on exit SIGTERM, and no replica is left."""
-    port = free_port()
-    command = [sys.executable, "-m", "kvgen", "serve", "--port", str(port), "--api-key", API_KEY,
-               "--data-parallel-size", "2", *ENGINE_ARGS, *options]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "kvgen serve did not come up"
-                time.sleep(0.2)
-        replicas = psutil.Process(proc.pid).children()
-        assert len(replicas) == 2
-        yield url, proc
-    finally:
-        replicas = psutil.Process(proc.pid).children() if proc.poll() is None else []
-        proc.terminate()  # SIGTERM to the front end stops every replica
-        proc.communicate(timeout=30)
-        gone, alive = psutil.wait_procs(replicas, timeout=10)
-        assert not alive, f"replicas left running: {alive}"
-
-
-def metrics(url: str) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(f"{url}/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def per_replica(url: str, name: str) -> list[float]:
-    values = metrics(url)
-    return [values[(name, (("replica", str(i)),))] for i in range(2)]
-
-
-def client(url: str) -> OpenAI:
-    return OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 # -- greedy parity: N=2 answers as N=1 does ----------------------------------------------------------
@@ -85,62 +28,17 @@ STORY_STARTS = ["Once upon a time", "Lily had a red ball", "Tom and his dog", "T
                 "Sam wanted to play", "The little cat", "Mom said"]
 
 
-def _requests() -> list[dict]:
-    """16 mixed requests: completions and chats, streamed or not, several lengths, n=2, a prompt list."""
-    out = []
-    for i, start in enumerate(STORY_STARTS):
-        out.append({"kind": "completion", "prompt": start, "max_tokens": 8 + 5 * i, "stream": i % 2 == 1})
-        out.append({"kind": "chat", "messages": [{"role": "user", "content": start}], "max_tokens": 12 + 3 * i,
-                    "stream": i % 3 == 0})
-    out[2]["n"] = 2
-    out[4]["prompt"] = ["Tom and his dog", "The sun was hot"]
-    return out
-
-
-def _run(url: str, request: dict) -> list[str]:
-    api = client(url)
-    kind, stream = request["kind"], request["stream"]
-    fields = {k: v for k, v in request.items() if k not in ("kind", "stream")}
-    if kind == "completion":
-        if stream:
-            texts: dict[int, str] = {}
-            for chunk in api.completions.create(model=MODEL, temperature=0, stream=True, **fields):
-                for c in chunk.choices:
-                    texts[c.index] = texts.get(c.index, "") + c.text
-            return [texts[i] for i in sorted(texts)]
-        return [c.text for c in api.completions.create(model=MODEL, temperature=0, **fields).choices]
-    if stream:
-        text = "".join(chunk.choices[0].delta.content or "" for chunk in
-                       api.chat.completions.create(model=MODEL, temperature=0, stream=True, **fields) if chunk.choices)
-        return [text]
-    return [c.message.content for c in api.chat.completions.create(model=MODEL, temperature=0, **fields).choices]
-
-
-def _run_all(url: str) -> list[list[str]]:
-    requests = _requests()
-    results: list = [None] * len(requests)
-
-    def run(i: int) -> None:
-        results[i] = _run(url, requests[i])
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    return results
-
-
 @pytest.fixture(scope="module")
 def one_engine_answers() -> list[list[str]]:
     app = create_app(LLM(**ENGINE_OPTIONS).engine, model_name=MODEL, api_key=API_KEY)
     with running(app) as url:
-        return _run_all(url)
+        return run_all(url, mixed_requests(16, STORY_STARTS), MODEL)
 
 
-def test_two_replicas_answer_as_one_engine(one_engine_answers):
-    with serve() as (url, _):
-        assert _run_all(url) == one_engine_answers
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_replicas_answer_as_one_engine(one_engine_answers, backend):
+    with serve(*backend) as (url, _):
+        assert run_all(url, mixed_requests(16, STORY_STARTS), MODEL) == one_engine_answers
         assert all(len(a) >= 1 and all(a) for a in one_engine_answers)
         values = metrics(url)
         routed = sum(values.get(("kvgen_router_requests_total", (("reason", r),)), 0) for r in ("prefix", "load"))
@@ -202,9 +100,10 @@ def _prefix_hit_rate(*options: str) -> tuple[float, dict]:
         return hits / queries, metrics(url)
 
 
-def test_prefix_routing_beats_round_robin_on_the_prefix_cache():
-    prefix_rate, prefix_metrics = _prefix_hit_rate("--router", "prefix")
-    round_robin_rate, rr_metrics = _prefix_hit_rate("--router", "round-robin")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefix_routing_beats_round_robin_on_the_prefix_cache(backend):
+    prefix_rate, prefix_metrics = _prefix_hit_rate("--router", "prefix", *backend)
+    round_robin_rate, rr_metrics = _prefix_hit_rate("--router", "round-robin", *backend)
     # each system prompt is computed once (4 misses) instead of once per replica (8): measured 0.65 against 0.43
     assert prefix_rate > round_robin_rate + 0.1
     assert prefix_metrics[("kvgen_router_requests_total", (("reason", "prefix"),))] >= 12
@@ -225,44 +124,10 @@ def test_cores_that_do_not_fit_are_a_one_line_error():
     assert result.returncode == 2 and "--data-parallel-size" in result.stderr
 
 
-def test_a_dead_replica_fails_only_its_requests_and_comes_back():
-    with serve("--router", "round-robin") as (url, proc):
-        replicas = {p.cmdline()[-1]: p for p in psutil.Process(proc.pid).children()}
-        results: dict[int, list[str]] = {}
-
-        def stream(i: int) -> None:
-            with httpx.stream("POST", f"{url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                              json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480,
-                                    "ignore_eos": True, "stream": True, "temperature": 0}, timeout=60) as r:
-                results[i] = [line for line in r.iter_lines() if line.startswith("data: ")]
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 10
-        while min(per_replica(url, "kvgen_kv_cache_blocks_used")) == 0:  # both replicas at work
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        replicas["kvgen-replica-1"].kill()
-        killed_at = time.monotonic()
-        for t in threads:
-            t.join(timeout=60)
-        assert all(lines[-1] == "data: [DONE]" for lines in results.values())
-        # round-robin gave each replica two: replica 0's complete, replica 1's end with an error event
-        ends = sorted("completed" if '"finish_reason":"length"' in lines[-2] else
-                      "failed" if "replica 1 exited" in lines[-2] else lines[-2] for lines in results.values())
-        assert ends == ["completed", "completed", "failed", "failed"]
-
-        while per_replica(url, "kvgen_replica_up") != [1, 1]:
-            assert time.monotonic() - killed_at < 30, "the replica did not come back within 30 s"
-            time.sleep(0.2)
-        assert metrics(url)[("kvgen_replica_restarts_total", (("replica", "1"),))] == 1
-        assert per_replica(url, "kvgen_kv_cache_blocks_used") == [0, 0]
-        # both serve again: round-robin sends the next two requests to one each
-        api = client(url)
-        for _ in range(2):
-            assert api.completions.create(model=MODEL, prompt="Tom", max_tokens=4).usage.completion_tokens == 4
-        assert all(v > 0 for v in per_replica(url, "kvgen_prefix_cache_queries_total"))
+@pytest.mark.parametrize("backend", FAULT_BACKENDS)
+def test_a_dead_replica_fails_only_its_requests_and_comes_back(backend):
+    with serve("--router", "round-robin", *backend) as (url, proc):
+        kill_one_mid_load(url, proc.pid, MODEL, max_tokens=480)
 
 
 def test_backpressure_and_a_killed_front_end():
@@ -285,6 +150,7 @@ def test_backpressure_and_a_killed_front_end():
         assert {s for s, _ in statuses} == {200, 429}
 
         replicas = psutil.Process(proc.pid).children()
+        assert sorted(p.pid for p in replicas) == sorted(p.pid for p in replicas_of(proc.pid).values())
         proc.kill()
         gone, alive = psutil.wait_procs(replicas, timeout=10)
         assert not alive

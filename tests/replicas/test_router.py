@@ -5,7 +5,7 @@ import pytest
 
 from kvgen.cache.kv_manager import KVCacheManager
 from kvgen.errors import KVGenError
-from kvgen.replicas.frontend import assign_cores
+from kvgen.replicas.launch import assign_cores
 from kvgen.replicas.router import PrefixRouter, RoundRobinRouter, prefix_hashes
 
 BS = 4
