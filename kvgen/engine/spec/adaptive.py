@@ -20,6 +20,14 @@ proposer and the text, so it is measured rather than modelled:
               by another at once, and a choice that flips starts over. A probe at
               batch 64 costs several plain steps, and with fixed probes a throughput run lost ~7%
               against plain decoding once plain steps had got faster.
+    cost      a probe of the losing arm costs what its step takes beyond what the winner would have
+              taken for the same tokens; the gap between probes is at least that cost over
+              PROBE_BUDGET of the winner's step time, so probing costs at most ~2% of the time. On
+              a packed model (SmolLM2 Q4_1, int8x2 activations) a step verifying K + 1 = 7 tokens
+              takes several plain steps; on free text it keeps one token, so probing every 32 steps
+              lost ~10%. An arm that measures under 1 / EARLY of the other's rate after one sample
+              each is not tried further (its MIN_SAMPLES would cost more than any noise it guards
+              against).
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ MARGIN = 1.1  # in a batch, speculation must emit 10% more tokens per second tha
 PROBE_EVERY = 32
 MAX_PROBE_EVERY = 8 * PROBE_EVERY
 WINDOW = 9  # rates an arm remembers
+PROBE_BUDGET = 0.02  # share of the winner's step time that probing the loser may cost
+MAX_BUDGET_PROBE_EVERY = 4 * MAX_PROBE_EVERY  # a change of text is still noticed within ~1,000 steps
+EARLY = 2.5  # an arm this many times slower after one sample each is not sampled again
 
 
 @dataclass
@@ -54,6 +65,22 @@ class _Arm:
         self.recent.append((tokens, seconds))
         self.samples += 1
 
+    def mean_step(self) -> tuple[float, float]:
+        """(tokens, seconds) of a typical remembered step: the means."""
+        count = max(len(self.recent), 1)
+        return sum(t for t, _ in self.recent) / count, sum(s for _, s in self.recent) / count
+
+
+def probe_gap(best: _Arm, other: _Arm) -> int:
+    """Steps between probes of `other` that keep their cost within PROBE_BUDGET of the time: a
+    probe emits `other`'s tokens of a step in its seconds, which `best` would emit in tokens / rate."""
+    tokens, seconds = other.mean_step()
+    _, best_seconds = best.mean_step()
+    extra = seconds - tokens / best.rate if best.rate > 0 else 0.0
+    if extra <= 0 or best_seconds <= 0:
+        return PROBE_EVERY
+    return min(max(PROBE_EVERY, int(extra / (PROBE_BUDGET * best_seconds)) + 1), MAX_BUDGET_PROBE_EVERY)
+
 
 @dataclass
 class _Bucket:
@@ -65,13 +92,14 @@ class _Bucket:
 
     def decide(self, best: bool) -> bool:
         """The arm for this step, given the faster one: `best`, or the other on a probe."""
-        if best != self.choice:  # a new choice: probe it soon
+        gap = probe_gap(self.arms[best], self.arms[not best])
+        if best != self.choice:  # a new choice: probe it soon, as soon as its cost allows
             self.choice, self.probe_every = best, PROBE_EVERY
-            self.next_probe = self.decisions + PROBE_EVERY
+            self.next_probe = self.decisions + gap
         if self.decisions < self.next_probe:
             return best
         self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
-        self.next_probe = self.decisions + self.probe_every
+        self.next_probe = self.decisions + max(self.probe_every, gap)
         return not best
 
     def after_probe(self, won: bool) -> None:
@@ -79,6 +107,11 @@ class _Bucket:
         choice flips or a probe loses."""
         if won:
             self.probe_every, self.next_probe = PROBE_EVERY, self.decisions + 1
+
+
+def _far_apart(on: _Arm, off: _Arm) -> bool:
+    """Each arm has a sample and one is under 1 / EARLY of the other's rate."""
+    return min(on.samples, off.samples) > 0 and EARLY * min(on.rate, off.rate) < max(on.rate, off.rate)
 
 
 class AdaptiveSwitch:
@@ -91,7 +124,7 @@ class AdaptiveSwitch:
         bucket = self._buckets.setdefault(batch_size.bit_length(), _Bucket())
         bucket.decisions += 1
         on, off = bucket.arms[True], bucket.arms[False]
-        if min(on.samples, off.samples) < MIN_SAMPLES:
+        if min(on.samples, off.samples) < MIN_SAMPLES and not _far_apart(on, off):
             return on.samples <= off.samples
         return bucket.decide(on.rate >= (MARGIN if batch_size > 1 else 1.0) * off.rate)  # alone, nothing waits
 

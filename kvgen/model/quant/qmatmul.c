@@ -98,7 +98,7 @@ static void quantize_span(const float *x, int32_t offset, int group, int8_t *q, 
 static inline __attribute__((always_inline)) void tile(const struct xq *x, int64_t t0, const int RX, int64_t w,
                                                        int64_t K, const uint8_t *codes, const void *scale,
                                                        const void *min, int64_t N, float *out, const int bits,
-                                                       const int group, const int f16) {
+                                                       const int group, const int f16, const int prefetch) {
     const int64_t spans = K / 32, groups = K / group;
     const int per_span = 32 / group, span_bytes = 16 * bits; /* 64 (4-bit) or 128 (8-bit) per tile */
     const uint8_t *wc = codes + w * spans * span_bytes;
@@ -111,7 +111,7 @@ static inline __attribute__((always_inline)) void tile(const struct xq *x, int64
     for (int64_t c0 = 0; c0 < groups; c0 += 4) {
         const int count = groups - c0 >= 4 ? 4 : (int)(groups - c0); /* groups in this chunk */
         const int64_t span0 = c0 / per_span;
-        if (PREFETCH_BYTES && RX <= 2) { /* scales and mins: 1/16 (4-bit fp16) .. 1/4 of the codes' bytes */
+        if (PREFETCH_BYTES && prefetch) { /* scales and mins: 1/16 (4-bit fp16) .. 1/4 of the codes' bytes */
             _mm_prefetch((const char *)scale + (wv + c0 * TILE) * (f16 ? 2 : 4) + PREFETCH_BYTES / 4, PREFETCH_HINT);
             if (min)
                 _mm_prefetch((const char *)min + (wv + c0 * TILE) * (f16 ? 2 : 4) + PREFETCH_BYTES / 4, PREFETCH_HINT);
@@ -126,7 +126,7 @@ static inline __attribute__((always_inline)) void tile(const struct xq *x, int64
         }
         for (int j = 0; j < count / per_span; j++) {
             const uint8_t *p = wc + (span0 + j) * span_bytes;
-            if (PREFETCH_BYTES && RX <= 2) {
+            if (PREFETCH_BYTES && prefetch) {
                 _mm_prefetch((const char *)p + PREFETCH_BYTES, PREFETCH_HINT);
                 if (bits == 8)
                     _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, PREFETCH_HINT);
@@ -158,21 +158,37 @@ static inline __attribute__((always_inline)) void tile(const struct xq *x, int64
     }
 }
 
-/* Weight tiles w0 .. w1-1 against every row of x, XTILE rows of x at a time, then 2, then 1. */
+/* Weight tiles w0 .. w1-1 against rows t0 .. t0+RX-1 of x; `prefetch`: this pass is the first over
+ * these tiles, which streams them from memory (later passes find them in L1/L2). */
+static inline __attribute__((always_inline)) void pass(const struct xq *x, int64_t t0, const int RX, int64_t K,
+                                                       const uint8_t *codes, const void *scale, const void *min,
+                                                       int64_t w0, int64_t w1, int64_t N, float *out, const int bits,
+                                                       const int group, const int f16, const int prefetch) {
+    for (int64_t w = w0; w < w1; w++)
+        tile(x, t0, RX, w, K, codes, scale, min, N, out, bits, group, f16, prefetch);
+}
+
+/* Weight tiles w0 .. w1-1 against every row of x, XTILE rows of x at a time, then 2, then 1. Only the
+ * first pass prefetches: at a verify chunk's 2-16 rows of x (4-32 with two parts) it is the pass that
+ * reads the weights from memory, and without it (it used to prefetch only at one or two rows) the
+ * first 4-row pass waited on the hardware prefetchers at every 4 KiB page. */
 static inline __attribute__((always_inline)) void tiles(const struct xq *x, int64_t T, int64_t K,
                                                         const uint8_t *codes, const void *scale, const void *min,
                                                         int64_t w0, int64_t w1, int64_t N, float *out,
                                                         const int bits, const int group, const int f16) {
-    int64_t t = 0;
+    int64_t t = T >= XTILE ? XTILE : T >= 2 ? 2 : T;
+    if (t == XTILE)
+        pass(x, 0, XTILE, K, codes, scale, min, w0, w1, N, out, bits, group, f16, 1);
+    else if (t == 2) /* a token's two parts, at one row of x */
+        pass(x, 0, 2, K, codes, scale, min, w0, w1, N, out, bits, group, f16, 1);
+    else if (t == 1)
+        pass(x, 0, 1, K, codes, scale, min, w0, w1, N, out, bits, group, f16, 1);
     for (; t + XTILE <= T; t += XTILE)
-        for (int64_t w = w0; w < w1; w++)
-            tile(x, t, XTILE, w, K, codes, scale, min, N, out, bits, group, f16);
-    for (; t + 2 <= T; t += 2) /* a token's two parts, at one row of x */
-        for (int64_t w = w0; w < w1; w++)
-            tile(x, t, 2, w, K, codes, scale, min, N, out, bits, group, f16);
+        pass(x, t, XTILE, K, codes, scale, min, w0, w1, N, out, bits, group, f16, 0);
+    for (; t + 2 <= T; t += 2)
+        pass(x, t, 2, K, codes, scale, min, w0, w1, N, out, bits, group, f16, 0);
     for (; t < T; t++)
-        for (int64_t w = w0; w < w1; w++)
-            tile(x, t, 1, w, K, codes, scale, min, N, out, bits, group, f16);
+        pass(x, t, 1, K, codes, scale, min, w0, w1, N, out, bits, group, f16, 0);
 }
 
 /* Work item `item`: TILES_PER_ITEM weight tiles (fewer at the end) against every row of x. */

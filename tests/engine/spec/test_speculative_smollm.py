@@ -75,3 +75,25 @@ def test_greedy_ragged_batch_of_32_and_preemption_equal_plain(smollm, smollm_ggu
     check(smollm, smollm_gguf, smollm_llm, method, 4, requests)
     tight = check(smollm, smollm_gguf, smollm_llm, method, 4, requests[:12], num_kv_blocks=24, block_size=8)
     assert tight.scheduler.num_preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def smollm_packed(smollm_gguf):
+    """The file as served by default: its Q4_1 / Q8_0 matrices kept packed, on the integer kernels."""
+    from kvgen.llm import load
+
+    return load(smollm_gguf, EngineConfig(quantization="auto"))
+
+
+def test_greedy_on_the_packed_file_equals_plain(smollm_packed):
+    """A verify chunk of K + 1 rows runs the packed kernels (and the fused step) at more rows than a
+    decode; each row's result must not depend on the rows beside it, so the tokens stay plain's."""
+    requests = [(p, SamplingParams(temperature=0, max_tokens=24)) for p in PROMPTS[:3]]
+    options = dict(quantization="auto", num_kv_blocks=256, max_num_seqs=8)
+    plain_tokens = run_all(LLMEngine(smollm_packed, EngineConfig(**options)), requests)
+    for k in (2, 6):  # 3 and 7 rows: both sides of the kernel's 4-row passes (6 and 14 rows of x's parts)
+        eng = LLMEngine(smollm_packed, EngineConfig(**options, speculative_method="ngram", num_speculative_tokens=k,
+                                                    adaptive_speculation=False))
+        assert run_all(eng, requests) == plain_tokens
+        eng.kv.check_invariants()
+        assert eng.kv.num_used_blocks == 0 and eng.speculator.counters.accepted > 0
