@@ -69,7 +69,8 @@ class _Replica:
     pid: int | None = None
     up: bool = False
     stats: EngineStats = dataclasses.field(default_factory=lambda: _EMPTY)
-    unreported_adds: int = 0  # adds sent since its last stats (waiting, as AsyncLLM counts its queued adds)
+    adds_sent: int = 0     # adds sent to it; those it has not yet applied count as waiting (as AsyncLLM
+    adds_applied: int = 0  # counts its queued adds): its stats say how many it has applied when taken
     inflight: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = dataclasses.field(default_factory=dict)
     snapshots: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = dataclasses.field(default_factory=dict)
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -153,7 +154,7 @@ class ReplicaSet:
             self.routed[reason] += 1
             replica = self.replicas[index]
             replica.inflight[request_id] = (asyncio.get_running_loop(), queue)
-            replica.unreported_adds += 1
+            replica.adds_sent += 1
         replica.send(("add", request_id, token_ids, params))
 
         def done(finished: bool) -> None:
@@ -167,9 +168,10 @@ class ReplicaSet:
                 yield out
 
     def num_waiting(self) -> int:
-        """Sequences waiting in every replica's scheduler, plus requests sent since a replica last said."""
+        """Sequences waiting in every replica's scheduler, plus requests sent that it had not yet applied
+        when it last said (a step's stats may leave the front end after adds it has not read yet)."""
         with self._lock:
-            return sum(r.stats.num_waiting + r.unreported_adds for r in self.replicas)
+            return sum(r.stats.num_waiting + r.adds_sent - r.adds_applied for r in self.replicas)
 
     async def snapshot(self, index: int, released_since: int) -> EngineSnapshot:
         """Replica `index`'s engine as the dashboard shows it, taken by the replica between two steps;
@@ -266,9 +268,9 @@ class ReplicaSet:
                 message = replica.conn.recv()
                 kind = message[0]
                 if kind == "outputs":
-                    _, outputs, stats = message
+                    _, outputs, stats, applied = message
                     with self._lock:
-                        replica.stats, replica.unreported_adds = stats, 0
+                        replica.stats, replica.adds_applied = stats, applied
                         targets = [(replica.inflight.get(o.request_id), o) for o in outputs]
                         for _, o in targets:
                             if o.finished:
@@ -278,7 +280,7 @@ class ReplicaSet:
                             target[0].call_soon_threadsafe(target[1].put_nowait, out)
                 elif kind == "stats":
                     with self._lock:
-                        replica.stats, replica.unreported_adds = message[1], 0
+                        replica.stats, replica.adds_applied = message[1], message[2]
                 elif kind == "snapshot":
                     _, token, snap = message
                     with self._lock:

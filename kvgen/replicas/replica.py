@@ -9,9 +9,11 @@ serves a small loop:
     front end -> replica    ("add", request_id, token_ids, params)   ("abort", request_id)   ("close",)
                             ("snapshot", token, released_since)     the dashboard asks for the engine's state
     replica -> front end    ("ready", index, host, pid, stats)
-                            ("outputs", [RequestOutput, ...], stats)    after every step
+                            ("outputs", [RequestOutput, ...], stats, adds)  after every step
                             ("rejected", request_id, message)           add_request refused it (a 400)
-                            ("stats", stats)                            after adds / aborts with no step
+                            ("stats", stats, adds)                      after adds / aborts with no step
+                            (adds: how many adds it has applied, so the front end knows which of
+                            those it sent are not in `stats` yet)
                             ("snapshot", token, EngineSnapshot | str)   (a str: why there is none)
 
 Between two steps it applies what arrived (adds, then aborts: an abort gives the request's blocks
@@ -67,6 +69,7 @@ def run_replica(index: int, address: str | tuple[str, int], authkey: bytes, thre
 def _serve(engine, conn) -> None:  # noqa: ANN001 - engine and connection types live in the child only
     from kvgen.errors import InvalidRequestError
 
+    adds = 0
     while True:
         # Block for a message only when there is nothing to step.
         while conn.poll(0) or not engine.has_unfinished():
@@ -76,6 +79,7 @@ def _serve(engine, conn) -> None:  # noqa: ANN001 - engine and connection types 
                 return
             if kind == "add":
                 _, request_id, token_ids, params = message
+                adds += 1
                 try:
                     engine.add_request(request_id, token_ids, params)
                 except InvalidRequestError as error:
@@ -86,13 +90,13 @@ def _serve(engine, conn) -> None:  # noqa: ANN001 - engine and connection types 
                 _, token, released_since = message
                 conn.send(("snapshot", token, _snapshot(engine, released_since)))
             if not conn.poll(0) and not engine.has_unfinished():
-                conn.send(("stats", engine.stats()))
+                conn.send(("stats", engine.stats(), adds))
         try:
             outputs = engine.step()
         except Exception as error:  # noqa: BLE001 - a broken engine: the front end restarts the replica
             print(f"kvgen replica: a step failed: {error!r}", file=sys.stderr, flush=True)
             os._exit(1)
-        conn.send(("outputs", outputs, engine.stats()))
+        conn.send(("outputs", outputs, engine.stats(), adds))
 
 
 def _snapshot(engine, released_since: int):  # noqa: ANN001, ANN202
