@@ -25,9 +25,7 @@ proposer and the text, so it is measured rather than modelled:
               PROBE_BUDGET of the winner's step time, so probing costs at most ~2% of the time. On
               a packed model (SmolLM2 Q4_1, int8x2 activations) a step verifying K + 1 = 7 tokens
               takes several plain steps; on free text it keeps one token, so probing every 32 steps
-              lost ~10%. An arm that measures under 1 / EARLY of the other's rate after one sample
-              each is not tried further (its MIN_SAMPLES would cost more than any noise it guards
-              against).
+              lost ~10%.
 """
 
 from __future__ import annotations
@@ -42,7 +40,6 @@ MAX_PROBE_EVERY = 8 * PROBE_EVERY
 WINDOW = 9  # rates an arm remembers
 PROBE_BUDGET = 0.02  # share of the winner's step time that probing the loser may cost
 MAX_BUDGET_PROBE_EVERY = 4 * MAX_PROBE_EVERY  # a change of text is still noticed within ~1,000 steps
-EARLY = 2.5  # an arm this many times slower after one sample each is not sampled again
 
 
 @dataclass
@@ -109,11 +106,6 @@ class _Bucket:
             self.probe_every, self.next_probe = PROBE_EVERY, self.decisions + 1
 
 
-def _far_apart(on: _Arm, off: _Arm) -> bool:
-    """Each arm has a sample and one is under 1 / EARLY of the other's rate."""
-    return min(on.samples, off.samples) > 0 and EARLY * min(on.rate, off.rate) < max(on.rate, off.rate)
-
-
 class AdaptiveSwitch:
     """Per step: speculate or not, for a step with `batch_size` running sequences."""
 
@@ -124,7 +116,7 @@ class AdaptiveSwitch:
         bucket = self._buckets.setdefault(batch_size.bit_length(), _Bucket())
         bucket.decisions += 1
         on, off = bucket.arms[True], bucket.arms[False]
-        if min(on.samples, off.samples) < MIN_SAMPLES and not _far_apart(on, off):
+        if min(on.samples, off.samples) < MIN_SAMPLES:
             return on.samples <= off.samples
         return bucket.decide(on.rate >= (MARGIN if batch_size > 1 else 1.0) * off.rate)  # alone, nothing waits
 

@@ -299,11 +299,12 @@ def test_adaptive_switch_ranks_arms_by_throughput_not_by_a_typical_step():
     assert switch.decide(1) or switch.decide(1)  # on, but for a probe of plain
 
 
-@pytest.mark.parametrize("steps", [128, 1000])
-def test_adaptive_switch_costs_little_where_speculation_loses(steps):
+@pytest.mark.parametrize("steps, bound", [(128, 1.10), (1000, 1.05)])
+def test_adaptive_switch_costs_little_where_speculation_loses(steps, bound):
     """Free text on a packed model: a speculating step takes 5 plain steps' time and keeps one token.
-    Trying it and probing it must cost under 5% of the time plain decoding takes, over a short
-    request and a long one."""
+    Trying it (MIN_SAMPLES steps: one noisy sample must not switch speculation off for good) and
+    probing it within its budget must cost under 10% of plain decoding's time over a short request,
+    under 5% over a long one."""
     switch = AdaptiveSwitch()
     seconds = 0.0
     for _ in range(steps):
@@ -311,7 +312,7 @@ def test_adaptive_switch_costs_little_where_speculation_loses(steps):
         step = 0.05 if on else 0.01
         seconds += step
         switch.record(1, on, 1, step)
-    assert seconds < 1.05 * steps * 0.01
+    assert seconds < bound * steps * 0.01
 
 
 def test_adaptive_switch_leaves_out_a_stalled_step():
