@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
+from kvgen.model.kernels import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Tiles
+from kvgen.model.kernels.step import step_kernels
 from kvgen.model.linear import F32Linear, Linear, RowKernels, make_linear
 from kvgen.model.quant import formats, kquant_format
 from kvgen.model.quant.float_weights import GROUP
@@ -125,6 +127,16 @@ class ConcatLinear(Linear):
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         return torch.cat([p(x, rows) for p in self.parts], dim=-1)
+
+    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        """The parts' calls, each writing its columns of `out`, as one call: where every part is a
+        K-quant layer (whose kernel writes into a column slice) and the step kernels load."""
+        step = step_kernels()
+        if step is None or not all(isinstance(p, KQuantLinear) for p in self.parts):
+            return None
+        columns = out.split([p.out_features for p in self.parts], dim=1)
+        calls = [p.call(x, c) for p, c in zip(self.parts, columns)]
+        return None if any(c is None for c in calls) else step.calls_as_one(calls)
 
 
 def describe(layer: Linear) -> tuple[str, int]:

@@ -26,6 +26,8 @@
  * the exact dot product of the dequantized W with x^, up to fp32 rounding of the scale products and
  * of the sums.
  *
+ * out[t, n] is at out + t * ldo + n (ldo >= N: a slice of a wider output, as side-by-side layers write).
+ *
  * Work: rows of x in chunks of XCHUNK (their int8 copy stays in L2); per chunk the panels are split
  * among the threads, and each panel meets the chunk's rows 8 at a time (then 4, 2, 1), so the
  * codes unpacked once serve 8 rows of x. A row's result does not depend on the rows beside it.
@@ -139,7 +141,7 @@ ALWAYS_INLINE __m512 i8x16(const uint8_t *p) {
 
 /* out[rows r0 .. r0+R-1, panel's 16 columns] for one panel (`w`: its first block) and R rows of x. */
 ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, const int R, float *out,
-                         int64_t N, int64_t n0, const int kind) {
+                         int64_t N, int64_t ldo, int64_t n0, const int kind) {
     const int64_t blocks = K / QK, spans = K / 32;
     const int bytes = BLOCK_BYTES(kind);
     __m512 y[8];
@@ -198,40 +200,40 @@ ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_
     }
     const __mmask16 valid = N - n0 >= PANEL ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
     for (int r = 0; r < R; r++)
-        _mm512_mask_storeu_ps(out + (r0 + r) * N + n0, valid, y[r]);
+        _mm512_mask_storeu_ps(out + (r0 + r) * ldo + n0, valid, y[r]);
 }
 
 /* Panel p against rows r0 .. r1-1 of x: 8 at a time, then 4, 2, 1. */
 ALWAYS_INLINE void panel_rows(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, int64_t r1, float *out,
-                              int64_t N, int64_t p, const int kind) {
+                              int64_t N, int64_t ldo, int64_t p, const int kind) {
     const uint8_t *wp = w + p * (K / QK) * BLOCK_BYTES(kind);
     int64_t r = r0;
     for (; r + 8 <= r1; r += 8)
-        panel(wp, K, x, r, 8, out, N, PANEL * p, kind);
+        panel(wp, K, x, r, 8, out, N, ldo, PANEL * p, kind);
     if (r + 4 <= r1) {
-        panel(wp, K, x, r, 4, out, N, PANEL * p, kind);
+        panel(wp, K, x, r, 4, out, N, ldo, PANEL * p, kind);
         r += 4;
     }
     if (r + 2 <= r1) {
-        panel(wp, K, x, r, 2, out, N, PANEL * p, kind);
+        panel(wp, K, x, r, 2, out, N, ldo, PANEL * p, kind);
         r += 2;
     }
     if (r < r1)
-        panel(wp, K, x, r, 1, out, N, PANEL * p, kind);
+        panel(wp, K, x, r, 1, out, N, ldo, PANEL * p, kind);
 }
 
-/* out[t] = y[2t] + y[2t+1] for rows of N. */
-static void add_parts(const float *y, int64_t T, int64_t N, float *out) {
+/* out[t] = y[2t] + y[2t+1] for rows of N (out's rows ldo apart). */
+static void add_parts(const float *y, int64_t T, int64_t N, float *out, int64_t ldo) {
     for (int64_t t = 0; t < T; t++)
         for (int64_t n = 0; n < N; n++)
-            out[t * N + n] = y[2 * t * N + n] + y[(2 * t + 1) * N + n];
+            out[t * ldo + n] = y[2 * t * N + n] + y[(2 * t + 1) * N + n];
 }
 
 /* One exported kernel per kind, the parallel loop written out in each so that OpenMP's outlined
  * body is specialised for it (see qmatmul.c). 0, or 1 when scratch space cannot be allocated. */
 #define KERNEL(name, kind)                                                                                    \
-    int name(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, float *out, int32_t parts,    \
-             int32_t num_threads) {                                                                           \
+    int name(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, float *out, int64_t ldo,      \
+             int32_t parts, int32_t num_threads) {                                                            \
         const int64_t panels = (N + PANEL - 1) / PANEL, rows = parts * T;                                     \
         const int64_t work = panels * (K / QK) * BLOCK_BYTES(kind) * (1 + rows / 4);                          \
         const int threads = num_threads > 1 && work >= PARALLEL_BYTES ? num_threads : 1;                      \
@@ -239,6 +241,7 @@ static void add_parts(const float *y, int64_t T, int64_t N, float *out) {
         if (quantize_x(x, T, K, parts, threads, &kx))                                                         \
             return 1;                                                                                         \
         float *y = parts == 1 ? out : malloc(sizeof(float) * rows * N);                                       \
+        const int64_t ldy = parts == 1 ? ldo : N;                                                             \
         if (!y) {                                                                                             \
             free(kx.q);                                                                                       \
             return 1;                                                                                         \
@@ -247,22 +250,22 @@ static void add_parts(const float *y, int64_t T, int64_t N, float *out) {
             const int64_t r1 = r0 + XCHUNK < rows ? r0 + XCHUNK : rows;                                       \
             if (threads == 1) {                                                                               \
                 for (int64_t p = 0; p < panels; p++)                                                          \
-                    panel_rows(w, K, &kx, r0, r1, y, N, p, kind);                                             \
+                    panel_rows(w, K, &kx, r0, r1, y, N, ldy, p, kind);                                             \
             } else {                                                                                          \
                 _Pragma("omp parallel for num_threads(threads) schedule(static)")                             \
                 for (int64_t p = 0; p < panels; p++)                                                          \
-                    panel_rows(w, K, &kx, r0, r1, y, N, p, kind);                                             \
+                    panel_rows(w, K, &kx, r0, r1, y, N, ldy, p, kind);                                             \
             }                                                                                                 \
         }                                                                                                     \
         if (parts == 2) {                                                                                     \
-            add_parts(y, T, N, out);                                                                          \
+            add_parts(y, T, N, out, ldo);                                                                     \
             free(y);                                                                                          \
         }                                                                                                     \
         free(kx.q);                                                                                           \
         return 0;                                                                                             \
     }                                                                                                         \
     int name##_call(const struct kq_args *a) {                                                                \
-        return name(a->x, a->T, a->K, a->w, a->N, a->out, a->parts, a->num_threads);                          \
+        return name(a->x, a->T, a->K, a->w, a->N, a->out, a->ldo, a->parts, a->num_threads);                  \
     }
 
 /* One call's arguments as a struct, for a call list (kvgen/model/kernels/step.c). */
@@ -272,6 +275,7 @@ struct kq_args {
     const uint8_t *w;
     int64_t N;
     float *out;
+    int64_t ldo; /* out's row stride */
     int32_t parts, num_threads;
 };
 

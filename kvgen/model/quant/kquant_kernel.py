@@ -25,14 +25,14 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mav
          "-mf16c")
 FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
 _P = ctypes.c_void_p
-_ARGTYPES = [_P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int64, _P, ctypes.c_int32, ctypes.c_int32]
+_ARGTYPES = [_P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int64, _P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
 
 
 class _Args(ctypes.Structure):
     """`struct kq_args` of kquant.c, in order."""
 
     _fields_ = [("x", _P), ("T", ctypes.c_int64), ("K", ctypes.c_int64), ("w", _P), ("N", ctypes.c_int64),
-                ("out", _P), ("parts", ctypes.c_int32), ("num_threads", ctypes.c_int32)]
+                ("out", _P), ("ldo", ctypes.c_int64), ("parts", ctypes.c_int32), ("num_threads", ctypes.c_int32)]
 
 
 class KQuantKernel:
@@ -73,16 +73,18 @@ class BoundKQuant:
         rows = x.shape[0]
         out = torch.empty(rows, self._out_features, dtype=torch.float32)
         if rows and self._function(x.data_ptr(), rows, self._in_features, self._weight.data.data_ptr(),
-                                   self._out_features, out.data_ptr(), self._parts, torch.get_num_threads()):
+                                   self._out_features, out.data_ptr(), self._out_features, self._parts,
+                                   torch.get_num_threads()):
             raise MemoryError("K-quant matmul: out of memory for the quantized activations")
         return out
 
     def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall:
-        """out = `run(x)` (x fp32 [T, in], out fp32 [T, out], both contiguous) as a KernelCall."""
-        assert (x.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.is_contiguous() and x.dim() == 2
+        """out = `run(x)` (x fp32 [T, in] contiguous, out fp32 [T, out] with contiguous rows: it may be
+        a column slice of a wider buffer) as a KernelCall."""
+        assert (x.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.stride(1) == 1 and x.dim() == 2
                 and x.shape[0] and x.shape[1] == self._in_features and out.shape == (x.shape[0], self._out_features))
         args = _Args(x.data_ptr(), x.shape[0], self._in_features, self._weight.data.data_ptr(), self._out_features,
-                     out.data_ptr(), self._parts, torch.get_num_threads())
+                     out.data_ptr(), out.stride(0), self._parts, torch.get_num_threads())
         return KernelCall(self._call, args, keep=(x, out, self._weight))
 
 
