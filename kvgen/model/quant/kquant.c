@@ -189,8 +189,17 @@ ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_
                     const int64_t row = r0 + r;
                     const int32_t *xq = (const int32_t *)(x->q + row * K + 32 * span);
                     __m512i a = _mm512_setzero_si512();
-                    for (int g = 0; g < 8; g++)
-                        a = _mm512_dpbusd_epi32(a, c[g], _mm512_set1_epi32(xq[g]));
+                    if (R <= 2) { /* two chains of dependent dot products, not one, when few rows overlap */
+                        __m512i a1 = _mm512_setzero_si512();
+                        for (int g = 0; g < 8; g += 2) {
+                            a = _mm512_dpbusd_epi32(a, c[g], _mm512_set1_epi32(xq[g]));
+                            a1 = _mm512_dpbusd_epi32(a1, c[g + 1], _mm512_set1_epi32(xq[g + 1]));
+                        }
+                        a = _mm512_add_epi32(a, a1);
+                    } else {
+                        for (int g = 0; g < 8; g++)
+                            a = _mm512_dpbusd_epi32(a, c[g], _mm512_set1_epi32(xq[g]));
+                    }
                     const __m512 sx = _mm512_set1_ps(x->sx[row * spans + span]);
                     y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), sx), sc, y[r]);
                     y[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x->xsum[row * spans + span]), y[r]);
