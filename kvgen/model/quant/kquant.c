@@ -49,6 +49,7 @@
 #define PARALLEL_BYTES (64 << 10)
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 8")
 
 /* Bytes of one panel's super-block. */
 #define BLOCK_BYTES(kind) ((kind) == 4 ? META + LOW : (kind) == 5 ? META + LOW + 512 : META + LOW + 1024)
@@ -139,13 +140,36 @@ ALWAYS_INLINE __m512 i8x16(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
+/* a[r] += sum over g in [g0, g1) of codes c[g] by row r's 4 bytes g of x, the rows' chains of
+ * dependent vpdpbusd interleaved to hide its latency (at R <= 2, two chains a row). Integer sums:
+ * the same whatever the order. */
+ALWAYS_INLINE void dots(const __m512i *c, const int32_t *const *xq, const int g0, const int g1, const int R,
+                        __m512i *a) {
+    if (R <= 2) {
+        __m512i b[2];
+        UNROLL for (int r = 0; r < R; r++)
+            b[r] = _mm512_setzero_si512();
+        UNROLL for (int g = g0; g < g1; g += 2)
+            UNROLL for (int r = 0; r < R; r++) {
+                a[r] = _mm512_dpbusd_epi32(a[r], c[g], _mm512_set1_epi32(xq[r][g]));
+                b[r] = _mm512_dpbusd_epi32(b[r], c[g + 1], _mm512_set1_epi32(xq[r][g + 1]));
+            }
+        UNROLL for (int r = 0; r < R; r++)
+            a[r] = _mm512_add_epi32(a[r], b[r]);
+    } else {
+        UNROLL for (int g = g0; g < g1; g++)
+            UNROLL for (int r = 0; r < R; r++)
+                a[r] = _mm512_dpbusd_epi32(a[r], c[g], _mm512_set1_epi32(xq[r][g]));
+    }
+}
+
 /* out[rows r0 .. r0+R-1, panel's 16 columns] for one panel (`w`: its first block) and R rows of x. */
 ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, const int R, float *out,
                          int64_t N, int64_t ldo, int64_t n0, const int kind) {
     const int64_t blocks = K / QK, spans = K / 32;
     const int bytes = BLOCK_BYTES(kind);
     __m512 y[8];
-    for (int r = 0; r < R; r++)
+    UNROLL for (int r = 0; r < R; r++)
         y[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = w + b * bytes, *meta = blk, *lo = blk + META, *hi = blk + META + LOW;
@@ -166,49 +190,38 @@ ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_
             }
             for (int g = 0; g < 8; g++)
                 c[g] = codes_at(low, high, g, kind);
-            const int64_t span = b * 8 + s;
-            if (kind == 6) {
-                const __m512 s0 = _mm512_mul_ps(d, i8x16(meta + 32 * s)), s1 = _mm512_mul_ps(d, i8x16(meta + 32 * s + 16));
-                for (int r = 0; r < R; r++) {
-                    const int64_t row = r0 + r;
-                    const int32_t *xq = (const int32_t *)(x->q + row * K + 32 * span);
-                    __m512i a0 = _mm512_set1_epi32(x->init[2 * (row * spans + span)]);
-                    __m512i a1 = _mm512_set1_epi32(x->init[2 * (row * spans + span) + 1]);
-                    for (int g = 0; g < 4; g++)
-                        a0 = _mm512_dpbusd_epi32(a0, c[g], _mm512_set1_epi32(xq[g]));
-                    for (int g = 4; g < 8; g++)
-                        a1 = _mm512_dpbusd_epi32(a1, c[g], _mm512_set1_epi32(xq[g]));
-                    const __m512 sx = _mm512_set1_ps(x->sx[row * spans + span]);
-                    y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0), sx), s0, y[r]);
-                    y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1), sx), s1, y[r]);
+            const int64_t span = b * 8 + s, at = span;
+            const int32_t *xq[8];
+            __m512 sx[8];
+            __m512i a[8];
+            UNROLL for (int r = 0; r < R; r++) {
+                xq[r] = (const int32_t *)(x->q + (r0 + r) * K + 32 * span);
+                sx[r] = _mm512_set1_ps(x->sx[(r0 + r) * spans + at]);
+            }
+            if (kind == 6) { /* per 16 columns: dot - 32 sum q_x, scaled by d*sc */
+                for (int half = 0; half < 2; half++) {
+                    const __m512 sc = _mm512_mul_ps(d, i8x16(meta + 32 * s + 16 * half));
+                    UNROLL for (int r = 0; r < R; r++)
+                        a[r] = _mm512_set1_epi32(x->init[2 * ((r0 + r) * spans + at) + half]);
+                    dots(c, xq, 4 * half, 4 * half + 4, R, a);
+                    UNROLL for (int r = 0; r < R; r++)
+                        y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), sx[r]), sc, y[r]);
                 }
             } else {
                 const __m512 sc = _mm512_mul_ps(d, u8x16(meta + 16 * s));
                 const __m512 mn = _mm512_mul_ps(neg_dmin, u8x16(meta + 128 + 16 * s));
-                for (int r = 0; r < R; r++) {
-                    const int64_t row = r0 + r;
-                    const int32_t *xq = (const int32_t *)(x->q + row * K + 32 * span);
-                    __m512i a = _mm512_setzero_si512();
-                    if (R <= 2) { /* two chains of dependent dot products, not one, when few rows overlap */
-                        __m512i a1 = _mm512_setzero_si512();
-                        for (int g = 0; g < 8; g += 2) {
-                            a = _mm512_dpbusd_epi32(a, c[g], _mm512_set1_epi32(xq[g]));
-                            a1 = _mm512_dpbusd_epi32(a1, c[g + 1], _mm512_set1_epi32(xq[g + 1]));
-                        }
-                        a = _mm512_add_epi32(a, a1);
-                    } else {
-                        for (int g = 0; g < 8; g++)
-                            a = _mm512_dpbusd_epi32(a, c[g], _mm512_set1_epi32(xq[g]));
-                    }
-                    const __m512 sx = _mm512_set1_ps(x->sx[row * spans + span]);
-                    y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), sx), sc, y[r]);
-                    y[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x->xsum[row * spans + span]), y[r]);
+                UNROLL for (int r = 0; r < R; r++)
+                    a[r] = _mm512_setzero_si512();
+                dots(c, xq, 0, 8, R, a);
+                UNROLL for (int r = 0; r < R; r++) {
+                    y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), sx[r]), sc, y[r]);
+                    y[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x->xsum[(r0 + r) * spans + at]), y[r]);
                 }
             }
         }
     }
     const __mmask16 valid = N - n0 >= PANEL ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
-    for (int r = 0; r < R; r++)
+    UNROLL for (int r = 0; r < R; r++)
         _mm512_mask_storeu_ps(out + (r0 + r) * ldo + n0, valid, y[r]);
 }
 
