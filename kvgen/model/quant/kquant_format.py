@@ -106,53 +106,40 @@ def _high(q: np.ndarray, ggml_type: Q) -> np.ndarray:
 
 def dequantize(w: KPacked) -> torch.Tensor:
     """The fp32 weight [out, in] the layout stands for (read back from the packed bytes)."""
-    out, cols = w.shape
-    return _dequantize_panels(w.data, w.ggml_type, cols).reshape(-1, cols)[:out]
+    return dequantize_rows(w, torch.arange(w.shape[0]))
 
 
 def dequantize_rows(w: KPacked, rows: torch.Tensor) -> torch.Tensor:
-    """dequantize(w)[rows] (rows int64 [n]) -> fp32 [n, in], reading only those rows' panels: an
-    embedding lookup in a table that stays packed (a tied LM head shares it)."""
-    values = _dequantize_panels(w.data[rows // PANEL], w.ggml_type, w.shape[1])  # [n, 16, in]
-    return values[torch.arange(len(rows)), rows % PANEL]
+    """dequantize(w)[rows] (rows int64 [n]) -> fp32 [n, in], reading only those rows' lanes of
+    their panels: an embedding lookup in a table that stays packed (a tied LM head shares it)."""
+    n, cols, nb = len(rows), w.shape[1], w.shape[1] // QK_K
+    blocks = w.data[rows // PANEL].reshape(n, nb, block_bytes(w.ggml_type))
+    lane = (torch.arange(n), rows % PANEL)
+
+    def field(at: int, size: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """Bytes [at, at + size) of each block, entries of 16 lanes -> the row's entries [n, nb, k]."""
+        values = blocks[..., at:at + size].contiguous().view(dtype)
+        return values.reshape(n, nb, -1, PANEL).permute(0, 3, 1, 2)[lane]
+
+    low = field(META, LOW, torch.int32).contiguous().view(torch.uint8).reshape(n, nb, 32, 4)  # [n, nb, s*v, b]
+    q = torch.stack([low & 0x0F, low >> 4], dim=-2).reshape(n, nb, QK_K).to(torch.int32)
+    if HIGH[w.ggml_type]:
+        q = q | (_high_bits(field(META + LOW, HIGH[w.ggml_type], torch.int32), w.ggml_type) << 4)
+    d = field(256, 32, torch.float16).float()                          # [n, nb, 1]
+    if w.ggml_type == Q.Q6_K:
+        sc = field(0, 256, torch.int8).float()                         # [n, nb, 16]
+        values = (d * sc)[..., None] * (q - 32).float().reshape(n, nb, 16, 16)
+        return values.reshape(n, cols)
+    sc, m = field(0, 128).float(), field(128, 128).float()             # [n, nb, 8]
+    dmin = field(288, 32, torch.float16).float()
+    return ((d * sc)[..., None] * q.reshape(n, nb, 8, 32).float() - (dmin * m)[..., None]).reshape(n, cols)
 
 
-def _dequantize_panels(data: torch.Tensor, ggml_type: Q, cols: int) -> torch.Tensor:
-    """uint8 [P, blocks * block bytes] -> fp32 [P, 16, cols]."""
-    P, nb = data.shape[0], cols // QK_K
-    blocks = data.reshape(P, nb, block_bytes(ggml_type))
-    low = blocks[..., META:META + LOW].reshape(P, nb, 8, 4, PANEL, 4)  # [P, nb, s, v, n, b]
-    q = torch.stack([low & 0x0F, low >> 4], dim=-2)                    # [P, nb, s, v, n, half, b]
-    q = q.permute(0, 4, 1, 2, 3, 5, 6).reshape(P, PANEL, nb, QK_K).to(torch.int32)
-    if HIGH[ggml_type]:
-        q = q | (_high_bits(blocks[..., META + LOW:], ggml_type, P, nb) << 4)
-    meta = blocks[..., :META]
-    d = _per_row(meta[..., 256:288].contiguous().view(torch.float16), P, nb, 1).float()  # [P, 16, nb, 1]
-    if ggml_type == Q.Q6_K:
-        sc = _per_row(meta[..., :256].contiguous().view(torch.int8), P, nb, 16).float()
-        values = (d * sc).repeat_interleave(16, dim=-1) * (q - 32).float().reshape(P, PANEL, nb, 16, 16).flatten(-2)
-        return values.reshape(P, PANEL, cols)
-    sc = _per_row(meta[..., :128], P, nb, 8).float()
-    m = _per_row(meta[..., 128:256], P, nb, 8).float()
-    dmin = _per_row(meta[..., 288:320].contiguous().view(torch.float16), P, nb, 1).float()
-    q = q.reshape(P, PANEL, nb, 8, 32).float()
-    return ((d * sc)[..., None] * q - (dmin * m)[..., None]).reshape(P, PANEL, cols)
-
-
-def _per_row(field: torch.Tensor, P: int, nb: int, k: int) -> torch.Tensor:
-    """A block's field [P, nb, k * 16] (entry by entry, 16 rows each) -> [P, 16, nb, k]."""
-    return field.reshape(P, nb, k, PANEL).permute(0, 3, 1, 2)
-
-
-def _high_bits(planes: torch.Tensor, ggml_type: Q, P: int, nb: int) -> torch.Tensor:
-    """The high-bit planes [P, nb, bytes] -> bits 4.. of each code as int32 [P, 16, nb, 256]."""
-    words = planes.contiguous().view(torch.int32)
-    if ggml_type == Q.Q5_K:
-        words = words.reshape(P, nb, 8, PANEL)[..., None, None]             # [P, nb, s, n, 1, 1]
-        shifts = 8 * torch.arange(4) + torch.arange(8)[:, None]              # [g, b]
-        bits = (words >> shifts) & 1                                         # [P, nb, s, n, g, b]
-        return bits.permute(0, 3, 1, 2, 4, 5).reshape(P, PANEL, nb, QK_K)
-    words = words.reshape(P, nb, 8, 2, PANEL)[..., None, None]              # [P, nb, s, k, n, 1, 1]
-    shifts = 8 * torch.arange(4) + 2 * torch.arange(4)[:, None]              # [j, b]
-    bits = (words >> shifts) & 3                                             # [P, nb, s, k, n, j, b]
-    return bits.permute(0, 4, 1, 2, 3, 5, 6).reshape(P, PANEL, nb, QK_K)
+def _high_bits(words: torch.Tensor, ggml_type: Q) -> torch.Tensor:
+    """A row's high-bit words [n, nb, 8 or 16] -> bits 4.. of its codes as int32 [n, nb, 256]."""
+    n, nb = words.shape[:2]
+    if ggml_type == Q.Q5_K:  # word s: bit 8b+g for column 32s+4g+b
+        shifts = 8 * torch.arange(4) + torch.arange(8)[:, None]           # [g, b]
+        return ((words[..., None, None] >> shifts) & 1).reshape(n, nb, QK_K)
+    shifts = 8 * torch.arange(4) + 2 * torch.arange(4)[:, None]            # [j, b]; word 2s+k: column 32s+4(4k+j)+b
+    return ((words[..., None, None] >> shifts) & 3).reshape(n, nb, QK_K)
