@@ -25,7 +25,7 @@ from kvgen.model.kernels import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Tiles
 from kvgen.model.kernels.step import step_kernels
 from kvgen.model.linear import F32Linear, Linear, RowKernels, make_linear
-from kvgen.model.quant import formats, kquant_format
+from kvgen.model.quant import formats
 from kvgen.model.quant.float_weights import GROUP
 from kvgen.model.quant.formats import PackedWeight, concat_rows
 from kvgen.model.quant.gguf_blocks import convert
@@ -167,6 +167,8 @@ class Embedding:
             return self.table[token_ids]
         if self.head is not None:
             return self.head.weight_rows(token_ids)
-        lookup = kquant_format.dequantize_rows if isinstance(self.packed, KPacked) else formats.dequantize_rows
-        rows = lookup(self.packed, token_ids.cpu())
+        if isinstance(self.packed, KPacked):  # packed only where the K-quant kernel loads
+            rows = kquant_kernel().rows(self.packed, token_ids.cpu())
+        else:
+            rows = formats.dequantize_rows(self.packed, token_ids.cpu())
         return rows.to(device=self.device, dtype=self.dtype)

@@ -305,6 +305,51 @@ KERNEL(kq_matmul_q4_k, 4)
 KERNEL(kq_matmul_q5_k, 5)
 KERNEL(kq_matmul_q6_k, 6)
 
+/* Row `row` of W^ into out [K] (an embedding lookup in a packed table): the file's values, as
+ * kquant_format.dequantize computes them ((d*sc)*q and dmin*m are exact in fp32; one rounding). */
+static void dequantize_row(const uint8_t *w, int64_t K, int64_t row, float *out, const int kind) {
+    const int64_t blocks = K / QK;
+    const int bytes = BLOCK_BYTES(kind), lane = (int)(row % PANEL);
+    const uint8_t *panel_bytes = w + (row / PANEL) * blocks * bytes;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *meta = panel_bytes + b * bytes, *lo = meta + META, *hi = meta + META + LOW;
+        uint16_t h;
+        memcpy(&h, meta + 256 + 2 * lane, 2);
+        const float d = _cvtsh_ss(h);
+        memcpy(&h, meta + 288 + 2 * lane, 2);
+        const float dmin = kind == 6 ? 0.0f : _cvtsh_ss(h);
+        for (int col = 0; col < QK; col++) {
+            const int s = col / 32, g = (col % 32) / 4, bb = col % 4;
+            const uint8_t byte = lo[256 * s + 64 * (g / 2) + 4 * lane + bb];
+            int q = g & 1 ? byte >> 4 : byte & 0x0F;
+            uint32_t word;
+            if (kind == 5) {
+                memcpy(&word, hi + 64 * s + 4 * lane, 4);
+                q |= (int)((word >> (8 * bb + g)) & 1) << 4;
+            } else if (kind == 6) {
+                memcpy(&word, hi + 128 * s + 64 * (g / 4) + 4 * lane, 4);
+                q |= (int)((word >> (8 * bb + 2 * (g % 4))) & 3) << 4;
+            }
+            float value;
+            if (kind == 6)
+                value = (d * (float)(int8_t)meta[16 * (col / 16) + lane]) * (float)(q - 32);
+            else
+                value = (d * (float)meta[16 * s + lane]) * (float)q - dmin * (float)meta[128 + 16 * s + lane];
+            out[b * QK + col] = value;
+        }
+    }
+}
+
+#define DEQUANTIZE_ROWS(name, kind)                                                                           \
+    void name(const uint8_t *w, int64_t K, const int64_t *rows, int64_t n, float *out) {                      \
+        for (int64_t i = 0; i < n; i++)                                                                       \
+            dequantize_row(w, K, rows[i], out + i * K, kind);                                                 \
+    }
+
+DEQUANTIZE_ROWS(kq_rows_q4_k, 4)
+DEQUANTIZE_ROWS(kq_rows_q5_k, 5)
+DEQUANTIZE_ROWS(kq_rows_q6_k, 6)
+
 /* x as the kernels quantize it (tests): q int8 [parts * T, K], sx fp32 [parts * T, K / 32]. */
 int kq_quantize(const float *x, int64_t T, int64_t K, int32_t parts, int8_t *q, float *sx) {
     struct kx kx;

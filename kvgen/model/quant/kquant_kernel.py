@@ -49,6 +49,16 @@ class KQuantKernel:
         function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
         return BoundKQuant(function, getattr(self._library, f"kq_matmul_{w.kind}_call"), w, parts)
 
+    def rows(self, w: KPacked, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` (int64 [n]) of w's values, fp32 [n, in]: kquant_format.dequantize_rows's
+        values, in C (a prompt's embedding lookups)."""
+        rows = rows.to(torch.int64).contiguous()
+        out = torch.empty(len(rows), w.shape[1], dtype=torch.float32)
+        function = getattr(self._library, f"kq_rows_{w.kind}")
+        function.argtypes, function.restype = [_P, ctypes.c_int64, _P, ctypes.c_int64, _P], None
+        function(w.data.data_ptr(), w.shape[1], rows.data_ptr(), len(rows), out.data_ptr())
+        return out
+
     def quantize_activations(self, x: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x fp32 [T, in] -> (q int8 [parts, T, in], scale fp32 [parts, T, in/32]), as the kernel
         quantizes it: x^ = sum over parts of scale * q."""

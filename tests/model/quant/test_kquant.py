@@ -54,6 +54,8 @@ def test_layout_holds_gguf_values_bit_for_bit(ggml_type):
     assert np.array_equal(dequantize(w).numpy(), want)
     rows = torch.tensor([36, 0, 17, 16, 36])
     assert np.array_equal(dequantize_rows(w, rows).numpy(), want[rows.numpy()])
+    if kquant_kernel() is not None:
+        assert np.array_equal(kquant_kernel().rows(w, rows).numpy(), want[rows.numpy()])
     assert w.nbytes * 8 / (48 * 512) == {Q.Q4_K: 4.625, Q.Q5_K: 5.625, Q.Q6_K: 6.625}[ggml_type]
 
 
