@@ -15,14 +15,23 @@ rows it looks up.
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
+from kvgen.model.kernels import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Tiles
+from kvgen.model.kernels.step import step_kernels
 from kvgen.model.linear import F32Linear, Linear, RowKernels, make_linear
+from kvgen.model.quant import formats
 from kvgen.model.quant.float_weights import GROUP
-from kvgen.model.quant.formats import PackedWeight, concat_rows, dequantize_rows
+from kvgen.model.quant.formats import PackedWeight, concat_rows
 from kvgen.model.quant.gguf_blocks import convert
+from kvgen.model.quant.kquant_format import KINDS, KPacked, pack_k
+from kvgen.model.quant.kquant_kernel import kquant_kernel
+from kvgen.model.quant.kquant_linear import KQuantLinear
 from kvgen.model.quant.linear import describe as describe_layer
 from kvgen.model.quant.linear import ManyRows, packed_linear, quantize_linear
 
@@ -40,19 +49,27 @@ class LayerBuilder:
     def __init__(self, device: torch.device, dtype: torch.dtype, quantization: str = "none",
                  activations: str = ACTIVATIONS) -> None:
         self.device, self.dtype, self.quantization, self.activations = device, dtype, quantization, activations
-        self._conversions: dict[str, PackedWeight | None] = {}
+        self._conversions: dict[str, PackedWeight | KPacked | None] = {}
         self._many_rows = ManyRows(Bf16Tiles())  # one buffer for every layer's dequantized weights
         self._floats: dict[int, tuple[Weight, torch.Tensor]] = {}
 
-    def packed(self, weight: GGUFWeight) -> PackedWeight | None:
-        """The matrix in a kernel format, or None where no format holds its type."""
+    def packed(self, weight: GGUFWeight) -> PackedWeight | KPacked | None:
+        """The matrix in a kernel format, or None where no format holds its type: K-quants in
+        kquant.c's layout where that kernel runs, the rest in kvgen.model.quant.formats'."""
         if weight.name not in self._conversions:
-            self._conversions[weight.name] = convert(weight.ggml_type, weight.raw, weight.shape)
+            self._conversions[weight.name] = (pack_k(weight.ggml_type, weight.raw, weight.shape)
+                                              if self._keeps_k(weight.ggml_type) else
+                                              convert(weight.ggml_type, weight.raw, weight.shape))
         return self._conversions[weight.name]
+
+    def _keeps_k(self, ggml_type: object) -> bool:
+        return ggml_type in KINDS and self.device.type == "cpu" and kquant_kernel() is not None
 
     def linear(self, parts: list[Weight], bias: torch.Tensor | None = None) -> Linear:
         """The projection whose weight is `parts` stacked by rows ([sum of out, in])."""
         if all(isinstance(p, GGUFWeight) for p in parts):
+            if any(self._keeps_k(p.ggml_type) for p in parts):
+                return self._k_linear(parts, bias)
             packed = [self.packed(p) for p in parts]
             if all(p is not None for p in packed):
                 return self._packed(packed, bias)
@@ -69,6 +86,25 @@ class LayerBuilder:
             dense = weight.dequantize() if isinstance(weight, GGUFWeight) else weight
             self._floats[key] = (weight, dense.to(device=self.device, dtype=self.dtype))  # keeps `weight` alive
         return self._floats[key][1]
+
+    def _k_linear(self, parts: list[GGUFWeight], bias: torch.Tensor | None) -> Linear:
+        """A projection with K-quant parts: consecutive parts of one type stack into one layer (their
+        blocks stack as they are), side by side with the others' (a Q4_K_M file keeps some v
+        projections in Q6_K beside Q4_K q and k)."""
+        runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: p.ggml_type)]
+        sizes = [sum(p.shape[0] for p in run) for run in runs]
+        biases = [None] * len(runs) if bias is None else list(bias.split(sizes))
+        layers = [self._k_run(run, b) for run, b in zip(runs, biases)]
+        return layers[0] if len(layers) == 1 else ConcatLinear(layers)
+
+    def _k_run(self, run: list[GGUFWeight], bias: torch.Tensor | None) -> Linear:
+        if not self._keeps_k(run[0].ggml_type):
+            return self.linear(run, bias)
+        if len(run) == 1:
+            return KQuantLinear(self.packed(run[0]), bias, self.activations)
+        raw = np.concatenate([p.raw for p in run])
+        return KQuantLinear(pack_k(run[0].ggml_type, raw, (sum(p.shape[0] for p in run), run[0].shape[1])), bias,
+                            self.activations)
 
     def _packed(self, packed: list[PackedWeight], bias: torch.Tensor | None) -> Linear:
         try:
@@ -91,6 +127,16 @@ class ConcatLinear(Linear):
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         return torch.cat([p(x, rows) for p in self.parts], dim=-1)
+
+    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        """The parts' calls, each writing its columns of `out`, as one call: where every part is a
+        K-quant layer (whose kernel writes into a column slice) and the step kernels load."""
+        step = step_kernels()
+        if step is None or not all(isinstance(p, KQuantLinear) for p in self.parts):
+            return None
+        columns = out.split([p.out_features for p in self.parts], dim=1)
+        calls = [p.call(x, c) for p, c in zip(self.parts, columns)]
+        return None if any(c is None for c in calls) else step.calls_as_one(calls)
 
 
 def describe(layer: Linear) -> tuple[str, int]:
@@ -121,5 +167,8 @@ class Embedding:
             return self.table[token_ids]
         if self.head is not None:
             return self.head.weight_rows(token_ids)
-        rows = dequantize_rows(self.packed, token_ids.cpu())
+        if isinstance(self.packed, KPacked):  # packed only where the K-quant kernel loads
+            rows = kquant_kernel().rows(self.packed, token_ids.cpu())
+        else:
+            rows = formats.dequantize_rows(self.packed, token_ids.cpu())
         return rows.to(device=self.device, dtype=self.dtype)

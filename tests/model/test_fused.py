@@ -4,9 +4,11 @@ piece of the step has no kernel."""
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 
 from kvgen import LLM, SamplingParams
 from kvgen.model.kernels.bf16 import bf16_kernel
+from tests.loaders.gguf_builder import Dims, llama_vocab, random_model, write_gguf
 
 PROMPTS = [list(range(100, 228)), list(range(300, 340)), [7], list(range(5, 70)), list(range(40, 41 + 16))]
 
@@ -127,4 +129,21 @@ def test_fused_steps_give_the_layered_bits_on_the_real_gemma3_file(gemma_gguf):
     fused, steps = generate(gemma_gguf, prompts, max_tokens=8, kv_cache_memory=1 << 28)
     layered, _ = generate(gemma_gguf, prompts, max_tokens=8, kv_cache_memory=1 << 28, fused_decode=False)
     assert steps >= 7
+    assert_same_bits(fused, layered)
+
+
+def test_fused_steps_run_side_by_side_k_quant_layers(tmp_path, stories_dir):
+    """A Q4_K_M-style file (q/k in Q4_K, v and down in Q6_K): q/k and v run as two K-quant layers
+    side by side, one call of the step writing each its columns of the q/k/v buffer."""
+    vocab = llama_vocab(stories_dir)
+    model = random_model(QType.Q4_K, len(vocab.tokens), Dims(), seed=4)
+    six = random_model(QType.Q6_K, len(vocab.tokens), Dims(), seed=5)
+    for name in model:
+        if name.endswith(("v_proj.weight", "down_proj.weight")):
+            model[name] = six[name]
+    path = write_gguf(tmp_path / "mixed.gguf", model, vocab)
+    prompts = [[1, *range(20, 60)], [1, 7]]
+    fused, steps = generate(path, prompts, max_tokens=12)
+    layered, _ = generate(path, prompts, max_tokens=12, fused_decode=False)
+    assert steps >= 11
     assert_same_bits(fused, layered)

@@ -25,6 +25,7 @@ from kvgen.model.linear import make_linear
 from kvgen.model.llama import LlamaModel
 from kvgen.model.projections import ConcatLinear
 from kvgen.model.quant import QuantLinear
+from kvgen.model.quant.kquant_kernel import kquant_kernel
 from tests.loaders.gguf_builder import Dims, llama_vocab, random_model, write_gguf
 from tests.model.test_parity_hf import greedy
 
@@ -71,9 +72,14 @@ def test_projections_whose_formats_do_not_stack_run_side_by_side(tmp_path, vocab
     path = write_gguf(tmp_path / "mixed.gguf", model, vocab)
     packed = LlamaModel(*_parts(load_model(path, keep_quantized=True)), quantization="auto")
     dense = LlamaModel(*_parts(load_model(path)))
-    qkv = packed.layers[0].qkv
-    assert isinstance(qkv, ConcatLinear) and [p.out_features for p in qkv.parts] == [256, 128, 128]
-    assert "qmatmul_u4" in packed.kernels()["qkv"][0] and "qmatmul_u8" in packed.kernels()["qkv"][0]
+    qkv, kernel = packed.layers[0].qkv, packed.kernels()["qkv"][0]
+    assert isinstance(qkv, ConcatLinear)
+    if kquant_kernel() is not None:  # q and k stack (both Q4_K), v beside them
+        assert [p.out_features for p in qkv.parts] == [384, 128]
+        assert "kq_matmul_q4_k" in kernel and "kq_matmul_q6_k" in kernel
+    else:
+        assert [p.out_features for p in qkv.parts] == [256, 128, 128]
+        assert "qmatmul_u4" in kernel and "qmatmul_u8" in kernel
     want = all_logits(dense, PROMPT)
     assert (all_logits(packed, PROMPT) - want).abs().max().item() <= logits_bound(packed, want)
 

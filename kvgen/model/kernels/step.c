@@ -8,7 +8,8 @@
  *     run_calls    a list of kernel calls, each `int run(const void *args)` with its arguments bound
  *                  (a `_call` function of this folder's kernels, or of kvgen/model/quant/qmatmul.c),
  *                  run in order: kvgen/model/fused.py makes a decode step's forward one such list,
- *                  so no Python runs between its ~330 calls
+ *                  so no Python runs between its ~330 calls; run_calls_call runs such a list as one
+ *                  call of another list (layers side by side, kvgen/model/projections.py)
  *
  * Built by kvgen/model/kernels/step.py like the paged decode kernel (the host's ISA, never AMX).
  * silu(g) = g / (1 + e^-g), each operation rounded once to fp32 as torch's op rounds it, with e^x
@@ -180,3 +181,11 @@ int64_t run_calls(const struct call *calls, int64_t count) {
             return i + 1;
     return 0;
 }
+
+/* A list of calls as one call (layers side by side, each writing its columns of one output). */
+struct call_list_args {
+    const struct call *calls;
+    int64_t count;
+};
+
+int run_calls_call(const struct call_list_args *a) { return run_calls(a->calls, a->count) != 0; }

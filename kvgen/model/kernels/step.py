@@ -62,6 +62,12 @@ class CallList:
             raise MemoryError("fused decode step: a kernel ran out of memory for its scratch space")
 
 
+class _CallListArgs(ctypes.Structure):
+    """`struct call_list_args` of step.c."""
+
+    _fields_ = [("calls", _P), ("count", _I64)]
+
+
 class StepKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         suffixes = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -78,6 +84,7 @@ class StepKernels:
                                (torch.float32, torch.bfloat16): library.f32_to_bf16_call}
         self._run_calls = library.run_calls
         self._run_calls.argtypes, self._run_calls.restype = [_P, _I64], _I64
+        self._run_calls_call = library.run_calls_call
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2n] (gate, then up), fp32 or bf16, on the CPU -> silu(gate) * up [T, n]."""
@@ -118,6 +125,12 @@ class StepKernels:
 
     def call_list(self, calls: list[KernelCall]) -> CallList:
         return CallList(self._run_calls, calls)
+
+    def calls_as_one(self, calls: list[KernelCall]) -> KernelCall:
+        """`calls` run in order as one KernelCall (for a call list of its own)."""
+        listed = CallList(self._run_calls, calls)
+        return KernelCall(self._run_calls_call, _CallListArgs(ctypes.addressof(listed._array), len(calls)),
+                          keep=(listed,))
 
 
 @functools.cache

@@ -22,6 +22,7 @@ sums, so `formats.dequantize` of the result equals `gguf.quants.dequantize` of t
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -102,36 +103,55 @@ def _q5_1(b: np.ndarray) -> Parts:
     return _q5(b[..., 4:8], b[..., 8:24]) + np.uint8(128), 128, 8, _f16(b, 0), _f16(b, 2), 32
 
 
-def _k_groups(b: np.ndarray, qs_at: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K: the low 4 bits [..., 256] (each 32 bytes hold sub-blocks 2i (low) and 2i+1 (high)),
-    per-32 scales d*sc and mins -(dmin*m) [..., 8]."""
+class KFields(NamedTuple):
+    """A Q4_K/Q5_K/Q6_K matrix's integers as the file holds them, per row and super-block: codes q
+    [..., 256] (0..2^bits-1), sub-block scales sc [..., 8] (uint8, 6 bits) or [..., 16] (Q6_K,
+    int8), mins m [..., 8] (uint8) or None, and d / dmin fp32 [..., 1] (fp16 values; dmin None for
+    Q6_K). Values: d*sc*q - dmin*m per 32 (Q4_K, Q5_K), d*sc*(q - 32) per 16 (Q6_K)."""
+
+    q: np.ndarray
+    sc: np.ndarray
+    m: np.ndarray | None
+    d: np.ndarray
+    dmin: np.ndarray | None
+
+
+def k_fields(ggml_type: Q, b: np.ndarray) -> KFields:
+    """Blocks uint8 [..., type size] of a Q4_K, Q5_K or Q6_K matrix -> their KFields."""
+    lead = b.shape[:-1]
+    if ggml_type == Q.Q6_K:  # per 128-weight half: ql's 64 bytes give weights 0-63 (low nibbles) and
+        ql = b[..., 0:128].reshape(*lead, 2, 64)  # 64-127 (high); qh's 32 give 2 high bits to l, 32+l, 64+l, 96+l
+        low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)  # [..., 2, 128]
+        high = _bits(b[..., 128:192].reshape(*lead, 2, 32), 4, 2).reshape(*lead, 2, 128)
+        sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8)
+        return KFields((low | (high << 4)).reshape(*lead, QK_K), sc, None, _f16(b, 208), None)
     sc, m = _k_scales(b[..., 4:16])
-    qs = b[..., qs_at:qs_at + 128].reshape(*b.shape[:-1], 4, 32)
-    low = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*b.shape[:-1], QK_K)
-    return low, _f16(b, 0) * sc, -(_f16(b, 2) * m)
+    qs_at = 16 if ggml_type == Q.Q4_K else 48  # each 32 bytes of qs: sub-blocks 2i (low) and 2i+1 (high)
+    qs = b[..., qs_at:qs_at + 128].reshape(*lead, 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*lead, QK_K)
+    if ggml_type == Q.Q5_K:  # sub-block k: bit k of qh[0..31]
+        q = q | (_bits(b[..., 16:48], 8, 1).reshape(*lead, QK_K) << 4)
+    return KFields(q, sc.astype(np.uint8), m.astype(np.uint8), _f16(b, 0), _f16(b, 2))
+
+
+def _k_scaled(f: KFields) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: per-32 scales d*sc and mins -(dmin*m) [..., 8] (exact products)."""
+    return f.d * f.sc.astype(np.float32), -(f.dmin * f.m.astype(np.float32))
 
 
 def _q4_k(b: np.ndarray) -> Parts:
-    low, scale, min = _k_groups(b, 16)
-    return low, 0, 4, scale, min, 32
+    f = k_fields(Q.Q4_K, b)
+    return f.q, 0, 4, *_k_scaled(f), 32
 
 
 def _q5_k(b: np.ndarray) -> Parts:
-    low, scale, min = _k_groups(b, 48)
-    high = _bits(b[..., 16:48], 8, 1).reshape(*b.shape[:-1], QK_K)  # sub-block k: bit k of qh[0..31]
-    return (low | (high << 4)) + np.uint8(128), 128, 8, scale, min, 32
+    f = k_fields(Q.Q5_K, b)
+    return f.q + np.uint8(128), 128, 8, *_k_scaled(f), 32
 
 
 def _q6_k(b: np.ndarray) -> Parts:
-    """Per 128-weight half: ql's 64 bytes give weights 0-63 (low nibbles) and 64-127 (high nibbles);
-    qh's 32 bytes give 2 high bits to weights l, 32+l, 64+l, 96+l."""
-    lead = b.shape[:-1]
-    ql = b[..., 0:128].reshape(*lead, 2, 64)
-    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)  # [..., 2, 128]
-    high = _bits(b[..., 128:192].reshape(*lead, 2, 32), 4, 2).reshape(*lead, 2, 128)
-    q = (low | (high << 4)).reshape(*lead, QK_K) + np.uint8(96)  # q - 32 + 128
-    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
-    return q, 128, 8, _f16(b, 208) * sc, None, 16
+    f = k_fields(Q.Q6_K, b)
+    return f.q + np.uint8(96), 128, 8, f.d * f.sc.astype(np.float32), None, 16  # q - 32 + 128
 
 
 def _q3_k(b: np.ndarray) -> Parts:

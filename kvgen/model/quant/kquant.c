@@ -1,0 +1,362 @@
+/* y = x @ W^T for GGUF K-quant weights (Q4_K, Q5_K, Q6_K) kept in a layout close to the file's:
+ * integer dot products (AVX-512 VNNI), one pass of the weights for any number of rows of x.
+ *
+ * Built by kvgen/model/quant/kquant_kernel.py with explicit flags (AVX-512 F/BW/VL/VNNI, F16C; never
+ * -march=native, never AMX) and loaded only on CPUs that report them.
+ *
+ * Layout (kvgen/model/quant/kquant_format.py packs it): rows in panels of 16 (the last padded with
+ * zero rows), each panel stored super-block (256 columns) by super-block as one stream. A block:
+ *     meta  320 bytes  Q4_K/Q5_K: sc uint8 [8 sub-blocks][16 rows], m uint8 [8][16], d fp16 [16],
+ *                      dmin fp16 [16];  Q6_K: sc int8 [16 sub-blocks][16 rows], d fp16 [16], 32 zero
+ *     low   2048 bytes the low 4 bits of the codes: per 32-column sub-block s, 4 vectors v of 64
+ *                      bytes, lane n (4 bytes, row n) byte b: code[n][32s+8v+b] | code[n][32s+8v+4+b] << 4
+ *     high  Q5_K 512 bytes: per sub-block one vector, lane n bit 8b+g = bit 4 of code[n][32s+4g+b];
+ *           Q6_K 1024 bytes: per sub-block two vectors (g < 4, g >= 4), lane n bits 8b+2(g%4)..+1 =
+ *           bits 4-5 of code[n][32s+4g+b]
+ * so after unpacking, vector g of a sub-block holds 4 consecutive codes (columns 32s+4g..+3) of each
+ * of the 16 rows, one row per int32 lane: vpdpbusd with x's 4 bytes broadcast gives each row's sum
+ * in its own lane, and a lane's sums never need a horizontal reduction.
+ * Values (as gguf): Q4_K/Q5_K w = d*sc*q - dmin*m per 32; Q6_K w = d*sc*(q - 32) per 16.
+ *
+ * Each row of x is quantized once per call to int8 per 32 (sx = max|x| / 127, q = round(x / sx), as
+ * qmatmul.c), optionally in two parts (the second quantizes the first's rounding error). Then per
+ * sub-block and row of x, exactly in int32, dot = sum q_w * q_x, and in fp32
+ *     Q4_K/Q5_K  y += (d*sc) * sx * dot - (dmin*m) * (sx * sum q_x)
+ *     Q6_K       y += (d*sc) * sx * (dot - 32 * sum q_x)     per 16 columns
+ * the exact dot product of the dequantized W with x^, up to fp32 rounding of the scale products and
+ * of the sums.
+ *
+ * out[t, n] is at out + t * ldo + n (ldo >= N: a slice of a wider output, as side-by-side layers write).
+ *
+ * Work: rows of x in chunks of XCHUNK (their int8 copy stays in L2); per chunk the panels are split
+ * among the threads, and each panel meets the chunk's rows 8 at a time (then 4, 2, 1), so the
+ * codes unpacked once serve 8 rows of x. A row's result does not depend on the rows beside it.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PANEL 16
+#define QK 256
+#define META 320
+#define LOW 2048
+#define XCHUNK 64
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
+/* Below this many bytes of weights, one thread (waking the second costs more than it saves). */
+#define PARALLEL_BYTES (64 << 10)
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 8")
+
+/* Bytes of one panel's super-block. */
+#define BLOCK_BYTES(kind) ((kind) == 4 ? META + LOW : (kind) == 5 ? META + LOW + 512 : META + LOW + 1024)
+
+/* x quantized: rows = parts * T, row parts*t + p. */
+struct kx {
+    int8_t *q;      /* [rows, K] */
+    float *sx;      /* [rows, K / 32] */
+    float *xsum;    /* [rows, K / 32]: sx * sum of q over the 32 */
+    int32_t *init;  /* [rows, K / 16]: -32 * sum of q over the 16 (Q6_K's offset) */
+};
+
+ALWAYS_INLINE int sum_i8x16(__m128i q) { return _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q)); }
+
+/* One span of 32 values -> q, sx, xsum, init (2 entries). */
+static void quantize_span(const float *x, int8_t *q, float *sx, float *xsum, int32_t *init) {
+    __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv))));
+    __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv))));
+    _mm_storeu_si128((__m128i *)q, qa);
+    _mm_storeu_si128((__m128i *)(q + 16), qb);
+    int sa = sum_i8x16(qa), sb = sum_i8x16(qb);
+    *sx = s;
+    *xsum = s * (float)(sa + sb);
+    init[0] = -32 * sa;
+    init[1] = -32 * sb;
+}
+
+/* r = x - s * q over one span: the first part's rounding error, for the second. */
+static void residual(const float *x, const int8_t *q, float s, float *r) {
+    for (int h = 0; h < 32; h += 16) {
+        __m512 qh = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + h))));
+        _mm512_storeu_ps(r + h, _mm512_sub_ps(_mm512_loadu_ps(x + h), _mm512_mul_ps(_mm512_set1_ps(s), qh)));
+    }
+}
+
+/* In scratch from aligned_alloc (the caller frees x->q); 1 if out of memory. */
+static int quantize_x(const float *x, int64_t T, int64_t K, int parts, int threads, struct kx *kx) {
+    const int64_t rows = parts * T, spans = K / 32;
+    size_t bytes = (size_t)(rows * (K + spans * (4 + 4 + 8)));
+    char *scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!scratch)
+        return 1;
+    kx->q = (int8_t *)scratch;
+    kx->sx = (float *)(scratch + rows * K);
+    kx->xsum = kx->sx + rows * spans;
+    kx->init = (int32_t *)(kx->xsum + rows * spans);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T >= 16)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < spans; g++) {
+            float r[32];
+            const float *values = x + t * K + 32 * g;
+            for (int p = 0; p < parts; p++) {
+                const int64_t row = parts * t + p, at = row * spans + g;
+                if (p) {
+                    residual(values, kx->q + (row - 1) * K + 32 * g, kx->sx[at - spans], r);
+                    values = r;
+                }
+                quantize_span(values, kx->q + row * K + 32 * g, kx->sx + at, kx->xsum + at, kx->init + 2 * at);
+            }
+        }
+    return 0;
+}
+
+/* Vector g (0-7) of a sub-block's codes from the low-nibble vectors and the high-bit vectors. */
+ALWAYS_INLINE __m512i codes_at(const __m512i *low, const __m512i *high, int g, const int kind) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    __m512i c = g & 1 ? _mm512_and_si512(_mm512_srli_epi16(low[g >> 1], 4), nib) : _mm512_and_si512(low[g >> 1], nib);
+    if (kind == 5) {
+        __m512i t = g <= 4 ? _mm512_slli_epi32(high[0], 4 - g) : _mm512_srli_epi32(high[0], g - 4);
+        c = _mm512_ternarylogic_epi32(c, t, _mm512_set1_epi8(0x10), 0xF8); /* c | (t & 0x10..) */
+    } else if (kind == 6) {
+        const int j = g & 3;
+        __m512i h = high[g >> 2];
+        __m512i t = j <= 2 ? _mm512_slli_epi32(h, 4 - 2 * j) : _mm512_srli_epi32(h, 2);
+        c = _mm512_ternarylogic_epi32(c, t, _mm512_set1_epi8(0x30), 0xF8);
+    }
+    return c;
+}
+
+ALWAYS_INLINE __m512 f16x16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+ALWAYS_INLINE __m512 u8x16(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+ALWAYS_INLINE __m512 i8x16(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* a[r] += sum over g in [g0, g1) of codes c[g] by row r's 4 bytes g of x, the rows' chains of
+ * dependent vpdpbusd interleaved to hide its latency (at R <= 2, two chains a row). Integer sums:
+ * the same whatever the order. */
+ALWAYS_INLINE void dots(const __m512i *c, const int32_t *const *xq, const int g0, const int g1, const int R,
+                        __m512i *a) {
+    if (R <= 2) {
+        __m512i b[2];
+        UNROLL for (int r = 0; r < R; r++)
+            b[r] = _mm512_setzero_si512();
+        UNROLL for (int g = g0; g < g1; g += 2)
+            UNROLL for (int r = 0; r < R; r++) {
+                a[r] = _mm512_dpbusd_epi32(a[r], c[g], _mm512_set1_epi32(xq[r][g]));
+                b[r] = _mm512_dpbusd_epi32(b[r], c[g + 1], _mm512_set1_epi32(xq[r][g + 1]));
+            }
+        UNROLL for (int r = 0; r < R; r++)
+            a[r] = _mm512_add_epi32(a[r], b[r]);
+    } else {
+        UNROLL for (int g = g0; g < g1; g++)
+            UNROLL for (int r = 0; r < R; r++)
+                a[r] = _mm512_dpbusd_epi32(a[r], c[g], _mm512_set1_epi32(xq[r][g]));
+    }
+}
+
+/* out[rows r0 .. r0+R-1, panel's 16 columns] for one panel (`w`: its first block) and R rows of x. */
+ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, const int R, float *out,
+                         int64_t N, int64_t ldo, int64_t n0, const int kind) {
+    const int64_t blocks = K / QK, spans = K / 32;
+    const int bytes = BLOCK_BYTES(kind);
+    __m512 y[8];
+    UNROLL for (int r = 0; r < R; r++)
+        y[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = w + b * bytes, *meta = blk, *lo = blk + META, *hi = blk + META + LOW;
+        if (PREFETCH_BYTES && R <= 2)
+            for (int l = 0; l < bytes; l += 64)
+                _mm_prefetch((const char *)blk + PREFETCH_BYTES + l, _MM_HINT_T0);
+        const __m512 d = f16x16(meta + 256);
+        const __m512 neg_dmin = kind == 6 ? d : _mm512_sub_ps(_mm512_setzero_ps(), f16x16(meta + 288));
+        for (int s = 0; s < 8; s++) {
+            __m512i low[4], high[2], c[8];
+            for (int v = 0; v < 4; v++)
+                low[v] = _mm512_loadu_si512(lo + 256 * s + 64 * v);
+            if (kind == 5)
+                high[0] = _mm512_loadu_si512(hi + 64 * s);
+            if (kind == 6) {
+                high[0] = _mm512_loadu_si512(hi + 128 * s);
+                high[1] = _mm512_loadu_si512(hi + 128 * s + 64);
+            }
+            for (int g = 0; g < 8; g++)
+                c[g] = codes_at(low, high, g, kind);
+            const int64_t span = b * 8 + s, at = span;
+            const int32_t *xq[8];
+            __m512 sx[8];
+            __m512i a[8];
+            UNROLL for (int r = 0; r < R; r++) {
+                xq[r] = (const int32_t *)(x->q + (r0 + r) * K + 32 * span);
+                sx[r] = _mm512_set1_ps(x->sx[(r0 + r) * spans + at]);
+            }
+            if (kind == 6) { /* per 16 columns: dot - 32 sum q_x, scaled by d*sc */
+                for (int half = 0; half < 2; half++) {
+                    const __m512 sc = _mm512_mul_ps(d, i8x16(meta + 32 * s + 16 * half));
+                    UNROLL for (int r = 0; r < R; r++)
+                        a[r] = _mm512_set1_epi32(x->init[2 * ((r0 + r) * spans + at) + half]);
+                    dots(c, xq, 4 * half, 4 * half + 4, R, a);
+                    UNROLL for (int r = 0; r < R; r++)
+                        y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), sx[r]), sc, y[r]);
+                }
+            } else {
+                const __m512 sc = _mm512_mul_ps(d, u8x16(meta + 16 * s));
+                const __m512 mn = _mm512_mul_ps(neg_dmin, u8x16(meta + 128 + 16 * s));
+                UNROLL for (int r = 0; r < R; r++)
+                    a[r] = _mm512_setzero_si512();
+                dots(c, xq, 0, 8, R, a);
+                UNROLL for (int r = 0; r < R; r++) {
+                    y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), sx[r]), sc, y[r]);
+                    y[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x->xsum[(r0 + r) * spans + at]), y[r]);
+                }
+            }
+        }
+    }
+    const __mmask16 valid = N - n0 >= PANEL ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    UNROLL for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(out + (r0 + r) * ldo + n0, valid, y[r]);
+}
+
+/* Panel p against rows r0 .. r1-1 of x: 8 at a time, then 4, 2, 1. */
+ALWAYS_INLINE void panel_rows(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, int64_t r1, float *out,
+                              int64_t N, int64_t ldo, int64_t p, const int kind) {
+    const uint8_t *wp = w + p * (K / QK) * BLOCK_BYTES(kind);
+    int64_t r = r0;
+    for (; r + 8 <= r1; r += 8)
+        panel(wp, K, x, r, 8, out, N, ldo, PANEL * p, kind);
+    if (r + 4 <= r1) {
+        panel(wp, K, x, r, 4, out, N, ldo, PANEL * p, kind);
+        r += 4;
+    }
+    if (r + 2 <= r1) {
+        panel(wp, K, x, r, 2, out, N, ldo, PANEL * p, kind);
+        r += 2;
+    }
+    if (r < r1)
+        panel(wp, K, x, r, 1, out, N, ldo, PANEL * p, kind);
+}
+
+/* out[t] = y[2t] + y[2t+1] for rows of N (out's rows ldo apart). */
+static void add_parts(const float *y, int64_t T, int64_t N, float *out, int64_t ldo) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < N; n++)
+            out[t * ldo + n] = y[2 * t * N + n] + y[(2 * t + 1) * N + n];
+}
+
+/* One exported kernel per kind, the parallel loop written out in each so that OpenMP's outlined
+ * body is specialised for it (see qmatmul.c). 0, or 1 when scratch space cannot be allocated. */
+#define KERNEL(name, kind)                                                                                    \
+    int name(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, float *out, int64_t ldo,      \
+             int32_t parts, int32_t num_threads) {                                                            \
+        const int64_t panels = (N + PANEL - 1) / PANEL, rows = parts * T;                                     \
+        const int64_t work = panels * (K / QK) * BLOCK_BYTES(kind) * (1 + rows / 4);                          \
+        const int threads = num_threads > 1 && work >= PARALLEL_BYTES ? num_threads : 1;                      \
+        struct kx kx;                                                                                         \
+        if (quantize_x(x, T, K, parts, threads, &kx))                                                         \
+            return 1;                                                                                         \
+        float *y = parts == 1 ? out : malloc(sizeof(float) * rows * N);                                       \
+        const int64_t ldy = parts == 1 ? ldo : N;                                                             \
+        if (!y) {                                                                                             \
+            free(kx.q);                                                                                       \
+            return 1;                                                                                         \
+        }                                                                                                     \
+        for (int64_t r0 = 0; r0 < rows; r0 += XCHUNK) {                                                       \
+            const int64_t r1 = r0 + XCHUNK < rows ? r0 + XCHUNK : rows;                                       \
+            if (threads == 1) {                                                                               \
+                for (int64_t p = 0; p < panels; p++)                                                          \
+                    panel_rows(w, K, &kx, r0, r1, y, N, ldy, p, kind);                                             \
+            } else {                                                                                          \
+                _Pragma("omp parallel for num_threads(threads) schedule(static)")                             \
+                for (int64_t p = 0; p < panels; p++)                                                          \
+                    panel_rows(w, K, &kx, r0, r1, y, N, ldy, p, kind);                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        if (parts == 2) {                                                                                     \
+            add_parts(y, T, N, out, ldo);                                                                     \
+            free(y);                                                                                          \
+        }                                                                                                     \
+        free(kx.q);                                                                                           \
+        return 0;                                                                                             \
+    }                                                                                                         \
+    int name##_call(const struct kq_args *a) {                                                                \
+        return name(a->x, a->T, a->K, a->w, a->N, a->out, a->ldo, a->parts, a->num_threads);                  \
+    }
+
+/* One call's arguments as a struct, for a call list (kvgen/model/kernels/step.c). */
+struct kq_args {
+    const float *x;
+    int64_t T, K;
+    const uint8_t *w;
+    int64_t N;
+    float *out;
+    int64_t ldo; /* out's row stride */
+    int32_t parts, num_threads;
+};
+
+KERNEL(kq_matmul_q4_k, 4)
+KERNEL(kq_matmul_q5_k, 5)
+KERNEL(kq_matmul_q6_k, 6)
+
+/* Row `row` of W^ into out [K] (an embedding lookup in a packed table): the file's values, as
+ * kquant_format.dequantize computes them ((d*sc)*q and dmin*m are exact in fp32; one rounding). */
+static void dequantize_row(const uint8_t *w, int64_t K, int64_t row, float *out, const int kind) {
+    const int64_t blocks = K / QK;
+    const int bytes = BLOCK_BYTES(kind), lane = (int)(row % PANEL);
+    const uint8_t *panel_bytes = w + (row / PANEL) * blocks * bytes;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *meta = panel_bytes + b * bytes, *lo = meta + META, *hi = meta + META + LOW;
+        uint16_t h;
+        memcpy(&h, meta + 256 + 2 * lane, 2);
+        const float d = _cvtsh_ss(h);
+        memcpy(&h, meta + 288 + 2 * lane, 2);
+        const float dmin = kind == 6 ? 0.0f : _cvtsh_ss(h);
+        for (int col = 0; col < QK; col++) {
+            const int s = col / 32, g = (col % 32) / 4, bb = col % 4;
+            const uint8_t byte = lo[256 * s + 64 * (g / 2) + 4 * lane + bb];
+            int q = g & 1 ? byte >> 4 : byte & 0x0F;
+            uint32_t word;
+            if (kind == 5) {
+                memcpy(&word, hi + 64 * s + 4 * lane, 4);
+                q |= (int)((word >> (8 * bb + g)) & 1) << 4;
+            } else if (kind == 6) {
+                memcpy(&word, hi + 128 * s + 64 * (g / 4) + 4 * lane, 4);
+                q |= (int)((word >> (8 * bb + 2 * (g % 4))) & 3) << 4;
+            }
+            float value;
+            if (kind == 6)
+                value = (d * (float)(int8_t)meta[16 * (col / 16) + lane]) * (float)(q - 32);
+            else
+                value = (d * (float)meta[16 * s + lane]) * (float)q - dmin * (float)meta[128 + 16 * s + lane];
+            out[b * QK + col] = value;
+        }
+    }
+}
+
+#define DEQUANTIZE_ROWS(name, kind)                                                                           \
+    void name(const uint8_t *w, int64_t K, const int64_t *rows, int64_t n, float *out) {                      \
+        for (int64_t i = 0; i < n; i++)                                                                       \
+            dequantize_row(w, K, rows[i], out + i * K, kind);                                                 \
+    }
+
+DEQUANTIZE_ROWS(kq_rows_q4_k, 4)
+DEQUANTIZE_ROWS(kq_rows_q5_k, 5)
+DEQUANTIZE_ROWS(kq_rows_q6_k, 6)
+
+/* x as the kernels quantize it (tests): q int8 [parts * T, K], sx fp32 [parts * T, K / 32]. */
+int kq_quantize(const float *x, int64_t T, int64_t K, int32_t parts, int8_t *q, float *sx) {
+    struct kx kx;
+    if (quantize_x(x, T, K, parts, 1, &kx))
+        return 1;
+    memcpy(q, kx.q, (size_t)(parts * T * K));
+    memcpy(sx, kx.sx, sizeof(float) * parts * T * (K / 32));
+    free(kx.q);
+    return 0;
+}

@@ -1,0 +1,111 @@
+"""The compiled K-quant matmul (kquant.c): when it can run, loading it, and calling it.
+
+Built with explicit flags (AVX-512 F/BW/VL/VNNI, F16C; not -march=native, which would also enable
+AMX where a CPU advertises it) and loaded only where /proc/cpuinfo lists every feature they use;
+elsewhere `kquant_kernel()` is None and K-quant matrices take the generic packed format
+(kvgen.model.quant.formats, qmatmul.c, which also has an AVX2 build).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from kvgen.model.kernels import KernelCall, build_library, cpu_has
+from kvgen.model.quant.kquant_format import KPacked
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kquant.c")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
+         "-mf16c")
+FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
+_P = ctypes.c_void_p
+_ARGTYPES = [_P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int64, _P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+
+
+class _Args(ctypes.Structure):
+    """`struct kq_args` of kquant.c, in order."""
+
+    _fields_ = [("x", _P), ("T", ctypes.c_int64), ("K", ctypes.c_int64), ("w", _P), ("N", ctypes.c_int64),
+                ("out", _P), ("ldo", ctypes.c_int64), ("parts", ctypes.c_int32), ("num_threads", ctypes.c_int32)]
+
+
+class KQuantKernel:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._library = library
+        quantize = library.kq_quantize
+        quantize.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, _P, _P]
+        quantize.restype = ctypes.c_int
+        self._quantize = quantize
+
+    def bind(self, w: KPacked, parts: int) -> BoundKQuant:
+        """The kernel for `w`'s type with its pointer filled in, x quantized in `parts` int8 parts."""
+        function = getattr(self._library, f"kq_matmul_{w.kind}")
+        function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
+        return BoundKQuant(function, getattr(self._library, f"kq_matmul_{w.kind}_call"), w, parts)
+
+    def rows(self, w: KPacked, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` (int64 [n]) of w's values, fp32 [n, in]: kquant_format.dequantize_rows's
+        values, in C (a prompt's embedding lookups)."""
+        rows = rows.to(torch.int64).contiguous()
+        out = torch.empty(len(rows), w.shape[1], dtype=torch.float32)
+        function = getattr(self._library, f"kq_rows_{w.kind}")
+        function.argtypes, function.restype = [_P, ctypes.c_int64, _P, ctypes.c_int64, _P], None
+        function(w.data.data_ptr(), w.shape[1], rows.data_ptr(), len(rows), out.data_ptr())
+        return out
+
+    def quantize_activations(self, x: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x fp32 [T, in] -> (q int8 [parts, T, in], scale fp32 [parts, T, in/32]), as the kernel
+        quantizes it: x^ = sum over parts of scale * q."""
+        x = x.to(torch.float32).contiguous()
+        rows, cols = x.shape
+        q = torch.empty(rows, parts, cols, dtype=torch.int8)
+        scale = torch.empty(rows, parts, cols // 32, dtype=torch.float32)
+        if self._quantize(x.data_ptr(), rows, cols, parts, q.data_ptr(), scale.data_ptr()):
+            raise MemoryError("K-quant matmul: out of memory for the quantized activations")
+        return q.transpose(0, 1), scale.transpose(0, 1)
+
+
+class BoundKQuant:
+    """One K-quant weight's kernel call: only x, its row count and the output change per call."""
+
+    def __init__(self, function: ctypes._CFuncPtr, call: ctypes._CFuncPtr, w: KPacked, parts: int) -> None:
+        self._function, self._call, self._weight, self._parts = function, call, w, parts
+        self._out_features, self._in_features = w.shape
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [T, in], contiguous -> fp32 [T, out]."""
+        rows = x.shape[0]
+        out = torch.empty(rows, self._out_features, dtype=torch.float32)
+        if rows and self._function(x.data_ptr(), rows, self._in_features, self._weight.data.data_ptr(),
+                                   self._out_features, out.data_ptr(), self._out_features, self._parts,
+                                   torch.get_num_threads()):
+            raise MemoryError("K-quant matmul: out of memory for the quantized activations")
+        return out
+
+    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall:
+        """out = `run(x)` (x fp32 [T, in] contiguous, out fp32 [T, out] with contiguous rows: it may be
+        a column slice of a wider buffer) as a KernelCall."""
+        assert (x.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.stride(1) == 1 and x.dim() == 2
+                and x.shape[0] and x.shape[1] == self._in_features and out.shape == (x.shape[0], self._out_features))
+        args = _Args(x.data_ptr(), x.shape[0], self._in_features, self._weight.data.data_ptr(), self._out_features,
+                     out.data_ptr(), out.stride(0), self._parts, torch.get_num_threads())
+        return KernelCall(self._call, args, keep=(x, out, self._weight))
+
+
+@functools.cache
+def kquant_kernel() -> KQuantKernel | None:
+    """The kernel, built once per machine, or None where the CPU lacks its features or the build
+    fails (then K-quant matrices take the generic packed format)."""
+    if not cpu_has(FEATURES):
+        return None
+    try:
+        return KQuantKernel(ctypes.CDLL(str(build_library(SOURCE, FLAGS))))
+    except OSError as e:
+        log.warning("K-quant kernel unavailable (%s); K-quant matrices use the generic packed format", e)
+        return None

@@ -1,0 +1,103 @@
+"""The K-quant layout (kquant_format) and kernel (kquant.c): the layout's values are gguf's bit for
+bit, and the kernel is within a derived bound of the dequantized matmul at 1, few and many rows.
+
+The bound. x is quantized per 32 as qmatmul.c does (bounds.py), x^ = sum over parts of s q. Per
+32-column span and row of x the kernel computes dot = sum q_w q_x exactly in int32 (with Q6_K's
+-32 * sum q_x in it), then y = fma(fl(dot * s_x), d*sc, y) (once per 16 columns for Q6_K) and, for
+a min, y = fma(-dmin*m, fl(s_x * sum q_x), y); d*sc and dmin*m are exact in fp32. So each of at
+most K/16 chained fp32 operations adds at most 2 ulps of the running terms' magnitudes (the product
+rounded, then the sum), and two parts add one more rounding:
+    |y - x^ W^T| <= (2 K / 16 + 4) * 2^-24 * sum_parts |x^_part| @ (|d sc (q - o)| + |dmin m|)^T
+and against x itself the activations' step adds bounds.py's term.
+"""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from kvgen.model.quant.gguf_blocks import k_fields
+from kvgen.model.quant.kquant_format import KPacked, dequantize, dequantize_rows, pack_k
+from kvgen.model.quant.kquant_kernel import kquant_kernel
+from kvgen.model.quant.kquant_linear import MANY_ROWS, KQuantLinear
+from tests.model.quant.raw_blocks import raw_matrix
+
+Q = GGMLQuantizationType
+K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+U = 2.0 ** -24
+needs_kernel = pytest.mark.skipif(kquant_kernel() is None, reason="CPU without AVX-512 VNNI: no K-quant kernel")
+
+
+def packed(ggml_type: Q, out: int = 37, cols: int = 512, seed: int = 0) -> tuple[KPacked, np.ndarray]:
+    """37 rows: two full panels of 16 and a ragged third."""
+    raw = raw_matrix(ggml_type, out, cols, seed)
+    return pack_k(ggml_type, raw, (out, cols)), raw
+
+
+def magnitudes(ggml_type: Q, raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+    """|d sc (q - o)| + |dmin m| per weight, float64 [out, in], from the file's integers."""
+    out, cols = shape
+    f = k_fields(ggml_type, raw.reshape(out, cols // 256, -1))
+    group = 16 if ggml_type == Q.Q6_K else 32
+    q = f.q.astype(np.float64).reshape(out, cols // 256, 256 // group, group) - (32 if ggml_type == Q.Q6_K else 0)
+    terms = np.abs(q * (f.d * f.sc.astype(np.float64))[..., None])
+    if f.m is not None:
+        terms = terms + np.abs(f.dmin * f.m.astype(np.float64))[..., None]
+    return torch.from_numpy(terms.reshape(out, cols))
+
+
+@pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
+def test_layout_holds_gguf_values_bit_for_bit(ggml_type):
+    w, raw = packed(ggml_type)
+    want = gguf_dequantize(raw, ggml_type).reshape(w.shape)
+    assert np.array_equal(dequantize(w).numpy(), want)
+    rows = torch.tensor([36, 0, 17, 16, 36])
+    assert np.array_equal(dequantize_rows(w, rows).numpy(), want[rows.numpy()])
+    if kquant_kernel() is not None:
+        assert np.array_equal(kquant_kernel().rows(w, rows).numpy(), want[rows.numpy()])
+    assert w.nbytes * 8 / (48 * 512) == {Q.Q4_K: 4.625, Q.Q5_K: 5.625, Q.Q6_K: 6.625}[ggml_type]
+
+
+@needs_kernel
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 13, 70])
+@pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
+def test_kernel_equals_dequantized_matmul(ggml_type, rows, parts):
+    """70 rows: 8-row passes, then 4 and 2, over two chunks of x's rows (64 + 6)."""
+    w, raw = packed(ggml_type, seed=rows)
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows)) * 2
+    kernel = kquant_kernel()
+    y = kernel.bind(w, parts).run(x).double()
+    q, s = kernel.quantize_activations(x, parts)
+    spans = s.double().repeat_interleave(32, dim=2)                   # [parts, T, K]
+    x_parts = q.double() * spans
+    w_hat = dequantize(w).double()
+    accumulation = (2 * w.shape[1] / 16 + 4) * U * sum(p.abs() @ magnitudes(ggml_type, raw, w.shape).T
+                                                        for p in x_parts)
+    assert ((y - x_parts.sum(0) @ w_hat.T).abs() <= accumulation).all()
+    step = spans[-1] * (0.5 + 4 * 127 * U)
+    if parts == 2:
+        step = step + 2 * U * (x.double().abs() + spans[0])
+    assert ((y - x.double() @ w_hat.T).abs() <= accumulation + step @ w_hat.abs().T).all()
+
+
+@needs_kernel
+def test_layer_runs_one_part_from_many_rows_and_its_call_matches():
+    """Below MANY_ROWS rows a row's result is the same alone or with others, and the fused step's
+    KernelCall computes it too; from MANY_ROWS on x goes in one int8 part."""
+    w, _ = packed(Q.Q4_K, out=40, cols=256)
+    layer = KQuantLinear(w, None, "int8x2")
+    x = torch.randn(MANY_ROWS, 256, generator=torch.Generator().manual_seed(1))
+    few = layer(x[:3])
+    assert torch.equal(few[1:2], layer(x[1:2]))
+    assert torch.equal(layer(x), kquant_kernel().bind(w, 1).run(x))
+    assert layer.call(x, torch.empty(MANY_ROWS, 40)) is None
+    assert "kq_matmul_q4_k" in layer.kernel and layer.weight_bytes == w.nbytes
+
+
+def test_pack_refuses_other_types_and_wrong_shapes():
+    with pytest.raises(ValueError, match="K-quant"):
+        pack_k(Q.Q4_0, raw_matrix(Q.Q4_0, 4, 256), (4, 256))
+    with pytest.raises(ValueError, match="K-quant"):
+        pack_k(Q.Q4_K, raw_matrix(Q.Q4_K, 4, 256), (4, 512))
