@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
+from kvgen.loaders.progress import advance
 from kvgen.model.kernels.bf16 import Bf16Tiles
 from kvgen.model.linear import F32Linear, Linear, RowKernels, make_linear
 from kvgen.model.quant.float_weights import GROUP
@@ -48,6 +49,7 @@ class LayerBuilder:
         """The matrix in a kernel format, or None where no format holds its type."""
         if weight.name not in self._conversions:
             self._conversions[weight.name] = convert(weight.ggml_type, weight.raw, weight.shape)
+            advance(weight.raw.nbytes)
         return self._conversions[weight.name]
 
     def linear(self, parts: list[Weight], bias: torch.Tensor | None = None) -> Linear:
@@ -68,6 +70,7 @@ class LayerBuilder:
         if key not in self._floats:
             dense = weight.dequantize() if isinstance(weight, GGUFWeight) else weight
             self._floats[key] = (weight, dense.to(device=self.device, dtype=self.dtype))  # keeps `weight` alive
+            advance(weight.raw.nbytes if isinstance(weight, GGUFWeight) else weight.nbytes)
         return self._floats[key][1]
 
     def _packed(self, packed: list[PackedWeight], bias: torch.Tensor | None) -> Linear:
