@@ -49,6 +49,8 @@ class LayerBuilder:
         """The matrix in a kernel format, or None where no format holds its type."""
         if weight.name not in self._conversions:
             self._conversions[weight.name] = convert(weight.ggml_type, weight.raw, weight.shape)
+            if self._conversions[weight.name] is not None:
+                weight.release()  # the packed copy is what the model reads from now on
             advance(weight.raw.nbytes)
         return self._conversions[weight.name]
 
