@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from functools import partial
@@ -24,8 +25,11 @@ from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import RequestOutput
 from kvgen.engine.sequential import SequentialEngine
+from kvgen.cache.sizing import format_bytes
 from kvgen.loaders import LoadedModel, load_model
 from kvgen.loaders.hub import resolve_model
+from kvgen.loaders.progress import loading
+from kvgen.loaders.residency import peak_rss_bytes, rss_bytes, trim_heap
 
 # stories260K ships inside the package (MIT licence; see its README), so the default works anywhere.
 DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "stories260K" / "stories260K.bin"
@@ -73,13 +77,48 @@ def load(model: str | Path | None, config: EngineConfig, tokenizer: str | Path |
     return loaded
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadStats:
+    """How loading went: wall time from the first byte read to a ready engine, the model file's size
+    (None for a directory), and this process's RSS after loading and at its peak."""
+
+    seconds: float
+    source: str
+    file_bytes: int | None
+    rss_bytes: int | None
+    peak_rss_bytes: int
+
+    def summary(self) -> str:
+        file = f" ({format_bytes(self.file_bytes)})" if self.file_bytes else ""
+        rss = format_bytes(self.rss_bytes) if self.rss_bytes is not None else "unknown"
+        return (f"loaded {self.source}{file} in {self.seconds:.2f} s; RSS {rss}, "
+                f"peak {format_bytes(self.peak_rss_bytes)}")
+
+
+def open_engine(model: str | Path | None, config: EngineConfig, tokenizer: str | Path | None = None,
+                gguf_file: str | None = None) -> tuple[Engine, LoadStats]:
+    """`build_engine(load(...))` with a progress bar while the weights are converted (on a terminal,
+    kvgen.loaders.progress), the heap that conversion freed handed back (kvgen.loaders.residency),
+    and how long it took and what stays resident."""
+    started = time.perf_counter()
+    loaded = load(model, config, tokenizer, gguf_file)
+    total = sum(w.raw.nbytes for w in loaded.quantized.values()) + sum(t.nbytes for t in loaded.weights.values())
+    with loading(total):
+        engine = build_engine(loaded, config)
+    source = loaded.source
+    del loaded  # the memory map of a GGUF goes with the last view of its bytes
+    trim_heap()
+    size = os.path.getsize(source) if os.path.isfile(source) else None
+    return engine, LoadStats(time.perf_counter() - started, source, size, rss_bytes(), peak_rss_bytes())
+
+
 class LLM:
     """Offline generation over the engine. Engine options are keyword arguments (see EngineConfig)."""
 
     def __init__(self, model: str | Path | None = None, *, tokenizer: str | Path | None = None,
                  gguf_file: str | None = None, **engine_options) -> None:
         self.config = EngineConfig(**engine_options)
-        self.engine = build_engine(load(model, self.config, tokenizer, gguf_file), self.config)
+        self.engine, self.load_stats = open_engine(model, self.config, tokenizer, gguf_file)
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ from kvgen.config import (
 from kvgen.engine.base import Engine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import ModelLoadError
-from kvgen.llm import build_engine, load
+from kvgen.llm import open_engine
 from kvgen.option_space import KV_POLICY_FORMS, refused_pairs_text
 from kvgen.loaders import load_model
 
@@ -100,7 +100,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def build_engine_from_args(args: argparse.Namespace) -> Engine:
     config = engine_config(args)
-    engine = build_engine(load(args.model, config, args.tokenizer, args.gguf_file), config)
+    engine, stats = open_engine(args.model, config, args.tokenizer, args.gguf_file)
+    print(stats.summary(), file=sys.stderr)
     if hasattr(engine, "capacity_report"):
         print(engine.capacity_report(), file=sys.stderr)
     return engine

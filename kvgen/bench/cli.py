@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from kvgen.bench.system import PeerUnavailable, System
 from kvgen.bench.tasks import MIN_PASSAGE_TOKENS, TASKS
 from kvgen.cache.sizing import parse_bytes
 from kvgen.config import DTYPES
-from kvgen.llm import build_engine, load
+from kvgen.llm import open_engine
 from kvgen.options import add_engine_options, config_only, engine_config
 
 DEFAULT_BENCH_MODEL = "smollm2-135m"
@@ -236,12 +237,23 @@ def _setup(args: argparse.Namespace, **overrides) -> tuple[BenchModel, KvgenSyst
     """The model, kvgen's engine on it (engine options + `overrides`), and the settings every JSON records."""
     model = resolve(args.model)
     config = dataclasses.replace(engine_config(args), **overrides)
-    engine = build_engine(load(model.path, config, args.tokenizer, args.gguf_file), config)
+    engine, stats = open_engine(model.path, config, args.tokenizer, args.gguf_file)
+    print(stats.summary(), file=sys.stderr)
     if hasattr(engine, "capacity_report"):
         print(engine.capacity_report(), file=sys.stderr)
     settings = {"model": model.name, "model_path": str(model.path), "dtype": DTYPES[config.dtype],
-                "kv_cache": config.kv_cache, "seed": args.seed, "engine": dataclasses.asdict(config)}
-    return model, KvgenSystem(engine), settings
+                "kv_cache": config.kv_cache, "seed": args.seed, "engine": dataclasses.asdict(config),
+                "kvgen_load": dataclasses.asdict(stats) | {"kv_cache_bytes": kv_cache_bytes(engine)}}
+    system = KvgenSystem(engine)
+    system.load_s = stats.seconds
+    return model, system, settings
+
+
+def kv_cache_bytes(engine) -> int | None:
+    """The bytes the engine's KV pools reserve (the paged engine's; None for the others)."""
+    if not hasattr(engine, "capacity_tokens"):
+        return None
+    return engine.capacity_tokens * engine.bytes_per_token
 
 
 def _noting(report: Report, unavailable: list[str]) -> Report:
@@ -256,7 +268,9 @@ def _peers(args: argparse.Namespace, model: BenchModel, dtype: str, max_len: int
     peers, unavailable = [], []
     for name in dict.fromkeys(args.compare):
         try:
+            started = time.perf_counter()
             peers.append(load_peer(name, model, dtype, max_len, args.device))
+            peers[-1].load_s = time.perf_counter() - started
         except PeerUnavailable as e:
             unavailable.append(str(e))
     return peers, unavailable

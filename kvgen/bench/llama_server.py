@@ -8,14 +8,13 @@ ids to `/completion`, greedy, EOS ignored, prompt cache off, and each answer mus
 requested number of tokens.
 
 The binary: `$KVGEN_LLAMA_SERVER`, else `llama-server` beside the llama.cpp libraries that
-llama-cpp-python loads (`$LLAMA_CPP_LIB_PATH`, the same build), else on PATH.
+llama-cpp-python loads (`$LLAMA_CPP_LIB_PATH`, the same build), else on PATH (kvgen.bench.llama_tools).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from kvgen.bench import llama_tools
+from kvgen.bench.latency import gguf_matmul_bytes
 from kvgen.bench.models import BenchModel, gguf_for
 from kvgen.bench.system import BenchRequest, PeerUnavailable, System, TokenTimes
 from kvgen.threads import foreign_environment
@@ -37,16 +38,11 @@ REQUEST_TIMEOUT_S = 1800.0
 
 
 def find_binary() -> Path:
-    """The llama-server to run (see the module docstring); PeerUnavailable if there is none."""
-    candidates = [os.environ.get("KVGEN_LLAMA_SERVER")]
-    if lib := os.environ.get("LLAMA_CPP_LIB_PATH"):
-        candidates.append(str(Path(lib) / "llama-server"))
-    candidates.append(shutil.which("llama-server"))
-    for candidate in filter(None, candidates):
-        if Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return Path(candidate)
-    raise PeerUnavailable("llama-server: no binary (build llama.cpp with -DLLAMA_BUILD_SERVER=ON and set "
-                          "KVGEN_LLAMA_SERVER, LLAMA_CPP_LIB_PATH or PATH)")
+    """The llama-server to run (see kvgen.bench.llama_tools.find_binary); PeerUnavailable if there is none."""
+    try:
+        return llama_tools.find_binary("llama-server")
+    except llama_tools.ToolError as e:
+        raise PeerUnavailable(str(e)) from None
 
 
 def free_port() -> int:
@@ -70,6 +66,9 @@ class LlamaServerSystem(System):
         self._url = ""
 
     # -- the System operations ---------------------------------------------------------------------
+
+    def weight_bytes(self) -> int:
+        return gguf_matmul_bytes(self.gguf)
 
     def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
         self._serve(max(self.slots, 1))

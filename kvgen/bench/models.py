@@ -4,19 +4,25 @@
                    saved as a Hugging Face directory (safetensors + a WordLevel tokenizer.json), so
                    kvgen and every peer read the same files. Benchmarks feed token ids, so random
                    weights and a placeholder vocabulary cost nothing in realism for speed.
+    llama-1b       Llama-3.2-1B's shape (hidden 2048, 16 layers, MLP 8192, 32 heads over 8 KV heads,
+                   vocabulary 128256, tied embeddings, RoPE base 500000), seeded random weights in bfloat16
+    llama-3b       Llama-3.2-3B's shape (hidden 3072, 28 layers, MLP 8192, 24 heads over 8 KV heads)
+    NAME:MIX       a generated architecture as llama.cpp's own converter and llama-quantize make a GGUF
+                   of it, MIX one of QUANT_MIXES (e.g. llama-1b:Q4_K_M); built once, then cached
+                   (kvgen.bench.random_models, kvgen.bench.llama_tools)
     stories260k    the default model (`kvgen.llm.default_model_path()`); transformers reads the
                    GGUF copy beside it.
     any path       a HF directory, a .gguf, or a llama2.c .bin (peers need a .gguf of the same stem).
 
 Conversions for peers (a GGUF for llama.cpp, a plain HF directory for CTranslate2) are cached under
-`$KVGEN_CACHE_DIR` (default ~/.cache/kvgen) beside the generated models.
+`$KVGEN_CACHE_DIR` (default ~/.cache/kvgen) beside the generated models. The 1B and 3B shapes use no
+rope scaling (Llama 3.2's "llama3" scaling becomes a rope_freqs tensor, which kvgen does not read)
+and a context of 8192, which is all a bench asks for.
 """
 
 from __future__ import annotations
 
 import hashlib
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +30,15 @@ from typing import Any
 
 import torch
 
+from kvgen.bench.random_models import (QUANT_MIXES, build_atomically, build_quantized_gguf, build_random_model,
+                                       save_placeholder_tokenizer)
 from kvgen.paths import cache_root
 
+__all__ = ["ARCHITECTURES", "QUANT_MIXES", "BenchModel", "build_random_model", "gguf_for", "load_hf_model",
+           "parse_name", "plain_hf_dir", "resolve", "write_gguf"]
+
+_LLAMA32 = dict(vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=8192,
+                rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, dtype="bfloat16")
 # transformers LlamaConfig fields of each generated architecture.
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(
@@ -33,6 +46,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
         max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
     ),
+    "llama-1b": dict(_LLAMA32, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+    "llama-3b": dict(_LLAMA32, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                     num_attention_heads=24, num_key_value_heads=8, head_dim=128),
 }
 STORIES = "stories260k"
 DEFAULT_WEIGHTS_SEED = 0
@@ -52,38 +69,36 @@ class BenchModel:
 
 
 def resolve(model: str | None, seed: int = DEFAULT_WEIGHTS_SEED) -> BenchModel:
-    """`--model` -> BenchModel: a generated architecture's name, `stories260k`, a path, or None (default model)."""
+    """`--model` -> BenchModel: a generated architecture's name, NAME:MIX, `stories260k`, a path, or None
+    (the default model)."""
     from kvgen.llm import default_model_path
 
-    if model in ARCHITECTURES:
-        path = cache_root() / "bench-models" / f"{model}-seed{seed}"
-        if not (path / "config.json").is_file():
-            _build_atomically(path, lambda tmp: build_random_model(ARCHITECTURES[model], seed, tmp))
-        return BenchModel(model, path)
+    parsed = parse_name(model)
+    if parsed is not None:
+        name, mix = parsed
+        hf = cache_root() / "bench-models" / f"{name}-seed{seed}"
+        if not (hf / "config.json").is_file():
+            build_atomically(hf, lambda tmp: build_random_model(ARCHITECTURES[name], seed, tmp))
+        if mix is None:
+            return BenchModel(name, hf)
+        gguf = build_quantized_gguf(hf, hf.with_name(f"{hf.name}-gguf") / f"{name}-{mix}.gguf", mix)
+        return BenchModel(model, gguf, gguf)
     path = default_model_path() if model in (None, STORIES) else Path(model)
     gguf = path if path.suffix == ".gguf" else path.with_suffix(".gguf")
     return BenchModel(model or STORIES, path, gguf if gguf.is_file() else None)
 
 
-def build_random_model(architecture: dict[str, Any], seed: int, path: Path) -> None:
-    """Saves a seeded random-weight LlamaForCausalLM and a WordLevel tokenizer of its vocabulary."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(**architecture)
-    LlamaForCausalLM(config).save_pretrained(path)
-    save_placeholder_tokenizer(config.vocab_size, path)
-
-
-def save_placeholder_tokenizer(vocab_size: int, path: Path) -> None:
-    """tokenizer.json + tokenizer_config.json with words w0 .. w{n-1}: loadable by kvgen, transformers and
-    CTranslate2's converter (benchmarks send token ids, so the vocabulary only has to exist)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(path)
+def parse_name(model: str | None) -> tuple[str, str | None] | None:
+    """"llama-1b" -> ("llama-1b", None); "llama-1b:q4_k_m" -> ("llama-1b", "Q4_K_M"); None for what names
+    no generated architecture (a path, a hub id). A known architecture with an unknown mix is a ValueError."""
+    name, _, mix = (model or "").partition(":")
+    if name not in ARCHITECTURES:
+        return None
+    if not mix:
+        return name, None
+    if mix.upper() not in QUANT_MIXES:
+        raise ValueError(f"{model}: unknown quantization mix {mix!r}; the bench makes {', '.join(QUANT_MIXES)}")
+    return name, mix.upper()
 
 
 def hf_source(model: BenchModel) -> tuple[Path, dict[str, Any]]:
@@ -137,20 +152,8 @@ def converted(model: BenchModel, kind: str, build: Callable[[Path], None], inner
     key = hashlib.sha1(f"{model.path.resolve()}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     path = cache_root() / "bench-models" / "converted" / f"{model.path.stem}-{key}-{kind}"
     if not path.exists():
-        _build_atomically(path, build)
+        build_atomically(path, build)
     return path / inner if inner else path
-
-
-def _build_atomically(path: Path, build: Callable[[Path], None]) -> None:
-    """Builds into a temporary sibling and renames, so an interrupted build leaves nothing behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
-    try:
-        build(tmp)
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # -- GGUF writer (llama architecture) ---------------------------------------------------------------

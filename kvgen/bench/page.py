@@ -169,7 +169,8 @@ def machine(run: Run) -> str:
     cores = f"{m['usable_cores']} of {m['logical_cores']}" if "usable_cores" in m else f"{m.get('logical_cores')}"
     isa = " ".join(m["isa"]) if m.get("isa") else "not recorded"
     bandwidth = run.data.get("memory_bandwidth_bytes_per_s")
-    measured = f"{bandwidth / 1e9:.1f} GB/s (copy, read + written)" if bandwidth else "not measured by this bench"
+    how = "streaming read" if run.data.get("memory_bandwidth_method") == "read" else "copy, read + written"
+    measured = f"{bandwidth / 1e9:.1f} GB/s ({how})" if bandwidth else "not measured by this bench"
     return (f"- Machine: {m['cpu']}, {cores} cores, torch threads {m.get('torch_threads')}; ISA: {isa}; "
             f"memory bandwidth {measured}.")
 

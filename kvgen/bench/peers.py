@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvgen.bench.latency import gguf_matmul_bytes
 from kvgen.bench.llama_server import LlamaServerSystem
 from kvgen.bench.models import BenchModel, converted, gguf_for, load_hf_model, plain_hf_dir
 from kvgen.bench.system import BenchRequest, PeerUnavailable, System, TokenTimes
@@ -138,8 +139,12 @@ class LlamaCppSystem(System):
         from llama_cpp import Llama
 
         threads = torch.get_num_threads()
-        self.llm = Llama(model_path=str(gguf_for(model, dtype)), n_ctx=max_len, n_batch=512, n_threads=threads,
+        self.gguf = gguf_for(model, dtype)
+        self.llm = Llama(model_path=str(self.gguf), n_ctx=max_len, n_batch=512, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
+
+    def weight_bytes(self) -> int:
+        return gguf_matmul_bytes(self.gguf)
 
     def build_note(self) -> str:
         from llama_cpp import llama_print_system_info
@@ -263,7 +268,8 @@ class LlamaCppLookupSystem(LlamaCppSystem):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         threads = torch.get_num_threads()
-        self.llm = Llama(model_path=str(gguf_for(model, dtype)), n_ctx=max_len, n_batch=512, n_threads=threads,
+        self.gguf = gguf_for(model, dtype)
+        self.llm = Llama(model_path=str(self.gguf), n_ctx=max_len, n_batch=512, n_threads=threads,
                          n_threads_batch=threads, verbose=False,
                          draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PEER_LOOKUP_TOKENS))
 

@@ -41,6 +41,15 @@ class System(ABC):
     sorts_by_length: bool = False
     #: what a batch size means to run_at, for the report
     batch_kind: str = "static batch"
+    #: seconds from nothing to ready to generate (for a peer: its constructor), set by kvgen bench
+    load_s: float | None = None
+    #: the KV cache's dtype (as --kv-cache-dtype names it) where weight_bytes() gives this system's own bytes
+    kv_dtype: str = "float16"
+
+    def weight_bytes(self) -> int | None:
+        """The bytes of matrices a decode step reads, where this system's own differ from kvgen's
+        (a GGUF as the file stores it); None: the same as kvgen's (kvgen.bench.latency)."""
+        return None
 
     @abstractmethod
     def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:

@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from kvgen.loaders.rope_layout import interleaved_to_half
-from kvgen.loaders.gguf_reader import ReaderTensor
+from kvgen.loaders.gguf_reader import ReaderTensor, release_pages
 
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 # Block-quantized types kvgen reads: the legacy 32-weight blocks and the 256-weight K-quants.
@@ -57,6 +57,11 @@ class GGUFWeight:
         values = gguf.quants.dequantize(self.raw, self.ggml_type).reshape(self.shape)
         # F32 comes back as a view of the (read-only, memory-mapped) bytes.
         return torch.from_numpy(values if values.flags.writeable else values.copy())
+
+    def release(self) -> None:
+        """Done with `raw`: where it is the file's memory map, its pages leave this process's resident
+        set (a later read maps them again; kvgen.loaders.gguf_reader.release_pages)."""
+        release_pages(self.raw)
 
     def permute_rows(self, order: np.ndarray) -> GGUFWeight:
         """The weight with row i taken from row order[i] (a matrix; each row's blocks move as one)."""

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
+from kvgen.loaders.progress import advance
 from kvgen.model.kernels import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Tiles
 from kvgen.model.kernels.step import step_kernels
@@ -60,6 +61,9 @@ class LayerBuilder:
             self._conversions[weight.name] = (pack_k(weight.ggml_type, weight.raw, weight.shape)
                                               if self._keeps_k(weight.ggml_type) else
                                               convert(weight.ggml_type, weight.raw, weight.shape))
+            if self._conversions[weight.name] is not None:
+                weight.release()  # the packed copy is what the model reads from now on
+            advance(weight.raw.nbytes)
         return self._conversions[weight.name]
 
     def _keeps_k(self, ggml_type: object) -> bool:
@@ -85,6 +89,7 @@ class LayerBuilder:
         if key not in self._floats:
             dense = weight.dequantize() if isinstance(weight, GGUFWeight) else weight
             self._floats[key] = (weight, dense.to(device=self.device, dtype=self.dtype))  # keeps `weight` alive
+            advance(weight.raw.nbytes if isinstance(weight, GGUFWeight) else weight.nbytes)
         return self._floats[key][1]
 
     def _k_linear(self, parts: list[GGUFWeight], bias: torch.Tensor | None) -> Linear:
@@ -103,8 +108,11 @@ class LayerBuilder:
         if len(run) == 1:
             return KQuantLinear(self.packed(run[0]), bias, self.activations)
         raw = np.concatenate([p.raw for p in run])
-        return KQuantLinear(pack_k(run[0].ggml_type, raw, (sum(p.shape[0] for p in run), run[0].shape[1])), bias,
-                            self.activations)
+        packed = pack_k(run[0].ggml_type, raw, (sum(p.shape[0] for p in run), run[0].shape[1]))
+        for part in run:
+            part.release()
+            advance(part.raw.nbytes)
+        return KQuantLinear(packed, bias, self.activations)
 
     def _packed(self, packed: list[PackedWeight], bias: torch.Tensor | None) -> Linear:
         try:

@@ -10,8 +10,9 @@ For each architecture in `ARCHS`, `arch_checkpoint(arch)` builds (once, then fro
 
 The converter is taken from the llama-cpp-python source package (`pip download`), which vendors
 llama.cpp: only `convert_hf_to_gguf.py`, `conversion/` and `gguf-py/` are unpacked, once, into the
-cache. The converter runs as a subprocess with that vendored gguf-py first on its path (it needs a
-newer `gguf` than the pip-installed one). Failing to get it is an error, never a skip.
+cache (kvgen.bench.llama_tools, which the bench's 1B/3B files use too). The converter runs as a
+subprocess with that vendored gguf-py first on its path (it needs a newer `gguf` than the
+pip-installed one). Failing to get it is an error, never a skip.
 
 Cache: $KVGEN_TEST_MODELS, default ~/.cache/kvgen-test-models/, one folder per fixture and
 FIXTURE_VERSION (bump it when a spec changes; old folders are simply left behind).
@@ -40,20 +41,19 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp converts
+from kvgen.bench import llama_tools
+from kvgen.bench.llama_tools import QWEN2_VOCAB
+
 FIXTURE_VERSION = "3"
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_MODELS = REPO.parent / "shared" / "models"
 SPM_512 = SHARED_MODELS / "stories260K" / "tok512.model"  # a real SentencePiece model, 512 pieces
-QWEN2_VOCAB = "models/ggml-vocab-qwen2.gguf"  # llama.cpp's vocabulary-only test file, in the sdist
 SMOLLM2_GGUF = SHARED_MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -134,76 +134,22 @@ def _log(msg: str) -> None:
     print(f"[arch_fixtures] {msg}", file=sys.stderr, flush=True)
 
 
-class _Lock:
-    """An exclusive lock file, so that two test processes (xdist, two sessions) build a fixture once."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        import fcntl
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = open(self.path, "w")
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        import fcntl
-
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        self.fd.close()
-
-
 # -- the converter ---------------------------------------------------------------------------------
 
 def converter_dir() -> Path:
-    """llama.cpp's convert_hf_to_gguf.py with conversion/ and gguf-py/ beside it, from the
-    llama-cpp-python sdist: downloaded and unpacked once into the cache."""
-    root = cache_root() / f"llama-cpp-convert-{LLAMA_CPP_PYTHON}"
-    if (root / "convert_hf_to_gguf.py").is_file():
-        return root
-    with _Lock(cache_root() / ".convert.lock"):
-        if (root / "convert_hf_to_gguf.py").is_file():
-            return root
-        with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                   f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp]
-            _log("downloading the llama-cpp-python sdist for llama.cpp's convert_hf_to_gguf.py")
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-            if not sdists:  # pip may fail after saving (preparing metadata); the file is what counts
-                raise FixtureError(f"cannot get llama.cpp's converter: `{' '.join(cmd)}` failed "
-                                   f"(rc {r.returncode}): {r.stderr.strip()[-2000:]}")
-            prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
-            wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE", QWEN2_VOCAB)
-            staged = Path(tmp) / "staged"
-            with tarfile.open(sdists[0]) as tar:
-                members = []
-                for m in tar.getmembers():
-                    rel = m.name[len(prefix):] if m.name.startswith(prefix) else None
-                    if rel and (m.isfile() or m.isdir()) and rel.startswith(wanted):
-                        m.name = rel
-                        members.append(m)
-                tar.extractall(staged, members=members, filter="data")
-            if not (staged / "convert_hf_to_gguf.py").is_file():
-                raise FixtureError(f"{sdists[0].name} holds no {prefix}convert_hf_to_gguf.py")
-            staged.rename(root)
-    return root
+    """llama.cpp's convert_hf_to_gguf.py with conversion/ and gguf-py/ beside it, in this cache."""
+    try:
+        return llama_tools.converter_dir(cache_root())
+    except llama_tools.ToolError as e:
+        raise FixtureError(str(e)) from None
 
 
 def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
     """Runs convert_hf_to_gguf.py on `hf_dir`; raises FixtureError with its output on failure."""
-    conv = converter_dir()
-    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the script then prefers gguf-py
-    env |= {"PYTHONPATH": os.pathsep.join([str(conv / "gguf-py"), str(conv)]), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(conv / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out),
-           "--outtype", outtype]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if r.returncode != 0 or not out.is_file():
-        raise FixtureError(f"convert_hf_to_gguf.py --outtype {outtype} failed on {hf_dir} "
-                           f"(rc {r.returncode}):\n{(r.stdout + r.stderr)[-4000:]}")
-    return out
+    try:
+        return llama_tools.convert(hf_dir, out, outtype, cache_root())
+    except llama_tools.ToolError as e:
+        raise FixtureError(str(e)) from None
 
 
 # -- tokenizers ------------------------------------------------------------------------------------
@@ -286,7 +232,7 @@ def arch_checkpoint(arch: str) -> ArchCheckpoint:
     spec, root = SPECS[arch], fixture_dir(arch)
     done = root / "DONE"
     if not done.is_file():
-        with _Lock(cache_root() / f".{arch}.lock"):
+        with llama_tools.file_lock(cache_root() / f".{arch}.lock"):
             if not done.is_file():
                 _build(arch, spec, root)
     gguf = root / f"{arch}-f32.gguf" if spec.gguf else None

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from kvgen.loaders.gguf_reader import read_gguf
+from kvgen.loaders.gguf_reader import read_gguf, release_pages
 from tests.conftest import SMOLLM_GGUF, STORIES_DIR
 
 STORIES_GGUF = STORIES_DIR / "stories260K.gguf"
@@ -160,3 +160,23 @@ def test_broken_file_raises_a_clear_value_error(case, tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=message):
         read_gguf(path)
+
+
+def _rss_file() -> int:
+    """This process's resident file-backed pages, in bytes (Linux /proc)."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("RssFile:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_released_tensor_pages_leave_the_resident_set_and_read_the_same():
+    """SmolLM2's 98 MB file: once its tensors are released their pages are no longer this process's
+    (RssFile falls by about their size), and reading them again gives the same bytes (from the page cache)."""
+    tensors = read_gguf(SMOLLM_GGUF).tensors
+    sums = [int(t.data.sum(dtype=np.uint64)) for t in tensors]  # every page read: resident
+    touched = _rss_file()
+    for t in tensors:
+        release_pages(t.data)
+    size = sum(t.data.nbytes for t in tensors)
+    assert touched - _rss_file() > 0.9 * size
+    assert [int(t.data.sum(dtype=np.uint64)) for t in tensors] == sums
+    release_pages(np.array(tensors[0].data))  # a copy is not the map's: left alone
