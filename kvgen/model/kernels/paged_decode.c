@@ -1,12 +1,10 @@
 /* Paged decode attention on the CPU: one query per sequence (or a speculative verify chunk's few),
  * its keys and values read in place from the block pool, so no gathered copy of K/V is ever
  * written; and `paged_store`, which writes a step's K/V rows into the pool.
- *
  * A verify chunk's `queries` rows per sequence share its block table; each row has its own mask
  * row (causal: keys up to its own position) and is attended exactly as the decode of its token
  * would be, through the same spans in the same order: the same bits, so speculating changes no
  * attention output. Only the mask says which keys a row reads.
- *
  * Built by kvgen/model/kernels/__init__.py with the system's C compiler (-O3 -march=native -fopenmp)
  * and called through ctypes. One work item is one (query row, KV head, span of SPLIT_KEYS key
  * positions): the `group` query heads that share the KV head, over the span's keys,
@@ -19,18 +17,15 @@
  * few KV heads (SmolLM2 has 3: on whole heads one thread did two thirds of the work). They are
  * cut by position alone, never by the thread count or the batch, so a sequence's result has the
  * same bits however it is run; with one span the merge is exact (out = acc / l).
- *
- * Masked keys are skipped without being read (padding, sliding windows). Pools are fp32, bf16 or fp16
- * (widened to fp32 on load, exactly), or int8 or fp8 (e4m3) with fp32 scales: `key_groups` per key
- * (KV head, slot), each over head_dim / key_groups consecutive dimensions (a multiple of 16, or the
- * whole row), and one per value (KV head, slot). A key's scales multiply the partial dot products of
- * their groups, a value's scale its weight once, so quantized rows are dequantized in registers.
- * Queries, scores and outputs are fp32.
- *
- * With AVX-512 and a head size of 64, 128 or 256 (Gemma 3), `attend_avx512` runs instead of the portable `attend`:
- * one query head at a time, its query (pre-scaled) and output rows in registers, the softmax's
- * exponentials 16 at a time (exp16). 2.2x faster at 192 keys, 2.1x at 2,048 (BENCHMARKS.md).
- */
+ * Masked keys are skipped without being read (padding, sliding windows). Pools are fp32, bf16 or
+ * fp16 (widened to fp32 on load, exactly), or int8 or fp8 (e4m3) with fp32 scales: `key_groups` per
+ * key (KV head, slot), each over head_dim / key_groups consecutive dimensions (a multiple of 16, or
+ * the whole row), and one per value (KV head, slot). A key's scales multiply the partial dot
+ * products of their groups, a value's scale its weight once, so quantized rows are dequantized in
+ * registers. Queries, scores and outputs are fp32. With AVX-512 and a head size of 64, 128 or 256
+ * (Gemma 3), `attend_avx512` runs instead of the portable `attend`: one query head at a time, its
+ * query (pre-scaled) and output rows in registers, the softmax's exponentials 16 at a time (exp16);
+ * 2.2x faster at 192 keys, 2.1x at 2,048 (BENCHMARKS.md). */
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -136,8 +131,7 @@ static inline __attribute__((always_inline)) struct span span_of(const struct pa
     return (struct span){bh / a->kv_heads, bh % a->kv_heads, s * SPLIT_KEYS, last};
 }
 
-/* Where each key of the span that the mask allows starts in the pool (an element index), in order;
- * returns how many. */
+/* Where each key of the span that the mask allows starts in the pool (element index), in order; how many. */
 static inline __attribute__((always_inline)) int64_t allowed_rows(const struct paged_decode_args *a, struct span w,
                                                                   int64_t dim, int64_t *restrict rows) {
     const int64_t block_size = a->block_size, head_first_slot = w.h * a->num_slots;
