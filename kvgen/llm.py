@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvgen.cache.sizing import format_bytes
 from kvgen.config import EngineConfig
 from kvgen.engine.base import Engine, Prompt
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import RequestOutput
 from kvgen.engine.sequential import SequentialEngine
-from kvgen.cache.sizing import format_bytes
 from kvgen.loaders import LoadedModel, load_model
 from kvgen.loaders.hub import resolve_model
 from kvgen.loaders.progress import loading
