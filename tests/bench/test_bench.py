@@ -8,10 +8,8 @@ import math
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -24,6 +22,7 @@ from kvgen.bench.serve import arrival_offsets
 from kvgen.bench.system import BenchRequest, PeerUnavailable, System
 from kvgen.bench.workload import make_requests
 from kvgen.cli import main
+from tests.servers import wait_healthy
 
 TINY = ["--model", "stories260k", "--threads", "1"]
 TINY_ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -112,15 +111,7 @@ def server_url():
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{url}/health", trust_env=False).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "kvgen serve did not come up"
-                time.sleep(0.2)
+        wait_healthy(url, proc, 60, proc.stderr.read)
         yield url
     finally:
         proc.terminate()

@@ -153,6 +153,14 @@ def random_model(qtype: QType, vocab_size: int, dims: Dims, seed: int = 0) -> di
     return model
 
 
+def q4_k_m_style_model(vocab_size: int, dims: Dims) -> dict[str, tuple[QType, np.ndarray]]:
+    """`random_model` as a Q4_K_M file mixes types: Q4_K matrices, but v and down in Q6_K."""
+    model = random_model(QType.Q4_K, vocab_size, dims, seed=4)
+    six = random_model(QType.Q6_K, vocab_size, dims, seed=5)
+    return {name: six[name] if name.endswith(("v_proj.weight", "down_proj.weight")) else value
+            for name, value in model.items()}
+
+
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
           "lm_head.weight": "output.weight"}
 BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

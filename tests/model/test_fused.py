@@ -4,11 +4,10 @@ piece of the step has no kernel."""
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType as QType
 
 from kvgen import LLM, SamplingParams
 from kvgen.model.kernels.bf16 import bf16_kernel
-from tests.loaders.gguf_builder import Dims, llama_vocab, random_model, write_gguf
+from tests.loaders.gguf_builder import Dims, llama_vocab, q4_k_m_style_model, write_gguf
 
 PROMPTS = [list(range(100, 228)), list(range(300, 340)), [7], list(range(5, 70)), list(range(40, 41 + 16))]
 
@@ -136,12 +135,7 @@ def test_fused_steps_run_side_by_side_k_quant_layers(tmp_path, stories_dir):
     """A Q4_K_M-style file (q/k in Q4_K, v and down in Q6_K): q/k and v run as two K-quant layers
     side by side, one call of the step writing each its columns of the q/k/v buffer."""
     vocab = llama_vocab(stories_dir)
-    model = random_model(QType.Q4_K, len(vocab.tokens), Dims(), seed=4)
-    six = random_model(QType.Q6_K, len(vocab.tokens), Dims(), seed=5)
-    for name in model:
-        if name.endswith(("v_proj.weight", "down_proj.weight")):
-            model[name] = six[name]
-    path = write_gguf(tmp_path / "mixed.gguf", model, vocab)
+    path = write_gguf(tmp_path / "mixed.gguf", q4_k_m_style_model(len(vocab.tokens), Dims()), vocab)
     prompts = [[1, *range(20, 60)], [1, 7]]
     fused, steps = generate(path, prompts, max_tokens=12)
     layered, _ = generate(path, prompts, max_tokens=12, fused_decode=False)

@@ -26,7 +26,7 @@ from kvgen.model.llama import LlamaModel
 from kvgen.model.projections import ConcatLinear
 from kvgen.model.quant import QuantLinear
 from kvgen.model.quant.kquant_kernel import kquant_kernel
-from tests.loaders.gguf_builder import Dims, llama_vocab, random_model, write_gguf
+from tests.loaders.gguf_builder import Dims, llama_vocab, q4_k_m_style_model, random_model, write_gguf
 from tests.model.test_parity_hf import greedy
 
 PROMPT = [1, 17, 43, 99, 250, 7, 7, 300, 12, 5]
@@ -64,12 +64,7 @@ def test_a_gguf_runs_on_its_packed_blocks(tmp_path, vocab, qtype):
 
 def test_projections_whose_formats_do_not_stack_run_side_by_side(tmp_path, vocab):
     """A Q4_K_M-style file: q/k in Q4_K, v and down in Q6_K."""
-    model = random_model(QType.Q4_K, len(vocab.tokens), Dims(), seed=4)
-    six = random_model(QType.Q6_K, len(vocab.tokens), Dims(), seed=5)
-    for name in model:
-        if name.endswith(("v_proj.weight", "down_proj.weight")):
-            model[name] = six[name]
-    path = write_gguf(tmp_path / "mixed.gguf", model, vocab)
+    path = write_gguf(tmp_path / "mixed.gguf", q4_k_m_style_model(len(vocab.tokens), Dims()), vocab)
     packed = LlamaModel(*_parts(load_model(path, keep_quantized=True)), quantization="auto")
     dense = LlamaModel(*_parts(load_model(path)))
     qkv, kernel = packed.layers[0].qkv, packed.kernels()["qkv"][0]

@@ -20,6 +20,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgen.replicas.launch import REPLICA_ENV
+from tests.servers import wait_healthy
 
 API_KEY = "test-key"
 MODEL = "stories260K"
@@ -85,17 +86,7 @@ def serve(*options: str, model_args: tuple[str, ...] = (), start_timeout: float 
     url = f"http://127.0.0.1:{port}"
     replicas: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"kvgen serve exited with status {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "kvgen serve did not come up"
-                time.sleep(0.2)
+        wait_healthy(url, proc, start_timeout, lambda: (log.seek(0), log.read())[1])
         replicas = list(replicas_of(proc.pid).values())
         assert len(replicas) == 2
         yield url, proc

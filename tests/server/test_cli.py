@@ -5,11 +5,11 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 
 from kvgen.cli import build_parser
+from tests.servers import wait_healthy
 
 
 def test_serve_defaults():
@@ -33,15 +33,7 @@ def test_kvgen_serve_subprocess():
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "kvgen serve did not come up"
-                time.sleep(0.2)
+        wait_healthy(url, proc, 60, proc.stderr.read)
         body = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer k"}, timeout=60,
                           json={"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 5}).json()
         assert body["usage"]["completion_tokens"] == 5
