@@ -1,4 +1,5 @@
-"""The async API: `AsyncLLM.generate(...)` is an async iterator of incremental outputs.
+"""The async API: `AsyncLLM.generate(...)` adds a request at once and returns its RequestStream, an
+async iterator of incremental outputs.
 
 One background task drives the engine: between steps it applies queued adds and aborts (so the
 engine is only ever touched by one thread at a time), runs `engine.step()` in a worker thread so the
@@ -12,8 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,22 +26,47 @@ from kvgen.llm import build_engine, load
 T = TypeVar("T")
 
 
-async def drain(queue: asyncio.Queue, done: Callable[[bool], None]) -> AsyncIterator[RequestOutput]:
+class RequestStream:
     """One request's outputs as they arrive on its queue, up to the finished one; an exception put on
-    the queue is raised. `done(finished)` runs however the iteration ends: `finished` is False when it
-    ended early (the caller stopped iterating, or an error), so the request must be aborted. Shared by
-    AsyncLLM and the data-parallel front end (kvgen.replicas.frontend), which feed the queue from
-    their own engine loop and from a replica's connection respectively."""
-    finished = False
-    try:
-        while not finished:
-            out = await queue.get()
-            if isinstance(out, BaseException):
-                raise out
-            finished = out.finished
-            yield out
-    finally:
-        done(finished)
+    the queue is raised. The request is registered before the stream exists, so admission control
+    counts it at once, not when a task first iterates it. `done(finished)` runs exactly once, however
+    the stream ends: `finished` is False when it ended early (closed, cancelled, an error, or never
+    iterated at all), so the request must be aborted. Shared by AsyncLLM and the data-parallel front
+    end (kvgen.replicas.frontend), which feed the queue from their own engine loop and from a
+    replica's connection respectively."""
+
+    def __init__(self, queue: asyncio.Queue, done: Callable[[bool], None]) -> None:
+        self._queue = queue
+        self._done: Callable[[bool], None] | None = done
+        self._finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished or self._done is None:
+            raise StopAsyncIteration
+        try:
+            out = await self._queue.get()
+        except BaseException:  # cancelled: the caller went away
+            self.close()
+            raise
+        if isinstance(out, BaseException):
+            self.close()
+            raise out
+        self._finished = out.finished
+        if self._finished:
+            self.close()
+        return out
+
+    def close(self) -> None:
+        """Ends the stream; aborts the request unless it finished. Idempotent."""
+        done, self._done = self._done, None
+        if done is not None:
+            done(self._finished)
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 class AsyncLLM:
@@ -63,9 +88,9 @@ class AsyncLLM:
         config = EngineConfig(**engine_options)
         return cls(build_engine(load(model, config), config))
 
-    async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields the request's output after every step that changed it; the last one is finished.
+    def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Adds the request now and returns its outputs, one after every step that changed it; the
+        last one is finished. Close the stream (or iterate it to the end) to release the request.
 
         Raises InvalidRequestError at once for a request that can never be served.
         """
@@ -82,9 +107,7 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-        async with aclosing(drain(queue, done)) as outputs:  # closing this iteration closes drain's at once
-            async for out in outputs:
-                yield out
+        return RequestStream(queue, done)
 
     def num_waiting(self) -> int:
         """Requests added but not yet in the engine, plus sequences the engine has not scheduled yet."""

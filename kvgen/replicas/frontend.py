@@ -28,15 +28,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import aclosing
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvgen.async_llm import drain
+from kvgen.async_llm import RequestStream
 from kvgen.config import EngineConfig
 from kvgen.engine.base import EngineStats, Prompt
 from kvgen.engine.sampling_params import SamplingParams
@@ -137,11 +136,10 @@ class ReplicaSet:
 
     # -- AsyncLLM's interface -------------------------------------------------------------------
 
-    async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields the request's output after every step of its replica that changed it; the last one is
-        finished. Raises InvalidRequestError for a request that can never be served,
-        ReplicaFailedError when its replica dies."""
+    def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Routes and sends the request now and returns its outputs, one after every step of its replica
+        that changed it; the last one is finished. Raises InvalidRequestError at once for a request that
+        can never be served; the stream raises ReplicaFailedError when its replica dies."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         token_ids = self.engine.encode_prompt(prompt)
         self.engine.check_fits(len(token_ids), params)
@@ -163,9 +161,7 @@ class ReplicaSet:
             if not finished and replica.up:
                 replica.send(("abort", request_id))
 
-        async with aclosing(drain(queue, done)) as outputs:  # closing this iteration closes drain's at once
-            async for out in outputs:
-                yield out
+        return RequestStream(queue, done)
 
     def num_waiting(self) -> int:
         """Sequences waiting in every replica's scheduler, plus requests sent that it had not yet applied

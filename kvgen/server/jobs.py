@@ -12,10 +12,10 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
 
 from fastapi import Request
 
+from kvgen.async_llm import RequestStream
 from kvgen.engine.base import Prompt
 from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import CompletionOutput, RequestOutput
@@ -208,16 +208,15 @@ class RequestTracker:
         return [texts.entry(t, lp) for t, lp in zip(c.new_token_ids, c.logprobs[start:])]
 
 
-T = TypeVar("T")
 _END = object()
 
 
-async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """(index of the stream, item) as items arrive from any stream. Closing the merge cancels the
-    streams still running (an AsyncLLM stream aborts its request when cancelled)."""
+async def merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index of the stream, output) as outputs arrive from any stream. Closing the merge closes every
+    stream, which aborts the requests still running, even one whose pump never got to iterate it."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+    async def pump(index: int, stream: RequestStream) -> None:
         try:
             async for item in stream:
                 queue.put_nowait((index, item))
@@ -239,13 +238,34 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int,
     finally:
         for task in tasks:
             task.cancel()
+        close_streams(streams)
 
 
-async def run_job(request: Request, state: ServerState, job: Job) -> AsyncIterator[ChoiceDelta]:
-    """Runs every prompt of the job and yields choice deltas as the engine produces them. Stops early
-    (aborting what still runs) when the client has gone away; keeps the metrics and the request log."""
+def open_streams(state: ServerState, job: Job) -> list[RequestStream]:
+    """Adds every prompt of the job to the engine now, so the next request's admission counts them;
+    if one cannot be added, those already added are aborted."""
+    streams: list[RequestStream] = []
+    try:
+        for i, ids in enumerate(job.prompts):
+            streams.append(state.llm.generate(ids, job.params, f"{job.request_id}-{i}"))
+    except BaseException:
+        close_streams(streams)
+        raise
+    return streams
+
+
+def close_streams(streams: Sequence[RequestStream]) -> None:
+    """Closes each stream; a request that has not finished is aborted (closing twice does nothing)."""
+    for stream in streams:
+        stream.close()
+
+
+async def run_job(request: Request, state: ServerState, job: Job,
+                  streams: Sequence[RequestStream]) -> AsyncIterator[ChoiceDelta]:
+    """Runs the job's prompts (one opened stream each) and yields choice deltas as the engine produces
+    them. Stops early (aborting what still runs) when the client has gone away; keeps the metrics and
+    the request log."""
     trackers = [RequestTracker(job, i, state.engine.tokenizer) for i in range(len(job.prompts))]
-    streams = [state.llm.generate(ids, job.params, f"{job.request_id}-{i}") for i, ids in enumerate(job.prompts)]
     unfinished = set(range(len(job.prompts)))
     state.metrics.on_start(job.num_prompt_tokens)
     try:

@@ -11,8 +11,10 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
-from kvgen.server.jobs import Choice, ChoiceDelta, Job, run_job
+from kvgen.async_llm import RequestStream
+from kvgen.server.jobs import Choice, ChoiceDelta, Job, close_streams, open_streams, run_job
 from kvgen.server.protocol import ErrorInfo, ErrorResponse, SamplingRequest, Usage
 from kvgen.server.state import ServerState, json_response
 
@@ -41,14 +43,35 @@ def _sse(model: BaseModel) -> str:
 
 async def respond(request: Request, state: ServerState, job: Job, fmt: ResponseFormat,
                   body: SamplingRequest) -> Response:
-    deltas = run_job(request, state, job)
+    """Adds the job's prompts to the engine at once (so the next request's admission counts them), then
+    answers: the streams are closed however the answer ends, even a stream that never started."""
+    streams = open_streams(state, job)
+    deltas = run_job(request, state, job, streams)
     if body.stream:
-        return StreamingResponse(_event_stream(deltas, job, fmt, body.include_usage), media_type="text/event-stream")
+        return EventStreamResponse(_event_stream(deltas, job, fmt, body.include_usage), streams)
     choices = [Choice(i) for i in range(job.num_choices)]
-    async with aclosing(deltas):
-        async for delta in deltas:
-            choices[delta.index].add(delta)
+    try:
+        async with aclosing(deltas):
+            async for delta in deltas:
+                choices[delta.index].add(delta)
+    finally:
+        close_streams(streams)
     return json_response(fmt.response(choices, job.usage(choices)))
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that close the job's streams when the response ends, also when the client
+    left before the first event (Starlette then never starts the body iterator)."""
+
+    def __init__(self, events: AsyncIterator[str], streams: Sequence[RequestStream]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close_streams(self.streams)
 
 
 async def _event_stream(deltas: AsyncIterator[ChoiceDelta], job: Job, fmt: ResponseFormat,

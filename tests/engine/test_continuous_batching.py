@@ -126,6 +126,31 @@ def test_async_cancel_aborts_and_frees_blocks(loaded):
     assert llm.engine.kv.num_used_blocks == 0
 
 
+def test_async_generate_counts_at_once_and_a_stream_never_read_is_aborted(loaded):
+    """Admission control reads num_waiting right after generate returns (before any task iterates the
+    stream): the request must count already, and closing a stream nobody read must free its blocks."""
+    llm = AsyncLLM(engine(loaded))
+
+    async def scenario() -> int:
+        streams = [llm.generate("Lily liked the sun", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+                   for _ in range(3)]
+        counted = llm.num_waiting()
+        await asyncio.sleep(0.05)  # the loop adds them and starts stepping
+        for stream in streams:
+            await stream.aclose()
+        for _ in range(200):
+            if not llm.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        await llm.shutdown()
+        return counted
+
+    assert asyncio.run(scenario()) == 3
+    assert not llm.engine.has_unfinished()
+    llm.engine.kv.check_invariants()
+    assert llm.engine.kv.num_used_blocks == 0
+
+
 async def _collect(llm: AsyncLLM, prompt: str, max_tokens: int) -> str:
     text = ""
     async for out in llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens)):
