@@ -12,8 +12,9 @@ it is routed exactly as one engine would refuse it. `generate` routes the reques
 back after each step; closing the iteration early (a client that went away) sends an abort, which
 the replica applies before its next step.
 
-Faults: each replica's connection has a reader thread. When a replica dies its connection closes:
-it is taken out of routing at once, its in-flight requests fail (ReplicaFailedError: a 500, or an
+Faults: each replica's connection has a reader thread. When a replica dies its connection closes;
+when it hangs or its node vanishes it goes silent (no heartbeat for SILENCE_LIMIT_S) and is killed.
+Either way it is taken out of routing at once, its in-flight requests fail (ReplicaFailedError: a 500, or an
 error event in a stream), its series in /metrics read as an empty pool, and a new replica is started
 in its place: on the same cores, or in the same Ray bundle (again and again, with a growing pause if
 it keeps dying).
@@ -50,6 +51,9 @@ from kvgen.server.metrics import labelled_families
 log = logging.getLogger("kvgen.replicas")
 ROUTERS = ("prefix", "round-robin")
 START_TIMEOUT_S = 600.0
+# A replica that sends nothing this long is dead to the front end. It sends a heartbeat every
+# kvgen.replicas.replica.HEARTBEAT_S from a thread of its own, even in the middle of a long step.
+SILENCE_LIMIT_S = 3.0
 _EMPTY = EngineStats(num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=0)
 
 
@@ -258,9 +262,15 @@ class ReplicaSet:
             log.info("replica %d is up on %s (pid %d, %s)", index, host, pid, self.launcher.placements[index])
 
     def _read(self, replica: _Replica) -> None:
-        """The replica's messages, until its connection closes (it exited, or was killed)."""
+        """The replica's messages, until its connection closes (it exited, or was killed) or it goes
+        silent (it hangs, or its node vanished without closing the connection): then it is killed."""
+        reason = None
         try:
             while True:
+                if not replica.conn.poll(SILENCE_LIMIT_S):
+                    reason = f"sent nothing for {SILENCE_LIMIT_S:.0f} s, not even its heartbeat, and was killed"
+                    replica.process.kill()
+                    break
                 message = replica.conn.recv()
                 kind = message[0]
                 if kind == "outputs":
@@ -291,9 +301,9 @@ class ReplicaSet:
                         target[0].call_soon_threadsafe(target[1].put_nowait, InvalidRequestError(error))
         except (EOFError, OSError):
             pass
-        self._on_exit(replica)
+        self._on_exit(replica, reason)
 
-    def _on_exit(self, replica: _Replica) -> None:
+    def _on_exit(self, replica: _Replica, reason: str | None) -> None:
         replica.process.join(2)
         with self._lock:
             replica.up = False
@@ -306,11 +316,11 @@ class ReplicaSet:
             loop.call_soon_threadsafe(_settle, future, f"replica {replica.index} exited")
         if closing:
             return
-        status = replica.process.exit_status() or "status unknown"
-        log.error("replica %d (pid %s on %s) exited (%s); %d requests failed; restarting it", replica.index,
-                  replica.pid, replica.host, status, len(failed))
+        reason = reason or f"exited ({replica.process.exit_status() or 'status unknown'})"
+        log.error("replica %d (pid %s on %s) %s; %d requests failed; restarting it", replica.index,
+                  replica.pid, replica.host, reason, len(failed))
         for loop, queue in failed.values():  # one error each: a raised exception carries its own traceback
-            error = ReplicaFailedError(f"replica {replica.index} exited ({status}) while serving this request")
+            error = ReplicaFailedError(f"replica {replica.index} {reason} while serving this request")
             loop.call_soon_threadsafe(queue.put_nowait, error)
         threading.Thread(target=self._restart, args=(replica.index,), name=f"kvgen-restart-{replica.index}",
                          daemon=True).start()

@@ -15,12 +15,15 @@ serves a small loop:
                             (adds: how many adds it has applied, so the front end knows which of
                             those it sent are not in `stats` yet)
                             ("snapshot", token, EngineSnapshot | str)   (a str: why there is none)
+                            ("alive",)     every HEARTBEAT_S from its own thread, even mid-step
 
 Between two steps it applies what arrived (adds, then aborts: an abort gives the request's blocks
 back at once); when the engine has nothing to do it blocks on the connection. A step that raises ends
 the process with status 1 after telling the front end nothing more: the front end sees the connection
 close, fails the replica's in-flight requests and starts a new replica (kvgen.replicas.frontend). If
-the front end goes away (the connection closes), the replica exits too.
+the front end goes away (the connection closes), the replica exits too. The heartbeat is for what a
+closing connection does not show: a replica whose node vanished or that hangs goes silent, and the
+front end takes it for dead (kvgen.replicas.frontend.SILENCE_LIMIT_S).
 """
 
 from __future__ import annotations
@@ -28,8 +31,31 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 
 MARKER = "kvgen-replica"  # in each replica's command line (ps, tests)
+HEARTBEAT_S = 0.5
+
+
+class Channel:
+    """The connection to the front end, shared by the serving loop and the heartbeat thread."""
+
+    def __init__(self, conn) -> None:  # noqa: ANN001 - a multiprocessing.connection.Connection
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self.closed = threading.Event()
+
+    def send(self, message: tuple) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+
+    def heartbeat(self) -> None:
+        """("alive",) every HEARTBEAT_S until the connection closes."""
+        while not self.closed.wait(HEARTBEAT_S):
+            try:
+                self.send(("alive",))
+            except (OSError, ValueError):  # the front end is gone: the serving loop sees it too
+                return
 
 
 def replica_main(index: int, address: str, authkey: bytes, cores: list[int], model: str | None,
@@ -57,19 +83,22 @@ def run_replica(index: int, address: str | tuple[str, int], authkey: bytes, thre
     logging.basicConfig(level=logging.WARNING, format=f"replica {index}: %(levelname)s: %(message)s")
     engine = build_engine(load(model, config, tokenizer, gguf_file), config)
     conn = Client(address, authkey=authkey)
+    channel = Channel(conn)
     try:
-        conn.send(("ready", index, socket.gethostname(), os.getpid(), engine.stats()))
-        _serve(engine, conn)
+        channel.send(("ready", index, socket.gethostname(), os.getpid(), engine.stats()))
+        threading.Thread(target=channel.heartbeat, name="kvgen-replica-heartbeat", daemon=True).start()
+        _serve(engine, channel)
     except (EOFError, OSError):  # the front end went away
         pass
     finally:
+        channel.closed.set()
         conn.close()
 
 
-def _serve(engine, conn) -> None:  # noqa: ANN001 - engine and connection types live in the child only
+def _serve(engine, channel: Channel) -> None:  # noqa: ANN001 - the engine's types live in the child only
     from kvgen.errors import InvalidRequestError
 
-    adds = 0
+    conn, adds = channel.conn, 0
     while True:
         # Block for a message only when there is nothing to step.
         while conn.poll(0) or not engine.has_unfinished():
@@ -83,20 +112,20 @@ def _serve(engine, conn) -> None:  # noqa: ANN001 - engine and connection types 
                 try:
                     engine.add_request(request_id, token_ids, params)
                 except InvalidRequestError as error:
-                    conn.send(("rejected", request_id, str(error)))
+                    channel.send(("rejected", request_id, str(error)))
             elif kind == "abort":
                 engine.abort(message[1])
             elif kind == "snapshot":  # the dashboard's view of this replica, between two steps
                 _, token, released_since = message
-                conn.send(("snapshot", token, _snapshot(engine, released_since)))
+                channel.send(("snapshot", token, _snapshot(engine, released_since)))
             if not conn.poll(0) and not engine.has_unfinished():
-                conn.send(("stats", engine.stats(), adds))
+                channel.send(("stats", engine.stats(), adds))
         try:
             outputs = engine.step()
         except Exception as error:  # noqa: BLE001 - a broken engine: the front end restarts the replica
             print(f"kvgen replica: a step failed: {error!r}", file=sys.stderr, flush=True)
             os._exit(1)
-        conn.send(("outputs", outputs, engine.stats(), adds))
+        channel.send(("outputs", outputs, engine.stats(), adds))
 
 
 def _snapshot(engine, released_since: int):  # noqa: ANN001, ANN202

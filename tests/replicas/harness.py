@@ -167,10 +167,11 @@ def run_all(url: str, requests: list[dict], model: str) -> list[list[str]]:
 
 # -- a replica killed mid-load ----------------------------------------------------------------------
 
-def kill_one_mid_load(url: str, front_end: int, model: str, max_tokens: int, prompt: str = "Once upon a time"
-                      ) -> dict[str, float]:
+def kill_one_mid_load(url: str, front_end: int, model: str, max_tokens: int, prompt: str = "Once upon a time",
+                      freeze: bool = False) -> dict[str, float]:
     """Four long greedy streams on a round-robin server (two per replica); replica 1 is killed
-    (SIGKILL) once both replicas hold blocks. Replica 0's requests complete, replica 1's end with an
+    (SIGKILL), or with `freeze` stopped (SIGSTOP: it hangs with its connection open, as when its node
+    vanishes), once both replicas hold blocks. Replica 0's requests complete, replica 1's end with an
     error event and [DONE] within 5 s (it is out of routing), it is back within 30 s as a new process,
     no block stays used, and both serve again. Returns the seconds from the kill to replica 1's
     requests failing ("failed_after_s") and to its being up again ("back_after_s")."""
@@ -185,6 +186,7 @@ def kill_one_mid_load(url: str, front_end: int, model: str, max_tokens: int, pro
             results[i] = [line for line in r.iter_lines() if line.startswith("data: ")]
         ended[i] = time.monotonic()
 
+    failure = "replica 1 sent nothing for 3 s" if freeze else "replica 1 exited"
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
@@ -192,16 +194,16 @@ def kill_one_mid_load(url: str, front_end: int, model: str, max_tokens: int, pro
     while min(per_replica(url, "kvgen_kv_cache_blocks_used")) == 0:  # both replicas at work
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    replicas[1].kill()
+    replicas[1].suspend() if freeze else replicas[1].kill()
     killed_at = time.monotonic()
     for t in threads:
         t.join(timeout=180)
     assert len(results) == 4 and all(lines[-1] == "data: [DONE]" for lines in results.values())
     # round-robin gave each replica two: replica 0's complete, replica 1's end with an error event
     ends = sorted("completed" if '"finish_reason":"length"' in lines[-2] else
-                  "failed" if "replica 1 exited" in lines[-2] else lines[-2] for lines in results.values())
+                  "failed" if failure in lines[-2] else lines[-2] for lines in results.values())
     assert ends == ["completed", "completed", "failed", "failed"]
-    failed_after = max(ended[i] - killed_at for i, lines in results.items() if "replica 1 exited" in lines[-2])
+    failed_after = max(ended[i] - killed_at for i, lines in results.items() if failure in lines[-2])
     assert failed_after < 5, "the dead replica's requests did not fail within 5 s"
 
     while per_replica(url, "kvgen_replica_up") != [1, 1]:

@@ -130,6 +130,13 @@ def test_a_dead_replica_fails_only_its_requests_and_comes_back(backend):
         kill_one_mid_load(url, proc.pid, MODEL, max_tokens=480)
 
 
+def test_a_replica_that_hangs_is_taken_for_dead():
+    """A stopped replica keeps its connection open (as one on a vanished node does): its silence
+    (no heartbeat for 3 s) fails its requests within 5 s, and it is killed and replaced."""
+    with serve("--router", "round-robin") as (url, proc):
+        kill_one_mid_load(url, proc.pid, MODEL, max_tokens=480, freeze=True)
+
+
 def test_backpressure_and_a_killed_front_end():
     """Past --max-queued-requests sequences waiting over all replicas, 429 with Retry-After; a front end
     killed outright leaves no replica behind (each exits when its connection closes)."""
