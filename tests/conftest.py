@@ -135,22 +135,25 @@ def smollm_transformers(smollm_gguf):
 def smollm_requantized(smollm_gguf):
     """Factory: smollm_requantized(mix) -> the real file as llama.cpp's `llama-quantize --allow-requantize`
     makes a `mix` (Q4_K_M, Q6_K, ...) of it, built once into the test model cache (KVGEN_TEST_MODELS,
-    default ~/.cache/kvgen-test-models). Skips, saying why, where this machine has no llama-quantize."""
+    default ~/.cache/kvgen-test-models). A file not built yet where this machine has no llama-quantize
+    skips the test, saying why."""
     from kvgen.bench import llama_tools
     from kvgen.bench.random_models import build_atomically
     from tests.loaders.arch_fixtures import cache_root
 
-    try:
-        llama_tools.find_binary("llama-quantize")
-    except llama_tools.ToolError as e:
-        pytest.skip(f"llama.cpp's quantizer is needed to requantize {smollm_gguf.name}: {e}")
+    def build(mix: str, out: Path) -> None:
+        try:
+            llama_tools.find_binary("llama-quantize")
+        except llama_tools.ToolError as e:
+            pytest.skip(f"llama.cpp's quantizer is needed to requantize {smollm_gguf.name} to {mix}: {e}")
+        build_atomically(out, lambda tmp: llama_tools.quantize(smollm_gguf, tmp, mix, requantize=True),
+                         directory=False)
 
     def get(mix: str) -> Path:
         out = cache_root() / f"{smollm_gguf.stem}-requantized-{mix}.gguf"
         with llama_tools.file_lock(out.with_name(f".{out.name}.lock")):
             if not out.is_file():
-                build_atomically(out, lambda tmp: llama_tools.quantize(smollm_gguf, tmp, mix, requantize=True),
-                                 directory=False)
+                build(mix, out)
         return out
 
     return get
