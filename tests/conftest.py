@@ -131,6 +131,34 @@ def smollm_transformers(smollm_gguf):
     return model, AutoTokenizer.from_pretrained(directory, gguf_file=name)
 
 
+@pytest.fixture(scope="session")
+def smollm_requantized(smollm_gguf):
+    """Factory: smollm_requantized(mix) -> the real file as llama.cpp's `llama-quantize --allow-requantize`
+    makes a `mix` (Q4_K_M, Q6_K, ...) of it, built once into the test model cache (KVGEN_TEST_MODELS,
+    default ~/.cache/kvgen-test-models). A file not built yet where this machine has no llama-quantize
+    skips the test, saying why."""
+    from kvgen.bench import llama_tools
+    from kvgen.bench.random_models import build_atomically
+    from tests.loaders.arch_fixtures import cache_root
+
+    def build(mix: str, out: Path) -> None:
+        try:
+            llama_tools.find_binary("llama-quantize")
+        except llama_tools.ToolError as e:
+            pytest.skip(f"llama.cpp's quantizer is needed to requantize {smollm_gguf.name} to {mix}: {e}")
+        build_atomically(out, lambda tmp: llama_tools.quantize(smollm_gguf, tmp, mix, requantize=True),
+                         directory=False)
+
+    def get(mix: str) -> Path:
+        out = cache_root() / f"{smollm_gguf.stem}-requantized-{mix}.gguf"
+        with llama_tools.file_lock(out.with_name(f".{out.name}.lock")):
+            if not out.is_file():
+                build(mix, out)
+        return out
+
+    return get
+
+
 # -- a real checkpoint with real defects, for the fault-isolation tests ----------------------------
 
 POISON = 300  # the token whose embedding row overflows

@@ -108,9 +108,13 @@ def find_binary(program: str) -> Path:
                     f"to its bin directory, or PATH)")
 
 
-def quantize(source: Path, out: Path, mix: str, threads: int | None = None) -> Path:
-    """`llama-quantize source out MIX` (a GGUF of F32/F16/BF16 tensors -> the mix, e.g. Q4_K_M)."""
-    cmd = [str(find_binary("llama-quantize")), str(source), str(out), mix, str(threads or os.cpu_count() or 1)]
+def quantize(source: Path, out: Path, mix: str, threads: int | None = None, requantize: bool = False) -> Path:
+    """`llama-quantize source out MIX` (a GGUF of F32/F16/BF16 tensors -> the mix, e.g. Q4_K_M). With
+    `requantize`, the source may hold quantized tensors (`--allow-requantize`: they are dequantized
+    first, so the result carries both roundings; the tests make real-weight files of other mixes so)."""
+    flags = ["--allow-requantize"] if requantize else []
+    cmd = [str(find_binary("llama-quantize")), *flags, str(source), str(out), mix,
+           str(threads or os.cpu_count() or 1)]
     env = os.environ | {"LD_LIBRARY_PATH": f"{Path(cmd[0]).parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     _run(cmd, out, f"llama-quantize to {mix}", env)
     return out

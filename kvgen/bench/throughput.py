@@ -5,8 +5,9 @@ requests one at a time through the same engine. Static-batching peers (HF, CTran
 batch size and keep their fastest; their padding costs them time but only the requested output
 tokens count. HF's batches are cut in arrival order; CTranslate2's from the requests sorted by
 prompt length, as its own `max_batch_size` batching does. llama-server gets every request at once,
-like kvgen, with each batch size as its slot count (`--parallel`), and keeps its fastest. EOS is
-ignored everywhere, so every system produces the same number of tokens.
+like kvgen, with each batch size as its slot count (`--parallel`), and keeps its fastest; each size
+is warmed up untimed first, so a server's start is not counted. EOS is ignored everywhere, so every
+system produces the same number of tokens.
 """
 
 from __future__ import annotations
@@ -41,9 +42,8 @@ def run(args: argparse.Namespace, vocab_size: int, kvgen: KvgenSystem, peers: Se
         results["kvgen-sequential"] = rates(requests, timed(lambda: kvgen.run_at(requests, 1), device))
     notes = []
     for peer in peers:
-        peer.run_batch(warmup)
         sizes = sorted({min(b, len(requests)) for b in args.batch_sizes}) if peer.batched else [1]
-        results[peer.name] = best_batch_size(peer, requests, sizes, device)
+        results[peer.name] = best_batch_size(peer, requests, sizes, warmup, device)
         notes.append(f"{peer.name}: " + (f"best {peer.batch_kind} {results[peer.name]['batch_size']} of {sizes}"
                                          if peer.batched else "one request at a time (no batched generate)"))
     title = (f"throughput: {settings['model']}, {settings['dtype']}, {len(requests)} requests, prompts "
@@ -76,9 +76,14 @@ def alternate_rounds(engines: Sequence[KvgenSystem], rounds: Sequence[Sequence[B
 
 
 def best_batch_size(peer: System, requests: Sequence[BenchRequest], sizes: Sequence[int],
-                    device: torch.device) -> dict:
-    """Runs every request at each batch size (System.run_at); keeps the fastest size."""
-    elapsed = {size: timed(lambda: peer.run_at(requests, size), device) for size in sizes}
+                    warmup: Sequence[BenchRequest], device: torch.device) -> dict:
+    """Runs every request at each batch size (System.run_at); keeps the fastest size. Each size is
+    warmed up untimed first, so that a server peer's start at a new slot count (loading and
+    repacking its weights) is not charged to its throughput."""
+    elapsed = {}
+    for size in sizes:
+        peer.run_at(warmup, size)
+        elapsed[size] = timed(lambda: peer.run_at(requests, size), device)
     best = min(elapsed, key=elapsed.get)
     return rates(requests, elapsed[best]) | {"batch_size": best, "elapsed_s_by_batch_size": elapsed}
 

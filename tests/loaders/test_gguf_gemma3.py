@@ -10,12 +10,10 @@ import torch
 
 from kvgen import LLM, SamplingParams
 from kvgen.eval.ppl import text_token_ids
-from kvgen.loaders import load_model
-from kvgen.model.attention import NoCacheAttention
-from kvgen.model.llama import LlamaModel
 from kvgen.server.app import create_app
 from kvgen.server.chat import ChatTemplate
 from kvgen.server.protocol import ChatMessage
+from tests.model.teacher_forced import all_logits, packed_model, top1_agreement
 from tests.server.test_server import running
 
 TEXTS = [
@@ -89,22 +87,13 @@ def test_chat_uses_gemmas_template_through_the_server(gemma_llm):
     assert result.choices[0].message.content == want
 
 
-def all_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
-    """Teacher-forced logits [len(ids), vocab] in one pass without a cache (each layer's window kept)."""
-    windows = [model.config.window(i) for i in range(model.config.num_layers)]
-    hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), NoCacheAttention(windows))
-    return model.logits(hidden)
-
-
 def test_packed_weights_keep_top1_against_dequantized(gemma_gguf, gemma_llm):
     """Teacher-forced over 640 tokens of real text: the packed Q4_K/Q5_0/Q6_K/Q8_0 kernels pick the
     dequantized fp32 model's top token at >= 98% of positions."""
-    loaded = load_model(gemma_gguf, keep_quantized=True)
-    packed = LlamaModel(loaded.config, {**loaded.weights, **loaded.quantized}, quantization="auto")
     ids = long_text(gemma_llm.tokenizer, 640)
     with torch.no_grad():
-        want, got = all_logits(gemma_llm.engine.model, ids), all_logits(packed, ids)
-    agreement = (want.argmax(-1) == got.argmax(-1)).float().mean().item()
+        want, got = all_logits(gemma_llm.engine.model, ids), all_logits(packed_model(gemma_gguf), ids)
+    agreement = top1_agreement(want, got)
     assert agreement >= 0.98, agreement
 
 

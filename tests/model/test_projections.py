@@ -20,13 +20,13 @@ from kvgen import LLM, SamplingParams
 from kvgen.eval.ppl import read_text, text_token_ids
 from kvgen.llm import DEFAULT_MODEL
 from kvgen.loaders import load_model
-from kvgen.model.attention import NoCacheAttention
 from kvgen.model.linear import make_linear
 from kvgen.model.llama import LlamaModel
 from kvgen.model.projections import ConcatLinear
 from kvgen.model.quant import QuantLinear
 from kvgen.model.quant.kquant_kernel import kquant_kernel
 from tests.loaders.gguf_builder import Dims, llama_vocab, q4_k_m_style_model, random_model, write_gguf
+from tests.model.teacher_forced import all_logits, packed_model, top1_agreement
 from tests.model.test_parity_hf import greedy
 
 PROMPT = [1, 17, 43, 99, 250, 7, 7, 300, 12, 5]
@@ -37,13 +37,6 @@ def logits_bound(model: LlamaModel, reference: torch.Tensor) -> float:
     return 4 * 2 * model.config.num_layers * 2**-14 * reference.abs().max().item()
 
 
-def all_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
-    """Teacher-forced logits [len(ids), vocab] in one pass without a cache."""
-    tokens = torch.tensor(ids)
-    hidden = model.forward(tokens, torch.arange(len(ids)), NoCacheAttention())
-    return model.logits(hidden)
-
-
 @pytest.fixture(scope="module")
 def vocab(stories_dir):
     return llama_vocab(stories_dir)
@@ -52,8 +45,7 @@ def vocab(stories_dir):
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
 def test_a_gguf_runs_on_its_packed_blocks(tmp_path, vocab, qtype):
     path = write_gguf(tmp_path / "m.gguf", random_model(qtype, len(vocab.tokens), Dims(), seed=3), vocab)
-    packed = LlamaModel(*_parts(load_model(path, keep_quantized=True)), quantization="auto")
-    dense = LlamaModel(*_parts(load_model(path)))
+    packed, dense = packed_model(path), LlamaModel(*_parts(load_model(path)))
     layers = [packed.lm_head] + [getattr(layer, n) for layer in packed.layers for n in ("qkv", "o", "gate_up", "down")]
     assert all(isinstance(layer, QuantLinear) for layer in layers)
     want_tokens, want = greedy(dense, PROMPT, 8, "contiguous")
@@ -65,8 +57,7 @@ def test_a_gguf_runs_on_its_packed_blocks(tmp_path, vocab, qtype):
 def test_projections_whose_formats_do_not_stack_run_side_by_side(tmp_path, vocab):
     """A Q4_K_M-style file: q/k in Q4_K, v and down in Q6_K."""
     path = write_gguf(tmp_path / "mixed.gguf", q4_k_m_style_model(len(vocab.tokens), Dims()), vocab)
-    packed = LlamaModel(*_parts(load_model(path, keep_quantized=True)), quantization="auto")
-    dense = LlamaModel(*_parts(load_model(path)))
+    packed, dense = packed_model(path), LlamaModel(*_parts(load_model(path)))
     qkv, kernel = packed.layers[0].qkv, packed.kernels()["qkv"][0]
     assert isinstance(qkv, ConcatLinear)
     if kquant_kernel() is not None:  # q and k stack (both Q4_K), v beside them
@@ -97,19 +88,34 @@ def test_float_weights_packed_by_the_engine(method):
 def test_packed_real_model_keeps_its_quality(smollm_gguf, smollm_llm):
     """Issue 15's bar on the real Q4_1 file, teacher-forced over the bundled text: top-1 agrees with
     the dequantized fp32 model on >= 98% of positions and perplexity stays within 1%."""
-    dense = smollm_llm.engine.model
-    packed = LlamaModel(*_parts(load_model(smollm_gguf, keep_quantized=True)), quantization="auto")
     ids = text_token_ids(smollm_llm.tokenizer, read_text(None))[:512]
     with torch.no_grad():
-        want, got = all_logits(dense, ids)[:-1], all_logits(packed, ids)[:-1]
-    agreement = (want.argmax(-1) == got.argmax(-1)).float().mean().item()
+        want, got = all_logits(smollm_llm.engine.model, ids)[:-1], all_logits(packed_model(smollm_gguf), ids)[:-1]
     targets = torch.tensor(ids[1:])
 
     def ppl(logits: torch.Tensor) -> float:
         return math.exp(-logits.log_softmax(-1).gather(-1, targets[:, None]).mean().item())
 
-    assert agreement >= 0.98
+    assert top1_agreement(want, got) >= 0.98
     assert abs(ppl(got) / ppl(want) - 1) <= 0.01
+
+
+REQUANTIZED_MIXES = ["Q4_K_M", *(pytest.param(mix, marks=pytest.mark.slow) for mix in ("Q4_0", "Q5_K_M", "Q6_K"))]
+
+
+@pytest.mark.parametrize("mix", REQUANTIZED_MIXES)
+def test_packed_requantized_real_model_keeps_top1(smollm_requantized, mix):
+    """Issue 33's bar: the real file as llama.cpp requantizes it to the mixes people download,
+    teacher-forced over the bundled text, top-1 on the packed kernels agrees with the dequantized fp32
+    model at >= 98% of positions. SmolLM2's 576 columns are not a multiple of 256, so llama-quantize
+    falls back for most matrices (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0); the MLP's down projection
+    (1536 columns) is where the K-quant blocks run. Measured: 98.6-99.0% for the four mixes."""
+    path = smollm_requantized(mix)
+    dense = LlamaModel(*_parts(loaded := load_model(path)))
+    ids = text_token_ids(loaded.tokenizer, read_text(None))[:512]
+    with torch.no_grad():
+        agreement = top1_agreement(all_logits(dense, ids), all_logits(packed_model(path), ids))
+    assert agreement >= 0.98, agreement
 
 
 def _parts(loaded):
