@@ -113,12 +113,14 @@ def roofline_note(name: str, step: dict[str, int], result: dict) -> str:
 
 
 def load_note(load: dict) -> str:
-    """kvgen's load time and what it left resident, against the model file plus the KV cache."""
+    """kvgen's load time and what it left resident, against the model file plus the KV cache (whose
+    pool is reserved at load and takes memory as tokens are written: kvgen.loaders.residency)."""
     note = f"kvgen load: {load['seconds']:.2f} s, peak RSS {format_bytes(load['peak_rss_bytes'])}"
     if load.get("rss_bytes") and load.get("file_bytes") and load.get("kv_cache_bytes"):
         base = load["file_bytes"] + load["kv_cache_bytes"]
         note += (f", RSS after load {format_bytes(load['rss_bytes'])} = {load['rss_bytes'] / base:.2f}x the file "
-                 f"({format_bytes(load['file_bytes'])}) + KV cache ({format_bytes(load['kv_cache_bytes'])})")
+                 f"({format_bytes(load['file_bytes'])}) + KV cache ({format_bytes(load['kv_cache_bytes'])}, "
+                 "its pages taken as tokens are written)")
     return note
 
 

@@ -23,12 +23,12 @@ def resolve_model(spec: str, gguf_file: str | None = None) -> Path:
 
     Raises ModelLoadError, one line, when the repo, or the file asked for, cannot be had.
     """
-    from huggingface_hub import hf_hub_download, snapshot_download
-
     path = Path(spec)
     repo_id, _, quant = spec.partition(":")
     if path.exists() or not _REPO_ID.fullmatch(repo_id):
         return path / gguf_file if gguf_file else path
+    from huggingface_hub import hf_hub_download, snapshot_download  # here: importing it takes 0.1-0.2 s
+
     files = _repo_files(repo_id)
     if gguf_file or quant:
         name = gguf_file or _pick_gguf(repo_id, quant, files)

@@ -1,18 +1,24 @@
-"""What loading leaves resident in this process: its RSS now and at its peak, and handing back the heap.
+"""What loading leaves resident in this process: its RSS now and at its peak, handing back the heap,
+and zeros that take no memory until written (the KV pools).
 
-Converting a model's matrices (kvgen.model.projections) allocates and frees large numpy temporaries.
-glibc serves blocks past its mmap threshold with mmap and returns them, but raises that threshold to
-the largest block freed (up to 32 MB), so later temporaries come from the heap, whose freed pages it
-keeps: after loading a 1B Q4_K_M file, ~0.56 GB of RSS was freed memory (measured; `trim_heap` gives it
-back). On other C libraries `trim_heap` does nothing.
+Converting a model's matrices to the generic packed format (kvgen.model.projections, gguf_blocks)
+allocates and frees large numpy temporaries (the K-quants pack in C, without them). glibc serves
+blocks past its mmap threshold with mmap and returns them, but raises that threshold to the largest
+block freed (up to 32 MB), so later temporaries come from the heap, whose freed pages it keeps: when
+the 1B Q4_K_M file still packed in numpy, ~0.56 GB of RSS after loading was freed memory (measured;
+`trim_heap` gives it back). On other C libraries `trim_heap` does nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
+import mmap
 import os
 import resource
+
+import torch
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -41,3 +47,15 @@ def trim_heap() -> None:
         return
     if trim is not None:
         trim(0)
+
+
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose pages nothing has written yet: an anonymous private map, which the
+    kernel fills with zero pages as they are first written. A KV pool sized for thousands of tokens
+    then costs memory as tokens arrive, not at load (torch.zeros writes every page: a 1 GB pool took
+    0.3 s on warm pages and 2-4 s on pages the VM had to back afresh, measured on the 1B bench)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps `pages` alive

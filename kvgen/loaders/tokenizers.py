@@ -176,26 +176,25 @@ class BPEVocabTokenizer(Tokenizer):
         self._dummy_prefix = add_dummy_prefix
         special = {i for i in (bos_token_id, eos_token_id, unk_token_id, *special_ids) if i is not None}
         self._build_tables([p.replace(SPM_SPACE, " ") for p in pieces], special, set(user_defined_ids) - special)
-        self._merge_scores = {piece: float(scores[i]) for piece, i in self._piece_ids.items()}
+        self._merge_scores = dict(zip(self._piece_ids, map(float, map(scores.__getitem__, self._piece_ids.values()))))
 
     def _build_tables(self, pieces: list[str], special: set[int], user_defined: set[int]) -> None:
-        """Lookup tables: mergeable piece -> id, byte -> id, whole-match text -> id (special and
-        user-defined pieces), and id -> bytes for decode (special pieces decode to nothing)."""
-        self._piece_ids: dict[str, int] = {}
+        """Lookup tables: mergeable piece -> id (its first id), byte -> id (the first), whole-match text
+        -> id (special and user-defined pieces), and id -> bytes for decode (special pieces decode to
+        nothing). Built with whole-list operations: a 128k vocabulary is part of every load."""
+        byte_values = {i: int(m.group(1), 16) for i, piece in enumerate(pieces)
+                       if piece.startswith("<0x") and i not in special and (m := _BYTE_PIECE.fullmatch(piece))}
         self._byte_ids: dict[int, int] = {}
-        self._decoded: list[bytes] = []  # b"" for special tokens, which decode skips
-        self._is_byte: list[bool] = []
-        for i, piece in enumerate(pieces):
-            byte = _BYTE_PIECE.fullmatch(piece) if i not in special else None
-            if i in special:
-                self._decoded.append(b"")
-            elif byte:
-                self._byte_ids.setdefault(int(byte.group(1), 16), i)
-                self._decoded.append(bytes([int(byte.group(1), 16)]))
-            else:
-                self._piece_ids.setdefault(piece, i)
-                self._decoded.append(piece.encode("utf-8"))
-            self._is_byte.append(byte is not None)
+        for i, value in byte_values.items():
+            self._byte_ids.setdefault(value, i)
+        kept = [i for i in range(len(pieces)) if i not in special and i not in byte_values]
+        self._piece_ids: dict[str, int] = dict(zip(map(pieces.__getitem__, reversed(kept)), reversed(kept)))
+        self._decoded: list[bytes] = [piece.encode("utf-8") for piece in pieces]  # b"" for special tokens
+        self._is_byte: list[bool] = [False] * len(pieces)
+        for i in special:
+            self._decoded[i] = b""
+        for i, value in byte_values.items():
+            self._decoded[i], self._is_byte[i] = bytes([value]), True
         self._special_ids = {pieces[i]: i for i in sorted(special | user_defined) if pieces[i]}
         alternatives = sorted(self._special_ids, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvgen.loaders.residency import untouched_zeros
 from kvgen.model.kernels import GroupDecode, PagedDecode, stores
 from kvgen.model.kernels.prefill import prefill_attention_kernel
 from kvgen.model.kv_quant import as_bytes, dequantize, is_quantized, key_groups, quantize
@@ -91,8 +92,8 @@ class ContiguousKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq: int,
                  device: torch.device, dtype: torch.dtype) -> None:
         shape = (1, num_kv_heads, max_seq, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.k = [_zeros(shape, device, dtype) for _ in range(num_layers)]
+        self.v = [_zeros(shape, device, dtype) for _ in range(num_layers)]
         self.length = 0  # tokens stored so far
 
     @property
@@ -168,6 +169,13 @@ class PagedMetadata:
     groups: list[PagedGroup]
 
 
+def _zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A pool's zeros: on the CPU in pages that take memory as the pool fills (see untouched_zeros)."""
+    if torch.device(device).type == "cpu":
+        return untouched_zeros(shape, dtype)
+    return torch.zeros(shape, device=device, dtype=dtype)
+
+
 class PagedKVCache:
     """The K/V pools: per layer [kv_heads, num_slots, head_dim], slot = block * block_size + offset.
 
@@ -190,15 +198,15 @@ class PagedKVCache:
                  device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> None:
         num_slots = (num_blocks + 1) * block_size
         shape = (num_kv_heads, num_slots, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.k = [_zeros(shape, device, dtype) for _ in range(num_layers)]
+        self.v = [_zeros(shape, device, dtype) for _ in range(num_layers)]
         self.quantized = is_quantized(dtype)
         self.compute_dtype = compute_dtype or dtype
         self.key_groups = key_groups(head_dim)
         scales = (num_kv_heads, num_slots) if self.quantized else (0, 0)
         k_scales = (*scales, self.key_groups) if self.key_groups > 1 else scales
-        self.k_scale = [torch.zeros(k_scales, device=device) for _ in range(num_layers)]
-        self.v_scale = [torch.zeros(scales, device=device) for _ in range(num_layers)]
+        self.k_scale = [_zeros(k_scales, device, torch.float32) for _ in range(num_layers)]
+        self.v_scale = [_zeros(scales, device, torch.float32) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Reused by every gather: fresh multi-MB buffers each layer cost more in page faults than the copy.

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import torch
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
@@ -30,7 +29,7 @@ from kvgen.model.quant import formats
 from kvgen.model.quant.float_weights import GROUP
 from kvgen.model.quant.formats import PackedWeight, concat_rows
 from kvgen.model.quant.gguf_blocks import convert
-from kvgen.model.quant.kquant_format import KINDS, KPacked, pack_k
+from kvgen.model.quant.kquant_format import KINDS, KPacked
 from kvgen.model.quant.kquant_kernel import kquant_kernel
 from kvgen.model.quant.kquant_linear import KQuantLinear
 from kvgen.model.quant.linear import describe as describe_layer
@@ -58,7 +57,7 @@ class LayerBuilder:
         """The matrix in a kernel format, or None where no format holds its type: K-quants in
         kquant.c's layout where that kernel runs, the rest in kvgen.model.quant.formats'."""
         if weight.name not in self._conversions:
-            self._conversions[weight.name] = (pack_k(weight.ggml_type, weight.raw, weight.shape)
+            self._conversions[weight.name] = (kquant_kernel().pack(weight.ggml_type, [weight.raw])
                                               if self._keeps_k(weight.ggml_type) else
                                               convert(weight.ggml_type, weight.raw, weight.shape))
             if self._conversions[weight.name] is not None:
@@ -107,8 +106,7 @@ class LayerBuilder:
             return self.linear(run, bias)
         if len(run) == 1:
             return KQuantLinear(self.packed(run[0]), bias, self.activations)
-        raw = np.concatenate([p.raw for p in run])
-        packed = pack_k(run[0].ggml_type, raw, (sum(p.shape[0] for p in run), run[0].shape[1]))
+        packed = kquant_kernel().pack(run[0].ggml_type, [p.raw for p in run])  # stacked as it packs: no copy
         for part in run:
             part.release()
             advance(part.raw.nbytes)

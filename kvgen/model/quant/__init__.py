@@ -23,8 +23,9 @@ all exact: the kernel's weights equal gguf's dequantization bit for bit):
 
 On a CPU with AVX-512 VNNI the model's Q4_K, Q5_K and Q6_K matrices take their own layout instead,
 close to the file's (kquant_format.py: panels of 16 rows with the file's integer scales, 4.625 /
-5.625 / 6.625 bits a weight), read by kquant.c at every row count (kquant_linear.KQuantLinear,
-chosen by kvgen.model.projections).
+5.625 / 6.625 bits a weight), packed at load by kquant_pack.c straight from the file's memory map
+and read by kquant.c at every row count (kquant_linear.KQuantLinear, chosen by
+kvgen.model.projections).
     int8 / int4         qmatmul_u8_g32_* / qmatmul_u4_g32_* (fp16 scales where they fit)
 
 The qmatmul_* kernels (qmatmul.c) need AVX-512 F/BW/VL/VNNI, FMA and F16C, or else AVX2, FMA and

@@ -7,20 +7,20 @@ directly. This layout keeps the file's integers (sc, m as bytes, d and dmin fp16
 4-bit codes plus 1 or 2 high-bit planes): 4.625 / 5.625 / 6.625 bits a weight.
 
 Rows go in panels of 16 (the last padded with zero rows), each panel stored super-block by
-super-block as one stream; kquant.c's header gives the bytes of a block. `dequantize` reads the
-layout back (the reference the kernel is tested against); its values equal gguf's dequantization
-bit for bit (d*sc*q - dmin*m and d*sc*(q - 32) in fp32, as gguf computes them).
+super-block as one stream; kquant.c's header gives the bytes of a block. kquant_pack.c packs it at
+load, straight from the file's memory map (KQuantKernel.pack). `dequantize` reads the layout back
+(the reference the kernel is tested against); its values equal gguf's dequantization bit for bit
+(d*sc*q - dmin*m and d*sc*(q - 32) in fp32, as gguf computes them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
-from kvgen.model.quant.gguf_blocks import QK_K, KFields, k_fields
+from kvgen.model.quant.gguf_blocks import QK_K
 
 Q = GGMLQuantizationType
 PANEL = 16   # rows per panel
@@ -47,61 +47,6 @@ class KPacked:
 
 def block_bytes(ggml_type: Q) -> int:
     return META + LOW + HIGH[ggml_type]
-
-
-def pack_k(ggml_type: Q, raw: np.ndarray, shape: tuple[int, int]) -> KPacked:
-    """raw uint8 [out, bytes per row] of a Q4_K/Q5_K/Q6_K matrix of `shape` (out, in) -> KPacked."""
-    out, cols = shape
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    if ggml_type not in HIGH or cols % block_size or raw.shape != (out, cols // block_size * type_size):
-        raise ValueError(f"{ggml_type.name} blocks of shape {raw.shape} do not hold a {out}x{cols} K-quant matrix")
-    panels = -(-out // PANEL)
-    padded = np.zeros((panels * PANEL, raw.shape[1]), np.uint8)
-    padded[:out] = raw
-    f = k_fields(ggml_type, padded.reshape(panels, PANEL, cols // QK_K, type_size))  # [P, 16, nb, ...]
-    parts = [_meta(f), _low(f.q)] + ([_high(f.q, ggml_type)] if HIGH[ggml_type] else [])
-    data = np.concatenate(parts, axis=-1)  # [P, nb, block bytes]
-    return KPacked(torch.from_numpy(np.ascontiguousarray(data).reshape(panels, -1)), ggml_type, shape)
-
-
-def _by_block(a: np.ndarray) -> np.ndarray:
-    """[P, 16 rows, nb, k] -> [P, nb, k * 16]: per block, entry by entry, the 16 rows."""
-    return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).reshape(a.shape[0], a.shape[2], -1)
-
-
-def _meta(f: KFields) -> np.ndarray:
-    """The 320 bytes of scales per block [P, nb, 320]."""
-    d = _by_block(f.d.astype(np.float16)).view(np.uint8)
-    if f.m is None:  # Q6_K: sc int8 [16][16], d, zeros
-        return np.concatenate([_by_block(f.sc).view(np.uint8), d, np.zeros_like(d)], axis=-1)
-    return np.concatenate([_by_block(f.sc), _by_block(f.m), d, _by_block(f.dmin.astype(np.float16)).view(np.uint8)],
-                          axis=-1)
-
-
-def _low(q: np.ndarray) -> np.ndarray:
-    """Low nibbles [P, nb, 2048]: per sub-block s, vector v, row n, byte b: q[32s+8v+b] | q[32s+8v+4+b] << 4."""
-    P, _, nb, _ = q.shape
-    c = (q & 0x0F).reshape(P, PANEL, nb, 8, 4, 2, 4)  # [P, n, nb, s, v, half, b]
-    nib = c[..., 0, :] | (c[..., 1, :] << 4)           # [P, n, nb, s, v, b]
-    return nib.transpose(0, 2, 3, 4, 1, 5).reshape(P, nb, LOW)
-
-
-def _high(q: np.ndarray, ggml_type: Q) -> np.ndarray:
-    """High-bit planes [P, nb, 512 or 1024]: Q5_K lane n bit 8b+g = bit 4 of q[32s+4g+b]; Q6_K two
-    vectors k per sub-block, lane n bits 8b+2j.. = bits 4-5 of q[32s+4(4k+j)+b]."""
-    P, _, nb, _ = q.shape
-    h = (q >> 4).astype(np.uint32)
-    if ggml_type == Q.Q5_K:
-        h = h.reshape(P, PANEL, nb, 8, 8, 4)  # [P, n, nb, s, g, b]
-        shifts = 8 * np.arange(4, dtype=np.uint32) + np.arange(8, dtype=np.uint32)[:, None]  # [g, b]
-        words = (h << shifts).sum(axis=(-2, -1), dtype=np.uint32)  # [P, n, nb, s]
-        words = words.transpose(0, 2, 3, 1)                         # [P, nb, s, n]
-    else:
-        h = h.reshape(P, PANEL, nb, 8, 2, 4, 4)  # [P, n, nb, s, k, j, b]
-        shifts = 8 * np.arange(4, dtype=np.uint32) + 2 * np.arange(4, dtype=np.uint32)[:, None]  # [j, b]
-        words = (h << shifts).sum(axis=(-2, -1), dtype=np.uint32)  # [P, n, nb, s, k]
-        words = words.transpose(0, 2, 3, 4, 1)                      # [P, nb, s, k, n]
-    return np.ascontiguousarray(words.astype("<u4")).view(np.uint8).reshape(P, nb, HIGH[ggml_type])
 
 
 def dequantize(w: KPacked) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The compiled K-quant matmul (kquant.c): when it can run, loading it, and calling it.
+"""The compiled K-quant matmul (kquant.c) and its packer (kquant_pack.c): when they can run, loading
+them, and calling them.
 
 Built with explicit flags (AVX-512 F/BW/VL/VNNI, F16C; not -march=native, which would also enable
 AMX where a CPU advertises it) and loaded only where /proc/cpuinfo lists every feature they use;
@@ -11,16 +12,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvgen.model.kernels import KernelCall, build_library, cpu_has
-from kvgen.model.quant.kquant_format import KPacked
+from kvgen.model.quant.kquant_format import KINDS, PANEL, QK_K, KPacked, block_bytes
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kquant.c")
+PACK_SOURCE = Path(__file__).with_name("kquant_pack.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
          "-mf16c")
 FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
@@ -36,12 +41,31 @@ class _Args(ctypes.Structure):
 
 
 class KQuantKernel:
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._library = library
+    def __init__(self, library: ctypes.CDLL, packer: ctypes.CDLL) -> None:
+        self._library, self._packer = library, packer
         quantize = library.kq_quantize
         quantize.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, _P, _P]
         quantize.restype = ctypes.c_int
         self._quantize = quantize
+
+    def pack(self, ggml_type: GGMLQuantizationType, parts: Sequence[np.ndarray]) -> KPacked:
+        """Q4_K/Q5_K/Q6_K matrices' blocks (each uint8 [rows, bytes per row], rows of the same width;
+        views of the file's memory map are read in place) stacked by rows -> KPacked, in one pass
+        (kquant_pack.c). A part's rows may be any row-strided view, such as a permutation's copy."""
+        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+        width = parts[0].shape[1] if parts and parts[0].ndim == 2 else 0
+        if ggml_type not in KINDS or not width or width % type_size or any(
+                p.ndim != 2 or p.shape[1] != width or p.dtype != np.uint8 or p.strides[1] != 1 for p in parts):
+            shapes = [(p.shape, p.dtype) for p in parts]
+            raise ValueError(f"{ggml_type.name} blocks {shapes} do not hold a K-quant matrix")
+        cols = width // type_size * block_size
+        rows = np.concatenate([p.__array_interface__["data"][0] + p.strides[0] * np.arange(len(p), dtype=np.uint64)
+                               for p in parts]).astype(np.uint64)  # a pointer to each output row's blocks
+        out = torch.empty(-(-len(rows) // PANEL), cols // QK_K * block_bytes(ggml_type), dtype=torch.uint8)
+        function = getattr(self._packer, f"kq_pack_{KINDS[ggml_type]}")
+        function.argtypes, function.restype = [_P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int32], None
+        function(rows.ctypes.data, len(rows), cols, out.data_ptr(), torch.get_num_threads())
+        return KPacked(out, ggml_type, (len(rows), cols))
 
     def bind(self, w: KPacked, parts: int) -> BoundKQuant:
         """The kernel for `w`'s type with its pointer filled in, x quantized in `parts` int8 parts."""
@@ -100,12 +124,12 @@ class BoundKQuant:
 
 @functools.cache
 def kquant_kernel() -> KQuantKernel | None:
-    """The kernel, built once per machine, or None where the CPU lacks its features or the build
-    fails (then K-quant matrices take the generic packed format)."""
+    """The kernel and its packer, built once per machine, or None where the CPU lacks their features
+    or a build fails (then K-quant matrices take the generic packed format)."""
     if not cpu_has(FEATURES):
         return None
     try:
-        return KQuantKernel(ctypes.CDLL(str(build_library(SOURCE, FLAGS))))
+        return KQuantKernel(*(ctypes.CDLL(str(build_library(source, FLAGS))) for source in (SOURCE, PACK_SOURCE)))
     except OSError as e:
         log.warning("K-quant kernel unavailable (%s); K-quant matrices use the generic packed format", e)
         return None

@@ -1,5 +1,6 @@
-"""The K-quant layout (kquant_format) and kernel (kquant.c): the layout's values are gguf's bit for
-bit, and the kernel is within a derived bound of the dequantized matmul at 1, few and many rows.
+"""The K-quant layout (kquant_format), its packer (kquant_pack.c) and kernel (kquant.c): the layout's
+values are gguf's bit for bit, the packer writes the numpy oracle's bytes, and the kernel is within
+a derived bound of the dequantized matmul at 1, few and many rows.
 
 The bound. x is quantized per 32 as qmatmul.c does (bounds.py), x^ = sum over parts of s q. Per
 32-column span and row of x the kernel computes dot = sum q_w q_x exactly in int32 (with Q6_K's
@@ -18,9 +19,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvgen.model.quant.gguf_blocks import k_fields
-from kvgen.model.quant.kquant_format import KPacked, dequantize, dequantize_rows, pack_k
+from kvgen.model.quant.kquant_format import KPacked, dequantize, dequantize_rows
 from kvgen.model.quant.kquant_kernel import kquant_kernel
 from kvgen.model.quant.kquant_linear import MANY_ROWS, KQuantLinear
+from tests.model.quant.kquant_oracle import pack_k
 from tests.model.quant.raw_blocks import raw_matrix
 
 Q = GGMLQuantizationType
@@ -96,8 +98,34 @@ def test_layer_runs_one_part_from_many_rows_and_its_call_matches():
     assert "kq_matmul_q4_k" in layer.kernel and layer.weight_bytes == w.nbytes
 
 
-def test_pack_refuses_other_types_and_wrong_shapes():
+@needs_kernel
+@pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
+def test_packer_writes_the_oracles_bytes(ggml_type):
+    """Random blocks (every code and scale bit pattern): one matrix with a ragged last panel, and a
+    stack of a row-permuted copy and a view of whole rows (q/k/v, gate/up) whose panels straddle
+    the parts, packed in one call with two threads."""
+    pack = kquant_kernel().pack
+    for out, cols, seed in ((37, 512, 0), (16, 256, 1), (5, 768, 2)):
+        raw = raw_matrix(ggml_type, out, cols, seed)
+        assert np.array_equal(pack(ggml_type, [raw]).data.numpy(), pack_k(ggml_type, raw, (out, cols)).data.numpy())
+    first, second = raw_matrix(ggml_type, 20, 512, 3), raw_matrix(ggml_type, 30, 512, 4)
+    order = np.random.default_rng(5).permutation(20)
+    with_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = pack(ggml_type, [first[order], second[3:12]])
+    finally:
+        torch.set_num_threads(with_threads)
+    want = pack_k(ggml_type, np.concatenate([first[order], second[3:12]]), (29, 512))
+    assert got.shape == want.shape and np.array_equal(got.data.numpy(), want.data.numpy())
+
+
+@needs_kernel
+def test_packer_refuses_other_types_and_wrong_widths():
+    pack = kquant_kernel().pack
     with pytest.raises(ValueError, match="K-quant"):
-        pack_k(Q.Q4_0, raw_matrix(Q.Q4_0, 4, 256), (4, 256))
+        pack(Q.Q4_0, [raw_matrix(Q.Q4_0, 4, 256)])
     with pytest.raises(ValueError, match="K-quant"):
-        pack_k(Q.Q4_K, raw_matrix(Q.Q4_K, 4, 256), (4, 512))
+        pack(Q.Q4_K, [raw_matrix(Q.Q4_K, 4, 256), raw_matrix(Q.Q4_K, 4, 512)])
+    with pytest.raises(ValueError, match="K-quant"):
+        pack(Q.Q6_K, [raw_matrix(Q.Q6_K, 4, 256)[:, :100]])
