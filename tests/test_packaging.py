@@ -16,6 +16,7 @@ def test_wheel_carries_the_default_model_kernel_sources_and_dashboard(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in ("stories260K.bin", "tok512.bin", "README.md", "LICENSE"):
         assert f"kvgen/models/stories260K/{name}" in names
-    assert "kvgen/model/kernels/paged_decode.c" in names
+    sources = {str(p.relative_to(REPO)) for pattern in ("*.c", "*.h") for p in (REPO / "kvgen").rglob(pattern)}
+    assert sources and sources <= names, f"C sources the kernels compile at run time but the wheel lacks: {sources - names}"
     for name in ("index.html", "dashboard.js", "dashboard.css"):
         assert f"kvgen/server/dashboard/static/{name}" in names
