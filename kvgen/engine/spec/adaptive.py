@@ -17,7 +17,9 @@ proposer and the text, so it is measured rather than modelled:
               acceptance (a text that stops repeating its input) is noticed. Probes come every
               PROBE_EVERY steps at first and half as often after each one that leaves the choice
               standing (down to one in MAX_PROBE_EVERY); a probe that beats the choice is followed
-              by another at once, and a choice that flips starts over. A probe at
+              by another at once, and a choice that flips starts over. A request that starts alone
+              (batch 1) brings a new text, so there plain decoding's choice is probed at its first
+              decode step (one verify step per request where speculation loses). A probe at
               batch 64 costs several plain steps, and with fixed probes a throughput run lost ~7%
               against plain decoding once plain steps had got faster.
     cost      a probe of the losing arm costs what its step takes beyond what the winner would have
@@ -119,6 +121,14 @@ class AdaptiveSwitch:
         if min(on.samples, off.samples) < MIN_SAMPLES:
             return on.samples <= off.samples
         return bucket.decide(on.rate >= (MARGIN if batch_size > 1 else 1.0) * off.rate)  # alone, nothing waits
+
+    def new_request(self) -> None:
+        """A request starts alone: its text may repeat its prompt where the last one's did not (on the
+        bench's copy task the last one's ending turned speculation off, and the next request ran
+        plainly for 64 steps until the probe), so a choice of plain is probed at the next decision."""
+        bucket = self._buckets.get(1)
+        if bucket is not None and bucket.choice is False:
+            bucket.probe_every, bucket.next_probe = PROBE_EVERY, bucket.decisions + 1
 
     def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step of `batch_size` sequences emitted `tokens` in `seconds`."""

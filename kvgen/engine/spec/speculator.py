@@ -131,9 +131,12 @@ class Speculator:
         return verdict
 
     def end_step(self, decode_only: bool, tokens: int, seconds: float) -> None:
-        """Feeds the adaptive switch with a step's yield (decode-only steps: prefill would skew it)."""
+        """Feeds the adaptive switch with a step's yield (decode-only steps: prefill would skew it), and
+        tells it when a request starts alone (a prefill step at batch 1)."""
         if self.switch is not None and decode_only:
             self.switch.record(self._batch_size, self.active, tokens, seconds)
+        elif self.switch is not None and self._batch_size == 1:
+            self.switch.new_request()
 
     def rollback(self, seq: Sequence) -> None:
         self.proposer.rollback(seq)

@@ -6,15 +6,17 @@ consecutive weights of a row, a scale s and an optional min m:
     w = s * (u - o) + m            (computed in fp32: (u - o) is exact, s * (u - o) is exact for every
                                     GGUF type mapped here, so the only rounding is the "+ m", as in gguf)
 
-Rows go in tiles of 4 (the last tile padded with zero rows), each tile stored span by span (a span
-is 32 weights of a row), so that the kernel reads one tile as one sequential stream and unpacks the
-same 32 columns of 4 rows with one 64-byte load:
+Rows go in panels of 16 (the last panel padded with zero rows), each panel stored span by span (a
+span is 32 weights of a row), so that the kernel reads one panel as one sequential stream. Within a
+span the 16 rows are the 16 int32 lanes of a 64-byte vector, 4 consecutive codes a lane (as
+kquant_format.py's K-quant panels): one vpdpbusd against 4 bytes of x broadcast gives each row's
+sum in its own lane, and the codes unpacked once serve every row of x.
 
-    bits 4: per (tile, span) 4 rows x 16 bytes, byte j = element j (low nibble) | element j+16 (high
-            nibble), the in-block layout of GGUF Q4_0/Q4_1; group 32.
-    bits 8: per (tile, span) 2 halves x 4 rows x 16 bytes (elements 0-15 of the 4 rows, then 16-31);
+    bits 4: per (panel, span) 4 vectors v of 16 rows x 4 bytes, byte b of row n's lane =
+            element 8v + b (low nibble) | element 8v + 4 + b (high nibble): 256 bytes.
+    bits 8: per (panel, span) 8 vectors g of 16 rows x 4 bytes, byte b = element 4g + b: 512 bytes;
             group 32, or 16 (Q6_K, Q3_K, Q2_K have 16-weight sub-blocks).
-    scales, mins: per (tile, group) the 4 rows' values.
+    scales, mins: per (panel, group) the 16 rows' values.
 
 Scales and mins are fp16 where every value is one (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 store fp16), else fp32.
 """
@@ -26,14 +28,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-GROUP = 32  # weights per span (and per group, except groups of 16)
-TILE = 4    # rows per tile
+GROUP = 32   # weights per span (and per group, except groups of 16)
+PANEL = 16   # rows per panel
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    codes: torch.Tensor         # uint8 [tiles, in * 4 * bits / 8], tiles = ceil(out / 4)
-    scale: torch.Tensor         # float16 or float32 [tiles, in / group * 4]
+    codes: torch.Tensor         # uint8 [panels, in * 16 * bits / 8], panels = ceil(out / 16)
+    scale: torch.Tensor         # float16 or float32 [panels, in / group * 16]
     min: torch.Tensor | None    # like scale, or None for 0
     offset: int
     bits: int
@@ -54,17 +56,17 @@ class PackedWeight:
 def pack(q: np.ndarray, offset: int, bits: int, scale: np.ndarray, min: np.ndarray | None,
          group: int) -> PackedWeight:
     """q: codes uint8 [out, in] (0..2^bits-1), scale/min fp32 [out, in / group] -> PackedWeight in
-    tiles, with fp16 scales and mins where that keeps every value."""
+    panels, with fp16 scales and mins where that keeps every value."""
     out, cols = q.shape
     assert cols % GROUP == 0 and scale.shape == (out, cols // group) and q.dtype == np.uint8
-    tiles, spans = -(-out // TILE), cols // GROUP
-    q = _pad_rows(q, tiles * TILE)
-    if bits == 4:
-        halves = q.reshape(tiles * TILE, spans, 2, GROUP // 2)
-        nibbles = halves[:, :, 0] | (halves[:, :, 1] << np.uint8(4))  # [rows, spans, 16]
-        codes = nibbles.reshape(tiles, TILE, spans, GROUP // 2).transpose(0, 2, 1, 3)
-    else:
-        codes = q.reshape(tiles, TILE, spans, 2, GROUP // 2).transpose(0, 2, 3, 1, 4)
+    panels, spans = -(-out // PANEL), cols // GROUP
+    q = _pad_rows(q, panels * PANEL)
+    if bits == 4:  # element 32s + 8v + 4h + b -> nibble h of byte b, vector v
+        halves = q.reshape(panels, PANEL, spans, 4, 2, 4)
+        nibbles = halves[:, :, :, :, 0] | (halves[:, :, :, :, 1] << np.uint8(4))  # [panels, rows, spans, v, b]
+        codes = nibbles.transpose(0, 2, 3, 1, 4)
+    else:  # element 32s + 4g + b -> byte b, vector g
+        codes = q.reshape(panels, PANEL, spans, 8, 4).transpose(0, 2, 3, 1, 4)
     arrays = [scale] + ([min] if min is not None else [])
     narrow = group == GROUP and all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in arrays)
     dtype = np.float16 if narrow else np.float32
@@ -72,20 +74,24 @@ def pack(q: np.ndarray, offset: int, bits: int, scale: np.ndarray, min: np.ndarr
     def tiled(a: np.ndarray | None) -> torch.Tensor | None:
         if a is None:
             return None
-        a = _pad_rows(a.astype(dtype), tiles * TILE).reshape(tiles, TILE, -1).transpose(0, 2, 1)
-        return torch.from_numpy(np.ascontiguousarray(a).reshape(tiles, -1))
+        a = _pad_rows(a.astype(dtype), panels * PANEL).reshape(panels, PANEL, -1).transpose(0, 2, 1)
+        return torch.from_numpy(np.ascontiguousarray(a).reshape(panels, -1))
 
-    codes = torch.from_numpy(np.ascontiguousarray(codes).reshape(tiles, -1))
+    codes = torch.from_numpy(np.ascontiguousarray(codes).reshape(panels, -1))
     return PackedWeight(codes, tiled(scale), tiled(min), offset, bits, group, (out, cols))
 
 
 def dequantize_rows(w: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
-    """dequantize(w)[rows] (rows int64 [n]) -> fp32 [n, in], reading only those rows' tiles: an
+    """dequantize(w)[rows] (rows int64 [n]) -> fp32 [n, in], reading only those rows' lanes: an
     embedding lookup in a table that stays packed (tied embeddings share it with the LM head)."""
-    tiles = rows // TILE
-    picked = replace(w, codes=w.codes[tiles], scale=w.scale[tiles],
-                     min=None if w.min is None else w.min[tiles], shape=(len(rows) * TILE, w.shape[1]))
-    return dequantize(picked)[torch.arange(len(rows), device=rows.device) * TILE + rows % TILE]
+    panels, lanes = rows // PANEL, rows % PANEL
+    spans, groups = w.shape[1] // GROUP, w.shape[1] // w.group
+    lane_bytes = w.codes.view(len(w.codes), spans, -1, PANEL, 4)[panels, :, :, lanes]  # [n, spans, vectors, 4]
+
+    def picked(values: torch.Tensor) -> torch.Tensor:
+        return values.view(len(values), groups, PANEL)[panels, :, lanes]  # [n, groups]
+
+    return _values(_lane_codes(lane_bytes, w.bits), picked(w.scale), None if w.min is None else picked(w.min), w)
 
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
@@ -106,30 +112,38 @@ def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
     return a if a.shape[0] == rows else np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
+def _lane_codes(lane_bytes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Rows' lanes of codes [..., spans, vectors, 4] (bytes) -> the rows' codes [..., in]."""
+    leading = lane_bytes.shape[:-3]
+    if bits == 4:  # byte b of vector v: element 8v + b (low nibble), 8v + 4 + b (high)
+        lane_bytes = torch.stack([lane_bytes & 0x0F, lane_bytes >> 4], dim=-2)
+    return lane_bytes.reshape(*leading, -1)
+
+
 def unpack_codes(w: PackedWeight) -> torch.Tensor:
     """The codes as uint8 [out, in], in row order."""
     out, cols = w.shape
-    tiles, spans = w.codes.shape[0], cols // GROUP
-    if w.bits == 4:
-        packed = w.codes.reshape(tiles, spans, TILE, 1, GROUP // 2)
-        halves = torch.cat([packed & 0x0F, packed >> 4], dim=3)  # [tiles, spans, 4, 2, 16]
-        rows = halves.permute(0, 2, 1, 3, 4)
-    else:
-        rows = w.codes.reshape(tiles, spans, 2, TILE, GROUP // 2).permute(0, 3, 1, 2, 4)
-    return rows.reshape(tiles * TILE, cols)[:out]
+    panels, spans = w.codes.shape[0], cols // GROUP
+    lane_bytes = w.codes.reshape(panels, spans, -1, PANEL, 4).permute(0, 3, 1, 2, 4)  # [panels, rows, spans, v, 4]
+    return _lane_codes(lane_bytes, w.bits).reshape(panels * PANEL, cols)[:out]
 
 
 def untile(values: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """Scales or mins [tiles, groups * 4] -> [out, groups] in row order."""
-    tiles = values.shape[0]
-    return values.reshape(tiles, -1, TILE).permute(0, 2, 1).reshape(tiles * TILE, -1)[: w.shape[0]]
+    """Scales or mins [panels, groups * 16] -> [out, groups] in row order."""
+    panels = values.shape[0]
+    return values.reshape(panels, -1, PANEL).permute(0, 2, 1).reshape(panels * PANEL, -1)[: w.shape[0]]
 
 
 def dequantize(w: PackedWeight) -> torch.Tensor:
     """The fp32 weight [out, in] the format stands for, on the codes' device."""
-    out, cols = w.shape
-    q = (unpack_codes(w).to(torch.int32) - w.offset).to(torch.float32).reshape(out, cols // w.group, w.group)
-    values = q * untile(w.scale, w).to(torch.float32)[..., None]
-    if w.min is not None:
-        values = values + untile(w.min, w).to(torch.float32)[..., None]
-    return values.reshape(out, cols)
+    return _values(unpack_codes(w), untile(w.scale, w), None if w.min is None else untile(w.min, w), w)
+
+
+def _values(codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None, w: PackedWeight) -> torch.Tensor:
+    """Rows' codes uint8 [n, in], scales and mins [n, in / group] -> their fp32 values [n, in]."""
+    rows, cols = codes.shape
+    q = (codes.to(torch.int32) - w.offset).to(torch.float32).reshape(rows, cols // w.group, w.group)
+    values = q * scale.to(torch.float32)[..., None]
+    if min is not None:
+        values = values + min.to(torch.float32)[..., None]
+    return values.reshape(rows, cols)

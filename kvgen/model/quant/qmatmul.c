@@ -6,23 +6,26 @@
  *
  * Weights [N, K] (layout in kvgen/model/quant/formats.py): unsigned codes u, an integer offset o,
  * and per group of G (32, or 16 for 8-bit) a scale s and an optional min m: w = s * (u - o) + m.
- * Rows come in tiles of 4, stored span (32 columns) by span, so one 64-byte vector holds elements
- * 0-15 of a span for the 4 rows (A) and another elements 16-31 (B): the low and high nibbles of one
- * load for 4-bit codes, two loads for 8-bit.
+ * Rows come in panels of 16, stored span (32 columns) by span; unpacked, a span is 8 vectors c_g,
+ * lane n holding columns 4g .. 4g + 3 of row n (4-bit codes: the low and high nibbles of 4 loads).
  *
  * Each row of x is quantized once per call to int8 per span (as ggml's q8_0 activations):
- * sx = max|x| / 127, qx = round(x / sx), so x^ = sx * qx. With the span's 16-byte halves of qx
- * broadcast to the 4 rows, exactly in int32,
- *     dot = sum (u - o) * qx = vpdpbusd(A, qx[0:16]) + vpdpbusd(B, qx[16:32]) - o * sum qx
- * (4 int32 lanes per row), then y = sum_g s_g * sx_g * dot_g + m_g * sx_g * sum_g qx in fp32. The
- * result is the exact dot product of the dequantized W with x^, up to fp32 rounding of the scale
- * products and the sums. With parts = 2, x's rounding error r = x - x^ is quantized the same way as
- * a second row of x (its step is ~1/254 of the first's) and the two rows' results are added: one
- * more tile row per token of work, the weights still read once.
+ * sx = max|x| / 127, qx = round(x / sx), so x^ = sx * qx. Then per group, exactly in int32 and in
+ * each row's own lane,
+ *     dot = sum (u - o) * qx = -o * sum qx + sum over g of vpdpbusd(c_g, qx[4g .. 4g + 3] broadcast)
+ * and in fp32, per span (two groups a span for G = 16, the first's sum going into the second's)
+ *     t = s * dot (+ m * sum qx),   y += t * sx
+ * the exact dot product of the dequantized W with x^, up to fp32 rounding of the products and the
+ * sums (a chain of K/32 additions per output; tests/model/quant/bounds.py). With parts = 2, x's
+ * rounding error r = x - x^ is quantized the same way as a second row of x (its step is ~1/254 of
+ * the first's) and the two rows' results are added: one more row of x per token, the weights still
+ * read once.
  *
- * Work: OpenMP over blocks of weight tiles, one contiguous range of the weights per thread; inside
- * a block, x's rows go four at a time over each tile (then two, then one). Every output goes through the same operations
- * whatever the number of rows, so a row's result does not depend on the rows beside it.
+ * Work: rows of x in chunks of XCHUNK (their int8 copy stays in L2); per chunk, OpenMP over panels,
+ * and each panel meets the chunk's rows 8 at a time (then 4, 2, 1), so the codes unpacked once
+ * serve 8 rows of x: a verify chunk of 7 tokens (14 rows in two parts) costs little more than one
+ * token's read of the weights. Every output goes through the same operations whatever the number
+ * of rows, so a row's result does not depend on the rows beside it.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,13 +33,14 @@
 
 #include "qvec.h"
 
-#define TILE 4            /* weight rows per tile */
-#define XTILE 4           /* rows of x per pass over a tile */
-#define TILES_PER_ITEM 16 /* weight tiles per OpenMP work item */
+#define PANEL 16  /* weight rows per panel: the int32 lanes of a vector */
+#define XPASS 8   /* rows of x per pass over a panel */
+#define XCHUNK 64 /* rows of x per chunk */
+#define UNROLL _Pragma("GCC unroll 8")
 /* The tunables below were chosen by A/B microbenchmarks (BENCHMARKS.md); -D overrides them. */
-/* Software prefetch distance along a thread's stream of codes, at one or two rows of x: the
- * hardware prefetchers stop at each 4 KiB page, and a layer's weights are a few hundred KiB read
- * once per step. */
+/* Software prefetch distance along a thread's stream of codes, in the first pass over a panel (the
+ * one that streams it from memory; later passes find it in L1/L2): the hardware prefetchers stop
+ * at each 4 KiB page, and a layer's weights are a few hundred KiB read once per step. */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048
 #endif
@@ -46,20 +50,19 @@
 /* Below this many bytes of weights (plus a share for each row of x), one thread: waking the second
  * costs more than it saves. Since OpenMP's workers spin briefly after each call (kvgen/threads.py),
  * a decode step's calls find the second thread awake: from 64 KiB on two threads read SmolLM2's
- * 200-550 KiB layers 1.3-1.7x faster than one, and a Q4_1 decode step's forward went from 8.6-8.9
- * to 7.9-8.5 ms (the threshold was 512 KiB, set when the workers slept at once). */
+ * 200-550 KiB layers 1.3-1.7x faster than one. */
 #ifndef PARALLEL_BYTES
 #define PARALLEL_BYTES (64 << 10)
 #endif
 
-/* x after quantization (rows = parts * T). Per span: q (32 bytes), init (2 x 4 int32: vpdpbusd's start values,
- * -o * sums of 4 consecutive q: for G=32 both halves in init[0]; for G=16 half A in init[0] and B
- * in init[1]), scale; per weight group: sum = scale * sum of q. */
+/* x after quantization (rows = parts * T, row parts * t + p), span by span: a pass's rows of one
+ * span lie together, each a fixed offset from one pointer. */
 struct xq {
-    int8_t *q;       /* [T, spans, 32] */
-    __m128i *init;   /* [T, spans, 2] */
-    float *scale;    /* [T, spans] */
-    float *sum;      /* [T, K / G] */
+    int64_t rows;
+    int8_t *q;     /* [K / 32, rows, 32] */
+    float *sx;     /* [K / 32, rows] */
+    float *qsum;   /* [K / G, rows]: sum of q over the group, exactly */
+    int32_t *init; /* [K / G, rows]: -o * sum of q over the group (vpdpbusd's start value) */
 };
 
 /* The sum of 4 int32 lanes. */
@@ -68,136 +71,133 @@ static inline int lane_total(__m128i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
 }
 
-static void quantize_span(const float *x, int32_t offset, int group, int8_t *q, __m128i *init, float *scale,
-                          float *sum) {
+/* One span of x -> q, sx, and per group (`stride` apart) qsum and init. */
+static void quantize_span(const float *x, int32_t offset, int group, int8_t *q, float *sx, float *qsum,
+                          int32_t *init, int64_t stride) {
     float amax = abs_max32(x);
     float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     __m128i qa = vf_to_i8x16(vf_mul(vf_loadu(x), vf_set1(inv)));
     __m128i qb = vf_to_i8x16(vf_mul(vf_loadu(x + 16), vf_set1(inv)));
     _mm_storeu_si128((__m128i *)q, qa);
     _mm_storeu_si128((__m128i *)(q + 16), qb);
-    *scale = s;
-    const __m128i minus_offset = _mm_set1_epi32(-offset);
-    __m128i sums_a = sums_of_4(qa), sums_b = sums_of_4(qb);
-    int total_a = lane_total(sums_a), total_b = lane_total(sums_b);
+    *sx = s;
+    int total_a = lane_total(sums_of_4(qa)), total_b = lane_total(sums_of_4(qb));
     if (group == 32) {
-        init[0] = _mm_mullo_epi32(_mm_add_epi32(sums_a, sums_b), minus_offset);
-        init[1] = _mm_setzero_si128();
-        sum[0] = s * (float)(total_a + total_b);
+        qsum[0] = (float)(total_a + total_b);
+        init[0] = -offset * (total_a + total_b);
     } else {
-        init[0] = _mm_mullo_epi32(sums_a, minus_offset);
-        init[1] = _mm_mullo_epi32(sums_b, minus_offset);
-        sum[0] = s * (float)total_a;
-        sum[1] = s * (float)total_b;
+        qsum[0] = (float)total_a;
+        qsum[stride] = (float)total_b;
+        init[0] = -offset * total_a;
+        init[stride] = -offset * total_b;
     }
 }
 
-/* out[t0 .. t0+RX-1, 4w .. 4w+3]: RX rows of x by weight tile w. Groups go four at a time: their
- * 16 products s_w * s_x (lane 4q+i: group q, row i) are one vector multiply per row of x, and each
- * span picks its own out of them with a permute. */
-static inline __attribute__((always_inline)) void tile(const struct xq *x, int64_t t0, const int RX, int64_t w,
-                                                       int64_t K, const uint8_t *codes, const void *scale,
-                                                       const void *min, int64_t N, float *out, const int bits,
-                                                       const int group, const int f16, const int prefetch) {
+/* Bytes 4g .. 4g + 3 of a span of x, as one int32. */
+ALWAYS_INLINE int32_t x4(const int8_t *q, int g) {
+    int32_t v;
+    memcpy(&v, q + 4 * g, 4);
+    return v;
+}
+
+/* a[r] += sum over g in [g0, g1) of codes c[g] by row r's 4 bytes g of x (row r's span at
+ * xq + 32 r), the rows' chains of dependent vpdpbusd interleaved to hide its latency (at R <= 2,
+ * two chains a row). Integer sums: the same whatever the order. */
+ALWAYS_INLINE void dots(const vi *c, const int8_t *xq, const int g0, const int g1, const int R, vi *a,
+                        const int bits) {
+    if (R <= 2) {
+        vi b[2];
+        UNROLL for (int r = 0; r < R; r++)
+            b[r] = vi_set1_i32(0);
+        UNROLL for (int g = g0; g < g1; g += 2)
+            UNROLL for (int r = 0; r < R; r++) {
+                a[r] = dot4(a[r], c[g], vi_set1_i32(x4(xq + 32 * r, g)), bits);
+                b[r] = dot4(b[r], c[g + 1], vi_set1_i32(x4(xq + 32 * r, g + 1)), bits);
+            }
+        UNROLL for (int r = 0; r < R; r++)
+            a[r] = vi_add(a[r], b[r]);
+    } else {
+        UNROLL for (int g = g0; g < g1; g++)
+            UNROLL for (int r = 0; r < R; r++)
+                a[r] = dot4(a[r], c[g], vi_set1_i32(x4(xq + 32 * r, g)), bits);
+    }
+}
+
+/* The 8 vectors of one panel's span of codes (4-bit: the nibbles of 4 loads; 8-bit: 8 loads). */
+ALWAYS_INLINE void span_codes(const uint8_t *p, const int bits, vi *c) {
+    UNROLL for (int v = 0; v < 4; v++)
+        load_codes(p + v * PANEL * bits, bits, &c[2 * v], &c[2 * v + 1]);
+}
+
+/* out[rows r0 .. r0+R-1, panel p's 16 columns]; `prefetch`: this pass is the panel's first, which
+ * streams it from memory. */
+ALWAYS_INLINE void panel(const struct xq *x, int64_t r0, const int R, int64_t K, const uint8_t *codes,
+                         const void *scale, const void *min, int64_t p, int64_t N, float *out, const int bits,
+                         const int group, const int f16, const int prefetch) {
     const int64_t spans = K / 32, groups = K / group;
-    const int per_span = 32 / group, span_bytes = 16 * bits; /* 64 (4-bit) or 128 (8-bit) per tile */
-    const uint8_t *wc = codes + w * spans * span_bytes;
-    const int64_t wv = w * groups * TILE; /* first scale/min of the tile */
-    /* Sized by XTILE, not RX: arrays sized by a parameter are variable-length to GCC even when
-     * inlining makes it a constant, and then live on the stack, not in registers. */
-    vf acc[XTILE], macc[XTILE], prod[XTILE];
-    for (int r = 0; r < RX; r++)
-        acc[r] = macc[r] = vf_zero();
-    for (int64_t c0 = 0; c0 < groups; c0 += 4) {
-        const int count = groups - c0 >= 4 ? 4 : (int)(groups - c0); /* groups in this chunk */
-        const int64_t span0 = c0 / per_span;
-        if (PREFETCH_BYTES && prefetch) { /* scales and mins: 1/16 (4-bit fp16) .. 1/4 of the codes' bytes */
-            _mm_prefetch((const char *)scale + (wv + c0 * TILE) * (f16 ? 2 : 4) + PREFETCH_BYTES / 4, PREFETCH_HINT);
-            if (min)
-                _mm_prefetch((const char *)min + (wv + c0 * TILE) * (f16 ? 2 : 4) + PREFETCH_BYTES / 4, PREFETCH_HINT);
-        }
-        vf sw = load_values(scale, wv + c0 * TILE, count * TILE, f16);
-        vf mw = min ? load_values(min, wv + c0 * TILE, count * TILE, f16) : vf_zero();
-        for (int r = 0; r < RX; r++) {
-            vf sx = load_values(x->scale, (t0 + r) * spans + span0, count / per_span, 0);
-            prod[r] = vf_mul(sw, spread(sx, 0, 4 * per_span));
-            if (min)
-                macc[r] = vf_fmadd(mw, spread(load_values(x->sum, (t0 + r) * groups + c0, count, 0), 0, 4), macc[r]);
-        }
-        for (int j = 0; j < count / per_span; j++) {
-            const uint8_t *p = wc + (span0 + j) * span_bytes;
-            if (PREFETCH_BYTES && prefetch) {
-                _mm_prefetch((const char *)p + PREFETCH_BYTES, PREFETCH_HINT);
-                if (bits == 8)
-                    _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, PREFETCH_HINT);
-            }
-            vi a, b;
-            load_codes(p, bits, &a, &b);
-            for (int r = 0; r < RX; r++) {
-                const int64_t span = (t0 + r) * spans + span0 + j;
-                vi xa = bcast16(x->q + 32 * span), xb = bcast16(x->q + 32 * span + 16);
-                if (group == 32) {
-                    vi dot = dot4(bcast_i32x4(x->init[2 * span]), a, xa, bits);
-                    dot = dot4(dot, b, xb, bits);
-                    acc[r] = vf_fmadd(vi_to_vf(dot), spread(prod[r], 4 * j, 4), acc[r]);
-                } else {
-                    vi da = dot4(bcast_i32x4(x->init[2 * span]), a, xa, bits);
-                    vi db = dot4(bcast_i32x4(x->init[2 * span + 1]), b, xb, bits);
-                    acc[r] = vf_fmadd(vi_to_vf(da), spread(prod[r], 8 * j, 4), acc[r]);
-                    acc[r] = vf_fmadd(vi_to_vf(db), spread(prod[r], 8 * j + 4, 4), acc[r]);
-                }
+    const int per_span = 32 / group, span_bytes = PANEL * 4 * bits, value_bytes = f16 ? 2 : 4;
+    const uint8_t *wc = codes + p * spans * span_bytes;
+    const int64_t wv = p * groups * PANEL; /* the panel's first scale / min */
+    vf y[XPASS];
+    UNROLL for (int r = 0; r < R; r++)
+        y[r] = vf_zero();
+    for (int64_t j = 0; j < spans; j++) {
+        const uint8_t *pc = wc + j * span_bytes;
+        if (PREFETCH_BYTES && prefetch) {
+            const int64_t ahead = wv + (j + PREFETCH_BYTES / span_bytes) * per_span * PANEL; /* scales of a span ahead */
+            for (int l = 0; l < span_bytes; l += 64)
+                _mm_prefetch((const char *)pc + PREFETCH_BYTES + l, PREFETCH_HINT);
+            for (int l = 0; l < per_span * PANEL * value_bytes; l += 64) {
+                _mm_prefetch((const char *)scale + ahead * value_bytes + l, PREFETCH_HINT);
+                if (min)
+                    _mm_prefetch((const char *)min + ahead * value_bytes + l, PREFETCH_HINT);
             }
         }
+        vi c[8];
+        span_codes(pc, bits, c);
+        const int8_t *xq = x->q + (j * x->rows + r0) * 32;
+        vf t[XPASS]; /* the span's s * dot (+ m * sum qx), over its groups */
+        UNROLL for (int r = 0; r < R; r++)
+            t[r] = vf_zero();
+        for (int h = 0; h < per_span; h++) {
+            const int64_t g = j * per_span + h, at = wv + g * PANEL;
+            const vf sw = load_values(scale, at, PANEL, f16);
+            vi a[XPASS];
+            UNROLL for (int r = 0; r < R; r++)
+                a[r] = vi_set1_i32(x->init[g * x->rows + r0 + r]);
+            dots(c, xq, 8 / per_span * h, 8 / per_span * (h + 1), R, a, bits);
+            const vf mw = min ? load_values(min, at, PANEL, f16) : vf_zero();
+            UNROLL for (int r = 0; r < R; r++) {
+                const vf qsum = vf_set1(x->qsum[g * x->rows + r0 + r]);
+                const vf base = min ? (h ? vf_fmadd(mw, qsum, t[r]) : vf_mul(mw, qsum)) : t[r];
+                t[r] = h || min ? vf_fmadd(sw, vi_to_vf(a[r]), base) : vf_mul(sw, vi_to_vf(a[r]));
+            }
+        }
+        UNROLL for (int r = 0; r < R; r++)
+            y[r] = vf_fmadd(t[r], vf_set1(x->sx[j * x->rows + r0 + r]), y[r]);
     }
-    const int rows = N - TILE * w >= TILE ? TILE : (int)(N - TILE * w); /* the last tile may be padding */
-    for (int r = 0; r < RX; r++) {
-        __m128 y = row_sums(acc[r]);
-        if (min)
-            y = _mm_add_ps(y, quarter_sums(macc[r]));
-        store_rows(out + (t0 + r) * N + TILE * w, y, rows);
+    const int rows = N - PANEL * p >= PANEL ? PANEL : (int)(N - PANEL * p); /* the last panel may be padding */
+    UNROLL for (int r = 0; r < R; r++)
+        vf_store_first(out + (r0 + r) * N + PANEL * p, y[r], rows);
+}
+
+/* Panel p against rows r0 .. r1-1 of x: XPASS at a time, then 4, 2, 1; the first pass prefetches. */
+ALWAYS_INLINE void panel_rows(const struct xq *x, int64_t r0, int64_t r1, int64_t K, const uint8_t *codes,
+                              const void *scale, const void *min, int64_t p, int64_t N, float *out,
+                              const int bits, const int group, const int f16) {
+    int64_t r = r0;
+    for (; r + XPASS <= r1; r += XPASS)
+        panel(x, r, XPASS, K, codes, scale, min, p, N, out, bits, group, f16, r == r0);
+    if (r + 4 <= r1) {
+        panel(x, r, 4, K, codes, scale, min, p, N, out, bits, group, f16, r == r0);
+        r += 4;
     }
-}
-
-/* Weight tiles w0 .. w1-1 against rows t0 .. t0+RX-1 of x; `prefetch`: this pass is the first over
- * these tiles, which streams them from memory (later passes find them in L1/L2). */
-static inline __attribute__((always_inline)) void pass(const struct xq *x, int64_t t0, const int RX, int64_t K,
-                                                       const uint8_t *codes, const void *scale, const void *min,
-                                                       int64_t w0, int64_t w1, int64_t N, float *out, const int bits,
-                                                       const int group, const int f16, const int prefetch) {
-    for (int64_t w = w0; w < w1; w++)
-        tile(x, t0, RX, w, K, codes, scale, min, N, out, bits, group, f16, prefetch);
-}
-
-/* Weight tiles w0 .. w1-1 against every row of x, XTILE rows of x at a time, then 2, then 1. Only the
- * first pass prefetches: at a verify chunk's 2-16 rows of x (4-32 with two parts) it is the pass that
- * reads the weights from memory, and without it (it used to prefetch only at one or two rows) the
- * first 4-row pass waited on the hardware prefetchers at every 4 KiB page. */
-static inline __attribute__((always_inline)) void tiles(const struct xq *x, int64_t T, int64_t K,
-                                                        const uint8_t *codes, const void *scale, const void *min,
-                                                        int64_t w0, int64_t w1, int64_t N, float *out,
-                                                        const int bits, const int group, const int f16) {
-    int64_t t = T >= XTILE ? XTILE : T >= 2 ? 2 : T;
-    if (t == XTILE)
-        pass(x, 0, XTILE, K, codes, scale, min, w0, w1, N, out, bits, group, f16, 1);
-    else if (t == 2) /* a token's two parts, at one row of x */
-        pass(x, 0, 2, K, codes, scale, min, w0, w1, N, out, bits, group, f16, 1);
-    else if (t == 1)
-        pass(x, 0, 1, K, codes, scale, min, w0, w1, N, out, bits, group, f16, 1);
-    for (; t + XTILE <= T; t += XTILE)
-        pass(x, t, XTILE, K, codes, scale, min, w0, w1, N, out, bits, group, f16, 0);
-    for (; t + 2 <= T; t += 2)
-        pass(x, t, 2, K, codes, scale, min, w0, w1, N, out, bits, group, f16, 0);
-    for (; t < T; t++)
-        pass(x, t, 1, K, codes, scale, min, w0, w1, N, out, bits, group, f16, 0);
-}
-
-/* Work item `item`: TILES_PER_ITEM weight tiles (fewer at the end) against every row of x. */
-static inline __attribute__((always_inline)) void work_item(const struct xq *x, int64_t T, int64_t K,
-                                                            const uint8_t *codes, const void *scale, const void *min,
-                                                            int64_t item, int64_t num_tiles, int64_t N, float *out,
-                                                            const int bits, const int group, const int f16) {
-    int64_t w0 = item * TILES_PER_ITEM, w1 = w0 + TILES_PER_ITEM < num_tiles ? w0 + TILES_PER_ITEM : num_tiles;
-    tiles(x, T, K, codes, scale, min, w0, w1, N, out, bits, group, f16);
+    if (r + 2 <= r1) {
+        panel(x, r, 2, K, codes, scale, min, p, N, out, bits, group, f16, r == r0);
+        r += 2;
+    }
+    if (r < r1)
+        panel(x, r, 1, K, codes, scale, min, p, N, out, bits, group, f16, r == r0);
 }
 
 /* r = x - s * q over one span: the rounding error of the first part, for the second. */
@@ -210,33 +210,34 @@ static void residual(const float *x, const int8_t *q, float s, float *r) {
 
 /* Row t of x as `parts` rows of quantized x (rows parts*t ..): the first quantizes x, the second
  * (parts = 2) x's rounding error after the first, so that x is within half the second's much finer
- * step. In scratch space from aligned_alloc (the caller frees xq->init); 1 if out of memory. */
+ * step. In scratch space from aligned_alloc (the caller frees xq->q); 1 if out of memory. */
 static int quantize_x(const float *x, int64_t T, int64_t K, int32_t offset, int group, int parts, int threads,
                       struct xq *xq) {
-    const int64_t spans = K / 32, rows = parts * T;
-    /* per span: init (32 bytes), q (32), scale (4), sum (4, or 8 for groups of 16) */
-    size_t bytes = (size_t)(rows * spans * (32 + 32 + 4 + 8));
+    const int64_t spans = K / 32, groups = K / group, rows = parts * T;
+    size_t bytes = (size_t)(rows * (K + spans * 4 + groups * 8));
     char *scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!scratch)
         return 1;
-    xq->init = (__m128i *)scratch;
-    xq->q = (int8_t *)(xq->init + 2 * rows * spans);
-    xq->scale = (float *)(xq->q + rows * K);
-    xq->sum = xq->scale + rows * spans;
+    xq->rows = rows;
+    xq->q = (int8_t *)scratch;
+    xq->sx = (float *)(scratch + rows * K);
+    xq->qsum = xq->sx + rows * spans;
+    xq->init = (int32_t *)(xq->qsum + rows * groups);
     const int per_span = 32 / group;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T >= 16)
     for (int64_t t = 0; t < T; t++)
-        for (int64_t g = 0; g < spans; g++) {
+        for (int64_t j = 0; j < spans; j++) {
             float r[32];
-            const float *values = x + t * K + 32 * g;
+            const float *values = x + t * K + 32 * j;
             for (int part = 0; part < parts; part++) {
-                int64_t span = (parts * t + part) * spans + g;
+                const int64_t row = parts * t + part;
                 if (part) {
-                    residual(values, xq->q + 32 * (span - spans), xq->scale[span - spans], r);
+                    residual(values, xq->q + (j * rows + row - 1) * 32, xq->sx[j * rows + row - 1], r);
                     values = r;
                 }
-                quantize_span(values, offset, group, xq->q + 32 * span, xq->init + 2 * span, xq->scale + span,
-                              xq->sum + span * per_span);
+                const int64_t g = per_span * j * rows + row; /* the span's first group */
+                quantize_span(values, offset, group, xq->q + (j * rows + row) * 32, xq->sx + j * rows + row,
+                              xq->qsum + g, xq->init + g, rows);
             }
         }
     return 0;
@@ -256,30 +257,33 @@ static void add_parts(const float *parts, int64_t T, int64_t N, float *out) {
 #define KERNEL(name, bits, group, f16)                                                                        \
     int name(const float *x, int64_t T, int64_t K, const uint8_t *codes, const void *scale, const void *min,  \
              int32_t offset, int64_t N, float *out, int32_t parts, int32_t num_threads) {                     \
-        const int64_t num_tiles = (N + TILE - 1) / TILE, items = (num_tiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM; \
-        const int64_t rows = parts * T, work = num_tiles * TILE * K * bits / 8 * (1 + rows / 4);              \
+        const int64_t panels = (N + PANEL - 1) / PANEL, rows = parts * T;                                     \
+        const int64_t work = panels * PANEL * K * bits / 8 * (1 + rows / 4);                                  \
         const int threads = num_threads > 1 && work >= PARALLEL_BYTES ? num_threads : 1;                      \
         struct xq xq;                                                                                         \
-        if (quantize_x(x, T, K, offset - CODE_BIAS(bits), group, parts, threads, &xq))                                          \
+        if (quantize_x(x, T, K, offset - CODE_BIAS(bits), group, parts, threads, &xq))                        \
             return 1;                                                                                         \
         float *y = parts == 1 ? out : malloc(sizeof(float) * rows * N);                                       \
         if (!y) {                                                                                             \
-            free(xq.init);                                                                                    \
+            free(xq.q);                                                                                       \
             return 1;                                                                                         \
         }                                                                                                     \
-        if (threads == 1) { /* no parallel region at all: entering even a serial one costs time */           \
-            for (int64_t item = 0; item < items; item++)                                                      \
-                work_item(&xq, rows, K, codes, scale, min, item, num_tiles, N, y, bits, group, f16);          \
-        } else {                                                                                              \
-            _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
-            for (int64_t item = 0; item < items; item++)                                                      \
-                work_item(&xq, rows, K, codes, scale, min, item, num_tiles, N, y, bits, group, f16);          \
+        for (int64_t r0 = 0; r0 < rows; r0 += XCHUNK) {                                                       \
+            const int64_t r1 = r0 + XCHUNK < rows ? r0 + XCHUNK : rows;                                       \
+            if (threads == 1) { /* no parallel region at all: entering even a serial one costs time */       \
+                for (int64_t p = 0; p < panels; p++)                                                          \
+                    panel_rows(&xq, r0, r1, K, codes, scale, min, p, N, y, bits, group, f16);                 \
+            } else {                                                                                          \
+                _Pragma("omp parallel for num_threads(threads) schedule(static)")                             \
+                for (int64_t p = 0; p < panels; p++)                                                          \
+                    panel_rows(&xq, r0, r1, K, codes, scale, min, p, N, y, bits, group, f16);                 \
+            }                                                                                                 \
         }                                                                                                     \
         if (parts == 2) {                                                                                     \
             add_parts(y, T, N, out);                                                                          \
             free(y);                                                                                          \
         }                                                                                                     \
-        free(xq.init);                                                                                        \
+        free(xq.q);                                                                                           \
         return 0;                                                                                             \
     }
 
@@ -308,129 +312,109 @@ KERNELS(qmatmul_u8_g32_f16, 8, 32, 1)
 KERNELS(qmatmul_u8_g32_f32, 8, 32, 0)
 KERNELS(qmatmul_u8_g16_f32, 8, 16, 0)
 
-/* -- dequantizing to bf16, for many rows of x ------------------------------------------------------
+/* -- dequantizing, for many rows of x --------------------------------------------------------------
  * At prefill's hundreds of rows the integer kernel is compute-bound, and two parts of x cost it twice
- * the work. There W^ is dequantized once per call into bf16_matmul.c's layout (tiles of 4 rows, span
- * by span: the same tiling as the codes, so tile w span j goes to out[(w * spans + j) * 128]) and x
- * runs in bf16 through AVX-512 BF16 dot products (kvgen/model/quant/linear.py). Values are rounded to
- * the nearest bf16 (ties to even) from w = s * (u - o) + m in fp32. */
+ * the work. There W^ is dequantized once per call and x runs through a float kernel
+ * (kvgen/model/quant/linear.py): in bf16 (bf16_matmul.c's layout) or in fp32 (f32_matmul.c's). Each
+ * value is w = s * (u - o) + m, one fp32 fused multiply-add ((u - o) and s * (u - o) are exact). */
 
-static inline __attribute__((always_inline)) float value_at(const void *p, int64_t at, const int f16) {
-    return f16 ? _cvtsh_ss(((const uint16_t *)p)[at]) : ((const float *)p)[at];
+/* Qword i of v (row i's 4 bf16 values) to o + 32 i. */
+ALWAYS_INLINE void store_quads(uint16_t *o, __m256i v) {
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    _mm_storel_epi64((__m128i *)o, lo);
+    _mm_storeh_pd((double *)(o + 32), _mm_castsi128_pd(lo));
+    _mm_storel_epi64((__m128i *)(o + 64), hi);
+    _mm_storeh_pd((double *)(o + 96), _mm_castsi128_pd(hi));
 }
 
-/* 16 codes (bytes) of one row -> 16 bf16 values s * (u - o) + m. */
-static inline __attribute__((always_inline)) __m256i dequantize16(__m128i codes, int32_t offset, float s, float m) {
-    return bf16_of(vf_fmadd(vf_set1(s), u8x16_minus_to_vf(codes, offset), vf_set1(m)));
-}
-
-#define DEQUANTIZE_ROW(i)                                                                                     \
-    {                                                                                                         \
-        const int64_t ga = first_group * TILE + i, gb = (first_group + (group == 32 ? 0 : 1)) * TILE + i;      \
-        const float sa = value_at(scale, ga, f16), sb = value_at(scale, gb, f16);                             \
-        const float ma = min ? value_at(min, ga, f16) : 0.0f, mb = min ? value_at(min, gb, f16) : 0.0f;       \
-        _mm256_storeu_si256((__m256i *)(o + 32 * i), dequantize16(row_codes(a, i), offset, sa, ma)); \
-        _mm256_storeu_si256((__m256i *)(o + 32 * i + 16), dequantize16(row_codes(b, i), offset, sb, mb)); \
-    }
-
-/* Tile w of W^ (every span) into `out`, the bf16 layout's tile w. */
-static inline __attribute__((always_inline)) void dequantize_tile(const uint8_t *codes, const void *scale,
-                                                                  const void *min, int32_t offset, int64_t w,
-                                                                  int64_t K, uint16_t *out, const int bits,
-                                                                  const int group, const int f16) {
-    const int64_t spans = K / 32, groups = K / group, span_bytes = 16 * bits;
+/* Panel p of W^, rounded to the nearest bf16 (ties to even), into bf16_matmul.c's layout
+ * [ceil(N / 4), spans, 4, 32] (tiles of 4 rows, span by span): quarter q of the panel is tile 4p + q.
+ * Quarter q of a codes vector holds columns 4g .. 4g + 3 of those 4 rows (lane 4i + b: row i,
+ * column 4g + b), so with the rows' scales and mins spread over their 4 lanes each row's 4 values
+ * come out together. */
+ALWAYS_INLINE void dequantize_panel_bf16(const uint8_t *codes, const void *scale, const void *min, int32_t offset,
+                                         int64_t p, int64_t N, int64_t K, uint16_t *out, const int bits,
+                                         const int group, const int f16) {
+    const int64_t spans = K / 32, groups = K / group, tiles = (N + 3) / 4;
+    const int per_span = 32 / group, quarters = tiles - 4 * p >= 4 ? 4 : (int)(tiles - 4 * p);
     for (int64_t j = 0; j < spans; j++) {
-        const uint8_t *p = codes + (w * spans + j) * span_bytes;
-        const int64_t first_group = w * groups + j * (32 / group);
-        uint16_t *o = out + (w * spans + j) * TILE * 32;
-        vi a, b;
-        load_codes(p, bits, &a, &b);
-        DEQUANTIZE_ROW(0) DEQUANTIZE_ROW(1) DEQUANTIZE_ROW(2) DEQUANTIZE_ROW(3)
+        vi c[8];
+        span_codes(codes + (p * spans + j) * PANEL * 4 * bits, bits, c);
+        for (int h = 0; h < per_span; h++) {
+            const int64_t at = (p * groups + j * per_span + h) * PANEL;
+            const vf sw = load_values(scale, at, PANEL, f16), mw = min ? load_values(min, at, PANEL, f16) : vf_zero();
+            _Pragma("GCC unroll 4") for (int q = 0; q < 4 && q < quarters; q++) { /* q: an immediate */
+                const vf s = spread(sw, 4 * q, 4), m = spread(mw, 4 * q, 4);
+                uint16_t *o = out + ((4 * p + q) * spans + j) * 128;
+                for (int g = 8 / per_span * h; g < 8 / per_span * (h + 1); g++)
+                    store_quads(o + 4 * g, bf16_of(vf_fmadd(s, u8x16_minus_to_vf(row_codes(c[g], q), offset), m)));
+            }
+        }
     }
 }
 
-/* One exported function per format, as for the kernels (OpenMP's outlined body per format). */
-#define DEQUANTIZE(name, bits, group, f16)                                                                    \
-    void name(const uint8_t *codes, const void *scale, const void *min, int32_t offset, int64_t N, int64_t K,  \
-              uint16_t *out, int32_t num_threads) {                                                           \
-        const int64_t num_tiles = (N + TILE - 1) / TILE;                                                      \
-        const int threads = num_threads > 1 && num_tiles * TILE * K * bits / 8 >= PARALLEL_BYTES ? num_threads : 1; \
-        _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")                    \
-        for (int64_t w = 0; w < num_tiles; w++)                                                               \
-            dequantize_tile(codes, scale, min, offset, w, K, out, bits, group, f16);                          \
-    }
-
-DEQUANTIZE(qmatmul_u4_g32_f16_bf16, 4, 32, 1)
-DEQUANTIZE(qmatmul_u4_g32_f32_bf16, 4, 32, 0)
-DEQUANTIZE(qmatmul_u8_g32_f16_bf16, 8, 32, 1)
-DEQUANTIZE(qmatmul_u8_g32_f32_bf16, 8, 32, 0)
-DEQUANTIZE(qmatmul_u8_g16_f32_bf16, 8, 16, 0)
-
-/* -- dequantizing to fp32 panels, for many rows of x on CPUs whose fp32 multiply-adds outrun their
- * bf16 dot products (kvgen/model/quant/linear.py) -------------------------------------------------
- * W^ in f32_matmul.c's panels [ceil(N / 32), K, 32], zeros past N: panel p holds rows 32p .. 32p + 31
- * (8 tiles of codes) as columns. w = s * (u - o) + m, one fused multiply-add. */
-
-#define PANEL_ROWS 32
-
-/* Span j (32 columns) of panel p: its 8 tiles dequantized row by row, then written column by column. */
-static inline __attribute__((always_inline)) void dequantize_panel_span(const uint8_t *codes, const void *scale,
-                                                                        const void *min, int32_t offset, int64_t p,
-                                                                        int64_t j, int64_t N, int64_t K, float *out,
-                                                                        const int bits, const int group,
-                                                                        const int f16) {
-    float rows[PANEL_ROWS][32];
-    const int64_t spans = K / 32, groups = K / group, span_bytes = 16 * bits;
-    for (int t = 0; t < PANEL_ROWS / TILE; t++) {
-        const int64_t w = p * (PANEL_ROWS / TILE) + t;
-        if (w * TILE >= N) { /* past the last tile: zeros */
-            memset(rows[TILE * t], 0, sizeof(float) * 32 * TILE);
+/* Rows 32P .. 32P + 31 of W^ into f32_matmul.c's panel P [K, 32] (zeros past N): codes panels 2P
+ * and 2P + 1, whose column 4g + b is byte b of vector g's 16 lanes. */
+ALWAYS_INLINE void dequantize_panel_f32(const uint8_t *codes, const void *scale, const void *min, int32_t offset,
+                                        int64_t P, int64_t N, int64_t K, float *out, const int bits,
+                                        const int group, const int f16) {
+    const int64_t spans = K / 32, groups = K / group;
+    const int per_span = 32 / group;
+    for (int half = 0; half < 2; half++) {
+        const int64_t p = 2 * P + half;
+        float *o = out + P * K * 32 + PANEL * half;
+        if (p * PANEL >= N) { /* past the last panel of codes */
+            for (int64_t col = 0; col < K; col++)
+                memset(o + col * 32, 0, sizeof(float) * PANEL);
             continue;
         }
-        vi a, b;
-        load_codes(codes + (w * spans + j) * span_bytes, bits, &a, &b);
-        const int64_t first_group = w * groups + j * (32 / group);
-        for (int i = 0; i < TILE; i++) {
-            const int64_t ga = first_group * TILE + i, gb = (first_group + (group == 32 ? 0 : 1)) * TILE + i;
-            const float sa = value_at(scale, ga, f16), sb = value_at(scale, gb, f16);
-            const float ma = min ? value_at(min, ga, f16) : 0.0f, mb = min ? value_at(min, gb, f16) : 0.0f;
-            vf_storeu(rows[TILE * t + i], vf_fmadd(vf_set1(sa), u8x16_minus_to_vf(row_codes(a, i), offset), vf_set1(ma)));
-            vf_storeu(rows[TILE * t + i] + 16,
-                      vf_fmadd(vf_set1(sb), u8x16_minus_to_vf(row_codes(b, i), offset), vf_set1(mb)));
+        for (int64_t j = 0; j < spans; j++) {
+            vi c[8];
+            span_codes(codes + (p * spans + j) * PANEL * 4 * bits, bits, c);
+            for (int h = 0; h < per_span; h++) {
+                const int64_t at = (p * groups + j * per_span + h) * PANEL;
+                const vf sw = load_values(scale, at, PANEL, f16);
+                const vf mw = min ? load_values(min, at, PANEL, f16) : vf_zero();
+                for (int g = 8 / per_span * h; g < 8 / per_span * (h + 1); g++)
+                    for (int b = 0; b < 4; b++)
+                        vf_storeu(o + (32 * j + 4 * g + b) * 32, vf_fmadd(sw, byte_minus_to_vf(c[g], b, offset), mw));
+            }
         }
     }
-    float *panel = out + (p * K + 32 * j) * PANEL_ROWS;
-    for (int c = 0; c < 32; c++)
-        for (int r = 0; r < PANEL_ROWS; r++)
-            panel[c * PANEL_ROWS + r] = PANEL_ROWS * p + r < N ? rows[r][c] : 0.0f;
 }
 
-#define DEQUANTIZE_F32(name, bits, group, f16)                                                                \
+/* One exported function per format and float type, as for the kernels (OpenMP's outlined body per
+ * format): over panels of 16 rows (bf16) or 32 (fp32). */
+#define DEQUANTIZE(name, bits, group, f16, type, rows, panel_fn)                                              \
     void name(const uint8_t *codes, const void *scale, const void *min, int32_t offset, int64_t N, int64_t K,  \
-              float *out, int32_t num_threads) {                                                              \
-        const int64_t panels = (N + PANEL_ROWS - 1) / PANEL_ROWS;                                             \
+              type *out, int32_t num_threads) {                                                               \
+        const int64_t panels = (N + (rows) - 1) / (rows);                                                     \
         const int threads = num_threads > 1 && N * K * bits / 8 >= PARALLEL_BYTES ? num_threads : 1;          \
         _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")                    \
         for (int64_t p = 0; p < panels; p++)                                                                  \
-            for (int64_t j = 0; j < K / 32; j++)                                                              \
-                dequantize_panel_span(codes, scale, min, offset, p, j, N, K, out, bits, group, f16);          \
+            panel_fn(codes, scale, min, offset, p, N, K, out, bits, group, f16);                              \
     }
+#define DEQUANTIZERS(name, bits, group, f16)                                                                  \
+    DEQUANTIZE(name##_bf16, bits, group, f16, uint16_t, PANEL, dequantize_panel_bf16)                          \
+    DEQUANTIZE(name##_f32, bits, group, f16, float, 2 * PANEL, dequantize_panel_f32)
 
-DEQUANTIZE_F32(qmatmul_u4_g32_f16_f32, 4, 32, 1)
-DEQUANTIZE_F32(qmatmul_u4_g32_f32_f32, 4, 32, 0)
-DEQUANTIZE_F32(qmatmul_u8_g32_f16_f32, 8, 32, 1)
-DEQUANTIZE_F32(qmatmul_u8_g32_f32_f32, 8, 32, 0)
-DEQUANTIZE_F32(qmatmul_u8_g16_f32_f32, 8, 16, 0)
+DEQUANTIZERS(qmatmul_u4_g32_f16, 4, 32, 1)
+DEQUANTIZERS(qmatmul_u4_g32_f32, 4, 32, 0)
+DEQUANTIZERS(qmatmul_u8_g32_f16, 8, 32, 1)
+DEQUANTIZERS(qmatmul_u8_g32_f32, 8, 32, 0)
+DEQUANTIZERS(qmatmul_u8_g16_f32, 8, 16, 0)
 
 /* x as the kernels quantize it, `parts` rows per row of x: x^ = sum over parts of scale * q (tests). */
 int quantize_activations(const float *x, int64_t T, int64_t K, int32_t parts, int8_t *q, float *scale) {
     struct xq xq;
     if (quantize_x(x, T, K, 0, 32, parts, 1, &xq))
         return 1;
-    for (int64_t i = 0; i < parts * T * K; i++)
-        q[i] = xq.q[i];
-    for (int64_t i = 0; i < parts * T * (K / 32); i++)
-        scale[i] = xq.scale[i];
-    free(xq.init);
+    const int64_t spans = K / 32;
+    for (int64_t row = 0; row < parts * T; row++)
+        for (int64_t j = 0; j < spans; j++) {
+            memcpy(q + row * K + 32 * j, xq.q + (j * xq.rows + row) * 32, 32);
+            scale[row * spans + j] = xq.sx[j * xq.rows + row];
+        }
+    free(xq.q);
     return 0;
 }

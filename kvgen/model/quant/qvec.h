@@ -2,7 +2,7 @@
  * zmm register with AVX-512 VNNI, or as two ymm registers (lo: lanes 0-7, hi: 8-15) with AVX2.
  *
  * Both give the kernel the same bits: the integer dot products are exact either way, and every
- * fp32 operation (per lane, and the sums of row_sums / quarter_sums) runs in the same order. AVX2
+ * fp32 operation is per lane, so it runs in the same order in both. AVX2
  * has no vpdpbusd: its u8 x s8 products go through vpmaddubsw, whose int16 pair sums saturate past
  * 32,767. 4-bit codes (at most 15) times int8 x (|x| <= 127) never get there; 8-bit codes are made
  * signed first (u - 128, CODE_BIAS) and multiplied as |u - 128| by x with u - 128's sign, as ggml
@@ -58,28 +58,14 @@ ALWAYS_INLINE vf spread(vf v, int base, int width) {
     return _mm512_permutexvar_ps(idx, v);
 }
 
-/* acc lanes 4i..4i+3 belong to row i -> the 4 rows' sums, ((l0 + l1) + (l2 + l3)). */
-ALWAYS_INLINE __m128 row_sums(vf acc) {
-    __m128 h01 = _mm_hadd_ps(_mm512_castps512_ps128(acc), _mm512_extractf32x4_ps(acc, 1));
-    __m128 h23 = _mm_hadd_ps(_mm512_extractf32x4_ps(acc, 2), _mm512_extractf32x4_ps(acc, 3));
-    return _mm_hadd_ps(h01, h23);
-}
+/* The first `n` (1-16) lanes of v to p. */
+ALWAYS_INLINE void vf_store_first(float *p, vf v, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
 
-/* acc lanes 4q+i belong to row i -> the 4 rows' sums, (q0 + q1) + (q2 + q3). */
-ALWAYS_INLINE __m128 quarter_sums(vf acc) {
-    __m128 a = _mm_add_ps(_mm512_castps512_ps128(acc), _mm512_extractf32x4_ps(acc, 1));
-    return _mm_add_ps(a, _mm_add_ps(_mm512_extractf32x4_ps(acc, 2), _mm512_extractf32x4_ps(acc, 3)));
-}
+ALWAYS_INLINE vi vi_set1_i32(int32_t v) { return _mm512_set1_epi32(v); }
+ALWAYS_INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 
-/* The first `rows` (1-4) lanes of y to p. */
-ALWAYS_INLINE void store_rows(float *p, __m128 y, int rows) { _mm_mask_storeu_ps(p, (__mmask8)((1u << rows) - 1), y); }
-
-/* 16 bytes (or 4 int32) into each of the 4 quarters. */
-ALWAYS_INLINE vi bcast16(const void *p) { return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p)); }
-ALWAYS_INLINE vi bcast_i32x4(__m128i v) { return _mm512_broadcast_i32x4(v); }
-
-/* One tile's span of codes: elements 0-15 of the 4 rows (A) and 16-31 (B), a byte each: the low and
- * high nibbles of one load for 4-bit codes, two loads for 8-bit. */
+/* Two vectors of codes, a byte each: the low and high nibbles of one 64-byte load for 4-bit codes,
+ * two loads for 8-bit. */
 ALWAYS_INLINE void load_codes(const uint8_t *p, const int bits, vi *a, vi *b) {
     if (bits == 4) {
         const __m512i v = _mm512_loadu_si512(p);
@@ -97,8 +83,14 @@ ALWAYS_INLINE vi dot4(vi acc, vi codes, vi x, const int bits) {
     return _mm512_dpbusd_epi32(acc, codes, x);
 }
 
-/* Row i's 16 codes of a load_codes() vector. */
+/* Quarter i (bytes 16i .. 16i + 15) of a vector. */
 ALWAYS_INLINE __m128i row_codes(vi v, const int i) { return _mm512_extracti32x4_epi32(v, i); }
+
+/* Byte b of each int32 lane, minus `offset`, as fp32. */
+ALWAYS_INLINE vf byte_minus_to_vf(vi v, const int b, int32_t offset) {
+    const __m512i byte = _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(0xFF));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(byte, _mm512_set1_epi32(offset)));
+}
 
 /* Each lane rounded to the nearest bf16 (ties to even), as 16 uint16. */
 ALWAYS_INLINE __m256i bf16_of(vf v) {
@@ -190,27 +182,14 @@ ALWAYS_INLINE vf spread(vf v, int base, int width) {
                 _mm256_permutevar8x32_ps(half, _mm256_add_epi32(_mm256_set1_epi32(hi_first), idx))};
 }
 
-ALWAYS_INLINE __m128 row_sums(vf acc) {
-    __m128 h01 = _mm_hadd_ps(_mm256_castps256_ps128(acc.lo), _mm256_extractf128_ps(acc.lo, 1));
-    __m128 h23 = _mm_hadd_ps(_mm256_castps256_ps128(acc.hi), _mm256_extractf128_ps(acc.hi, 1));
-    return _mm_hadd_ps(h01, h23);
+ALWAYS_INLINE void vf_store_first(float *p, vf v, int n) {
+    const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane), v.lo);
+    _mm256_maskstore_ps(p + 8, _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane), v.hi);
 }
 
-ALWAYS_INLINE __m128 quarter_sums(vf acc) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(acc.lo), _mm256_extractf128_ps(acc.lo, 1));
-    return _mm_add_ps(a, _mm_add_ps(_mm256_castps256_ps128(acc.hi), _mm256_extractf128_ps(acc.hi, 1)));
-}
-
-ALWAYS_INLINE void store_rows(float *p, __m128 y, int rows) {
-    const __m128i lane = _mm_set_epi32(3, 2, 1, 0);
-    _mm_maskstore_ps(p, _mm_cmpgt_epi32(_mm_set1_epi32(rows), lane), y);
-}
-
-ALWAYS_INLINE vi bcast_i32x4(__m128i v) {
-    const __m256i both = _mm256_broadcastsi128_si256(v);
-    return (vi){both, both};
-}
-ALWAYS_INLINE vi bcast16(const void *p) { return bcast_i32x4(_mm_loadu_si128((const __m128i *)p)); }
+ALWAYS_INLINE vi vi_set1_i32(int32_t v) { return (vi){_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+ALWAYS_INLINE vi vi_add(vi a, vi b) { return (vi){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 
 ALWAYS_INLINE void load_codes(const uint8_t *p, const int bits, vi *a, vi *b) {
     const __m256i lo = _mm256_loadu_si256((const __m256i *)p), hi = _mm256_loadu_si256((const __m256i *)(p + 32));
@@ -242,6 +221,14 @@ ALWAYS_INLINE vi dot4(vi acc, vi codes, vi x, const int bits) {
 ALWAYS_INLINE __m128i row_codes(vi v, const int i) {
     const __m256i half = i < 2 ? v.lo : v.hi;
     return i % 2 ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half);
+}
+
+ALWAYS_INLINE __m256 byte_minus_half(__m256i v, const int b, int32_t offset) {
+    const __m256i byte = _mm256_and_si256(_mm256_srli_epi32(v, 8 * b), _mm256_set1_epi32(0xFF));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(byte, _mm256_set1_epi32(offset)));
+}
+ALWAYS_INLINE vf byte_minus_to_vf(vi v, const int b, int32_t offset) {
+    return (vf){byte_minus_half(v.lo, b, offset), byte_minus_half(v.hi, b, offset)};
 }
 
 ALWAYS_INLINE __m256i bf16_half(__m256 v) {

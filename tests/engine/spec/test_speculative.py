@@ -315,6 +315,29 @@ def test_adaptive_switch_costs_little_where_speculation_loses(steps, bound):
     assert seconds < bound * steps * 0.01
 
 
+def test_adaptive_switch_probes_speculation_when_a_request_starts_alone():
+    """The copy task: the last request's ending (its text no longer in the prompt) settled on plain;
+    the next request repeats its prompt again, and its first decode step probes speculation, then
+    the probes that win flip the choice within a few steps. Batches of two or more keep their
+    schedule (their texts change one sequence at a time)."""
+    switch = AdaptiveSwitch()
+    for batch, rates in ((1, {True: 50.0, False: 150.0}), (2, {True: 100.0, False: 300.0})):
+        for _ in range(4 * PROBE_EVERY):
+            on = switch.decide(batch)
+            switch.record(batch, on, int(rates[on]), 1.0)
+    while switch.decide(2):  # past a probe of the batch-2 bucket, if one is due
+        switch.record(2, True, 100, 1.0)
+    switch.record(2, False, 300, 1.0)
+    switch.new_request()
+    assert not switch.decide(2)
+    choices = []
+    for _ in range(12):
+        on = switch.decide(1)
+        choices.append(on)
+        switch.record(1, on, 450 if on else 150, 1.0)
+    assert choices[0] and all(choices[5:])
+
+
 def test_adaptive_switch_leaves_out_a_stalled_step():
     switch = AdaptiveSwitch()
     for seconds in (0.04, 0.04, 4.0, 0.04):

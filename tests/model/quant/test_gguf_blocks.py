@@ -29,10 +29,11 @@ def test_conversion_equals_gguf_dequantization(ggml_type, out):
     (Q.Q2_K, 8, 16, torch.float32),
 ], ids=lambda v: getattr(v, "name", str(v)))
 def test_each_type_gets_its_kernel_format(ggml_type, bits, group, scale_dtype):
-    """The module docstring's table: 4-bit types stay 4-bit, and scales stay fp16 where gguf's are."""
+    """The module docstring's table: 4-bit types stay 4-bit, and scales stay fp16 where gguf's are.
+    The 4 rows are padded to a panel of 16."""
     packed = convert(ggml_type, raw_matrix(ggml_type, 4, 256), (4, 256))
     assert (packed.bits, packed.group, packed.scale.dtype) == (bits, group, scale_dtype)
-    assert packed.codes.dtype == torch.uint8 and packed.codes.numel() == 4 * 256 * bits // 8
+    assert packed.codes.dtype == torch.uint8 and packed.codes.numel() == 16 * 256 * bits // 8
 
 
 def test_types_without_a_kernel_format_are_left_to_the_caller():
