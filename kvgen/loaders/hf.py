@@ -39,7 +39,8 @@ def load_hf(
 ) -> LoadedModel:
     """Loads a HF directory; the tokenizer is the directory's own unless `tokenizer` is given.
     Norm weights come out as the factor the norm multiplies by: Gemma's stored w becomes 1 + w (in
-    fp32, as Gemma's RMSNorm adds it), so every architecture runs one RMSNorm. A tensor-parallel `shard` reads only its slices from the files (`safe_open(...).get_slice`)."""
+    fp32, as Gemma's RMSNorm adds it), so every architecture runs one RMSNorm. A tensor-parallel
+    `shard` reads only its slices from the files (`safe_open(...).get_slice`)."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(config_file, "missing: a HF model directory needs config.json")
