@@ -136,6 +136,7 @@ def render(runs: Sequence[Run], plot: str | None = None) -> str:
     lines = INTRO.splitlines() + [""]
     if plot is not None:
         lines += [f"![kvgen against each peer: every ratio on this page]({plot})", ""]
+    lines += at_a_glance(runs)
     for run in runs:
         lines += section(run)
     return "\n".join(lines).rstrip("\n") + "\n"
@@ -201,6 +202,38 @@ def table(run: Run, workload: Workload) -> list[str]:
         return header + [f"| (no peer in this run) | {fmt(run.data['results']['kvgen'].get(workload.key))} | - | - |"]
     return header + [f"| {peer_label(run, name)} | {fmt(ours)} | {fmt(theirs)} | {_ratio_text(value)} |"
                      for name, ours, theirs, value in rows]
+
+
+def at_a_glance(runs: Sequence[Run]) -> list[str]:
+    """One row per run and peer, before the sections: every ratio of the page, with the share of the
+    measured memory bandwidth each system's decode reached (what bounds a batch-1 decode ratio: a peer
+    at 80% leaves kvgen at most 1.25x) and the load times. A run is named by its JSON's folder."""
+    rows = []
+    for run in runs:
+        results = run.data.get("results") or {}
+        ours = results.get("kvgen", {})
+        for name in (n for n in results if n != "kvgen"):
+            theirs = results[name]
+            ratios = [_ratio_text(ratio(ours.get(w.key), theirs.get(w.key))) if run.mode == mode else "-"
+                      for mode, w in (("latency", WORKLOADS["latency"][0]), ("latency", WORKLOADS["latency"][1]),
+                                      ("throughput", WORKLOADS["throughput"][0]))]
+            rows.append(f"| {run.source.parent.name} | {peer_label(run, name)} | {' | '.join(ratios)} | "
+                        f"{_share(ours)} / {_share(theirs)} | {_seconds(ours)} / {_seconds(theirs)} |")
+    if not rows:
+        return []
+    return ["## At a glance", "", "kvgen / peer in each run (the sections below give each run's command and figures).",
+            "", "| run | peer | decode | prefill | throughput | share of memory bandwidth, kvgen / peer "
+            "| load s, kvgen / peer |", "|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def _share(result: dict) -> str:
+    value = result.get("bandwidth_fraction")
+    return f"{value:.0%}" if value is not None else "-"
+
+
+def _seconds(result: dict) -> str:
+    value = result.get("load_s")
+    return f"{value:.2f}" if value is not None else "-"
 
 
 def perplexity_table(run: Run) -> list[str]:
