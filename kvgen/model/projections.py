@@ -7,8 +7,9 @@
     a GGUF matrix (raw blocks) kept packed: kvgen.model.quant's kernel for its type; a type no
                               kernel format holds is dequantized to the model's dtype
 
-Fused projections (q/k/v, gate/up) become one packed matrix when their formats stack, else one
-layer per part side by side (a Q4_K_M file keeps some v or down projections in Q6_K). The token
+Fused projections (q/k/v, gate/up) become one packed matrix when their formats stack (parts of one
+type packed in one pass by block_pack.c or kquant_pack.c, others stacked after), else one layer per
+part side by side (a Q4_K_M file keeps some v or down projections in Q6_K). The token
 embedding may stay packed too (sharing its table with a tied LM head): a step dequantizes only the
 rows it looks up.
 """
@@ -16,7 +17,9 @@ rows it looks up.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
@@ -26,6 +29,7 @@ from kvgen.model.kernels.bf16 import Bf16Tiles
 from kvgen.model.kernels.step import step_kernels
 from kvgen.model.linear import F32Linear, Linear, RowKernels, make_linear
 from kvgen.model.quant import formats
+from kvgen.model.quant.block_pack import BLOCK_TYPES, block_packer
 from kvgen.model.quant.float_weights import GROUP
 from kvgen.model.quant.formats import PackedWeight, concat_rows
 from kvgen.model.quant.gguf_blocks import convert
@@ -68,11 +72,29 @@ class LayerBuilder:
     def _keeps_k(self, ggml_type: object) -> bool:
         return ggml_type in KINDS and self.device.type == "cpu" and kquant_kernel() is not None
 
+    @staticmethod
+    def _packs_blocks(ggml_type: object) -> bool:
+        return ggml_type in BLOCK_TYPES and block_packer() is not None
+
+    @staticmethod
+    def _stacked(pack: Callable[[object, list[np.ndarray]], PackedWeight | KPacked],
+                 run: list[GGUFWeight]) -> PackedWeight | KPacked:
+        """`run`'s matrices (one type) stacked by rows as `pack` packs them: in one pass from the
+        file's map, no stacked copy; the parts' pages are released after."""
+        packed = pack(run[0].ggml_type, [p.raw for p in run])
+        for part in run:
+            part.release()
+            advance(part.raw.nbytes)
+        return packed
+
     def linear(self, parts: list[Weight], bias: torch.Tensor | None = None) -> Linear:
         """The projection whose weight is `parts` stacked by rows ([sum of out, in])."""
         if all(isinstance(p, GGUFWeight) for p in parts):
             if any(self._keeps_k(p.ggml_type) for p in parts):
                 return self._k_linear(parts, bias)
+            if len(parts) > 1 and len({p.ggml_type for p in parts}) == 1 and self._packs_blocks(parts[0].ggml_type):
+                return packed_linear(self._stacked(block_packer().pack, parts), bias, self.device, self.dtype,
+                                     self.activations, self._many_rows)
             packed = [self.packed(p) for p in parts]
             if all(p is not None for p in packed):
                 return self._packed(packed, bias)
@@ -106,11 +128,7 @@ class LayerBuilder:
             return self.linear(run, bias)
         if len(run) == 1:
             return KQuantLinear(self.packed(run[0]), bias, self.activations)
-        packed = kquant_kernel().pack(run[0].ggml_type, [p.raw for p in run])  # stacked as it packs: no copy
-        for part in run:
-            part.release()
-            advance(part.raw.nbytes)
-        return KQuantLinear(packed, bias, self.activations)
+        return KQuantLinear(self._stacked(kquant_kernel().pack, run), bias, self.activations)
 
     def _packed(self, packed: list[PackedWeight], bias: torch.Tensor | None) -> Linear:
         try:

@@ -6,10 +6,12 @@ Entry points (each returns a kvgen.model.linear.Linear):
     quantize_linear(weight, "int8" | "int4", bias, activations)                    a float weight
 
 `activations` ("int8" or "int8x2") is how the kernel quantizes x: see kvgen.model.quant.linear.
-For the model: gguf_blocks.convert + formats.concat_rows + linear.packed_linear build fused q/k/v and
-gate/up layers (llama.cpp's q/k row permutation applies to whole rows, so it can be applied to the
-raw blocks, uint8 [out, bytes per row], before converting); formats.dequantize_rows looks up a
-packed embedding table's rows (tied embeddings share it with the LM head).
+For the model: gguf_blocks.convert (or block_pack.BlockPacker.pack for parts of one type, stacked as
+they pack) + formats.concat_rows + linear.packed_linear build fused q/k/v and gate/up layers
+(llama.cpp's q/k row permutation applies to whole rows, so it can be applied to the raw blocks,
+uint8 [out, bytes per row], before converting); formats.dequantize_rows looks up a packed embedding
+table's rows (tied embeddings share it with the LM head). Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 are packed
+in C at load (block_pack.c, from the file's memory map), the K-quants of the generic format in numpy.
 
 Which GGUF type gets which kernel (formats.py for the format, gguf_blocks.py for the conversions,
 all exact: the kernel's weights equal gguf's dequantization bit for bit):

@@ -1,9 +1,10 @@
 """GGUF quantized blocks -> PackedWeight, keeping every dequantized value exactly.
 
-Each converter reads a matrix's raw blocks (uint8 [out, bytes per row]) and returns the codes, scales
-and mins of kvgen.model.quant.formats. gguf's own dequantizer computes the same fp32 products and
-sums, so `formats.dequantize` of the result equals `gguf.quants.dequantize` of the blocks bit for bit
-(the tests check every type):
+`convert` reads a matrix's raw blocks (uint8 [out, bytes per row]) into the codes, scales and mins of
+kvgen.model.quant.formats: Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 in C (block_pack.c, which keeps their fp16
+scales as they are), the K-quants with the numpy converters below. gguf's own dequantizer computes
+the same fp32 products and sums, so `formats.dequantize` of the result equals
+`gguf.quants.dequantize` of the blocks bit for bit (the tests check every type):
 
     Q4_0  d*(q-8)               -> 4-bit, offset 8, scale d
     Q4_1  d*q + m               -> 4-bit, scale d, min m
@@ -27,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from kvgen.model.quant.block_pack import BLOCK_TYPES, block_packer
 from kvgen.model.quant.formats import PackedWeight, pack
 
 Q = GGMLQuantizationType
@@ -37,15 +39,19 @@ Parts = tuple[np.ndarray, int, int, np.ndarray, np.ndarray | None, int]
 
 def convert(ggml_type: Q, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight | None:
     """raw uint8 [out, bytes per row] of a matrix of `shape` (out, in) -> PackedWeight, or None for a
-    type no kernel format keeps exactly (float types, IQ*, TQ*...)."""
+    type no kernel format keeps exactly (float types, IQ*, TQ*...), or that this machine cannot pack
+    (Q4_0... where block_pack.c does not build)."""
     converter = CONVERTERS.get(ggml_type)
-    if converter is None:
+    packer = block_packer() if ggml_type in BLOCK_TYPES else None
+    if converter is None and packer is None:
         return None
     out, cols = shape
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     if cols % block_size or raw.shape != (out, cols // block_size * type_size) or raw.dtype != np.uint8:
         raise ValueError(f"{ggml_type.name} blocks of shape {raw.shape} ({raw.dtype}) do not hold a "
                          f"{out}x{cols} matrix")
+    if packer is not None:
+        return packer.pack(ggml_type, [raw])
     blocks = raw.reshape(out, cols // block_size, type_size)
     q, offset, bits, scale, min, group = converter(blocks)
     return pack(q.reshape(out, cols), offset, bits, scale.reshape(out, -1), None if min is None else min.reshape(out, -1), group)
@@ -54,11 +60,6 @@ def convert(ggml_type: Q, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeig
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
     """The fp16 field at byte `at` of each block, as fp32 [out, blocks, 1]."""
     return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16).astype(np.float32)
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[..., 16] bytes of a 32-weight block -> [..., 32]: low nibbles first, then high."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
 def _bits(field: np.ndarray, count: int, width: int) -> np.ndarray:
@@ -75,32 +76,6 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scales = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
     mins = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=-1)
     return scales.astype(np.float32), mins.astype(np.float32)
-
-
-def _q4_0(b: np.ndarray) -> Parts:
-    return _nibbles(b[..., 2:18]), 8, 4, _f16(b, 0), None, 32
-
-
-def _q4_1(b: np.ndarray) -> Parts:
-    return _nibbles(b[..., 4:20]), 0, 4, _f16(b, 0), _f16(b, 2), 32
-
-
-def _q8_0(b: np.ndarray) -> Parts:
-    return b[..., 2:34] ^ np.uint8(0x80), 128, 8, _f16(b, 0), None, 32  # int8 q -> q + 128
-
-
-def _q5(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
-    """5-bit values [..., 32]: low 4 bits as in Q4, bit 4 of element i is bit i of the 32-bit qh."""
-    high = _bits(qh, 8, 1).swapaxes(-1, -2).reshape(*qh.shape[:-1], 32)  # byte i//8, bit i%8
-    return _nibbles(qs) | (high << 4)
-
-
-def _q5_0(b: np.ndarray) -> Parts:
-    return _q5(b[..., 2:6], b[..., 6:22]) + np.uint8(112), 128, 8, _f16(b, 0), None, 32  # q - 16 + 128
-
-
-def _q5_1(b: np.ndarray) -> Parts:
-    return _q5(b[..., 4:8], b[..., 8:24]) + np.uint8(128), 128, 8, _f16(b, 0), _f16(b, 2), 32
 
 
 class KFields(NamedTuple):
@@ -176,6 +151,5 @@ def _q2_k(b: np.ndarray) -> Parts:
 
 
 CONVERTERS: dict[Q, Callable[[np.ndarray], Parts]] = {
-    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k,
-    Q.Q8_0: _q8_0, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k,
+    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k,
 }

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from kvgen.model.kernels import KernelCall, build_library, cpu_has
+from kvgen.model.quant.block_pack import row_pointers
 from kvgen.model.quant.kquant_format import KINDS, PANEL, QK_K, KPacked, block_bytes
 
 log = logging.getLogger(__name__)
@@ -52,15 +53,7 @@ class KQuantKernel:
         """Q4_K/Q5_K/Q6_K matrices' blocks (each uint8 [rows, bytes per row], rows of the same width;
         views of the file's memory map are read in place) stacked by rows -> KPacked, in one pass
         (kquant_pack.c). A part's rows may be any row-strided view, such as a permutation's copy."""
-        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-        width = parts[0].shape[1] if parts and parts[0].ndim == 2 else 0
-        if ggml_type not in KINDS or not width or width % type_size or any(
-                p.ndim != 2 or p.shape[1] != width or p.dtype != np.uint8 or p.strides[1] != 1 for p in parts):
-            shapes = [(p.shape, p.dtype) for p in parts]
-            raise ValueError(f"{ggml_type.name} blocks {shapes} do not hold a K-quant matrix")
-        cols = width // type_size * block_size
-        rows = np.concatenate([p.__array_interface__["data"][0] + p.strides[0] * np.arange(len(p), dtype=np.uint64)
-                               for p in parts]).astype(np.uint64)  # a pointer to each output row's blocks
+        rows, cols = row_pointers(ggml_type, parts, KINDS, "K-quant")
         out = torch.empty(-(-len(rows) // PANEL), cols // QK_K * block_bytes(ggml_type), dtype=torch.uint8)
         function = getattr(self._packer, f"kq_pack_{KINDS[ggml_type]}")
         function.argtypes, function.restype = [_P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int32], None

@@ -5,6 +5,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
+from kvgen.model.quant import gguf_blocks
 from kvgen.model.quant.formats import concat_rows, dequantize, dequantize_rows
 from kvgen.model.quant.gguf_blocks import convert
 from tests.model.quant.raw_blocks import MAPPED, Q, raw_matrix
@@ -40,6 +41,14 @@ def test_types_without_a_kernel_format_are_left_to_the_caller():
     raw = np.zeros((2, 64), np.uint8)  # F16 [2, 32]
     assert convert(Q.F16, raw, (2, 32)) is None
     assert convert(Q.IQ4_NL, np.zeros((2, 18), np.uint8), (2, 32)) is None
+
+
+def test_without_a_built_packer_the_c_packed_types_are_left_to_the_caller(monkeypatch):
+    """Where block_pack.c does not build (no C compiler) Q4_0... are dequantized by the caller, as
+    types without a kernel format are; the K-quants still convert in numpy."""
+    monkeypatch.setattr(gguf_blocks, "block_packer", lambda: None)
+    assert convert(Q.Q4_0, raw_matrix(Q.Q4_0, 4, 64), (4, 64)) is None
+    assert convert(Q.Q4_K, raw_matrix(Q.Q4_K, 4, 256), (4, 256)) is not None
 
 
 def test_blocks_of_the_wrong_shape_are_refused():

@@ -1,0 +1,82 @@
+"""Packing GGUF Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 matrices into formats.py's layout, in C (block_pack.c).
+
+A load packs every matrix of such a file, 0.7-1.3 GB for a 1B model: numpy's reshapes and
+transposes took 4-8 s of it, the C packer reads each row's blocks once, in place from the file's
+memory map, and writes the final layout (gguf_blocks.convert and kvgen.model.projections call it).
+Plain C with no ISA flags, so it builds wherever a C compiler does; where none does `block_packer()`
+is None and those matrices are dequantized to floats instead (as types without a kernel format are).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvgen.model.kernels import build_library
+from kvgen.model.quant.formats import GROUP, PANEL, PackedWeight
+
+log = logging.getLogger(__name__)
+
+Q = GGMLQuantizationType
+SOURCE = Path(__file__).with_name("block_pack.c")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+# type -> (the C function's suffix, bits of a code, offset, has a min)
+BLOCK_TYPES = {Q.Q4_0: ("q4_0", 4, 8, False), Q.Q4_1: ("q4_1", 4, 0, True), Q.Q8_0: ("q8_0", 8, 128, False),
+               Q.Q5_0: ("q5_0", 8, 128, False), Q.Q5_1: ("q5_1", 8, 128, True)}
+_P = ctypes.c_void_p
+
+
+def row_pointers(ggml_type: GGMLQuantizationType, parts: Sequence[np.ndarray], kinds: object,
+                 what: str) -> tuple[np.ndarray, int]:
+    """Matrices' blocks (each uint8 [rows, bytes per row], rows of one width and contiguous bytes, any
+    row stride) stacked by rows -> (uint64 [rows]: the address of each row's blocks, columns): what
+    the C packers read. ValueError, naming `what`, unless `ggml_type` is in `kinds` and the parts fit."""
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    width = parts[0].shape[1] if parts and parts[0].ndim == 2 else 0
+    if ggml_type not in kinds or not width or width % type_size or any(
+            p.ndim != 2 or p.shape[1] != width or p.dtype != np.uint8 or p.strides[1] != 1 for p in parts):
+        shapes = [(p.shape, p.dtype) for p in parts]
+        raise ValueError(f"{ggml_type.name} blocks {shapes} do not hold a {what} matrix")
+    rows = np.concatenate([p.__array_interface__["data"][0] + p.strides[0] * np.arange(len(p), dtype=np.uint64)
+                           for p in parts]).astype(np.uint64)
+    return rows, width // type_size * block_size
+
+
+class BlockPacker:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions = {}
+        for ggml_type, (suffix, *_) in BLOCK_TYPES.items():
+            function = getattr(library, f"bp_pack_{suffix}")
+            function.argtypes, function.restype = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int32], None
+            self._functions[ggml_type] = function
+
+    def pack(self, ggml_type: GGMLQuantizationType, parts: Sequence[np.ndarray]) -> PackedWeight:
+        """Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 matrices' blocks (each uint8 [rows, bytes per row]; views of the
+        file's memory map are read in place) stacked by rows -> PackedWeight, in one pass. A part's
+        rows may be any row-strided view, such as a permutation's copy."""
+        rows, cols = row_pointers(ggml_type, parts, BLOCK_TYPES, "Q4_0/Q4_1/Q8_0/Q5_0/Q5_1")
+        _, bits, offset, has_min = BLOCK_TYPES[ggml_type]
+        panels = -(-len(rows) // PANEL)
+        codes = torch.empty(panels, cols * PANEL * bits // 8, dtype=torch.uint8)
+        scale = torch.empty(panels, cols // GROUP * PANEL, dtype=torch.float16)
+        mins = torch.empty_like(scale) if has_min else None
+        self._functions[ggml_type](rows.ctypes.data, len(rows), cols, codes.data_ptr(), scale.data_ptr(),
+                                   None if mins is None else mins.data_ptr(), torch.get_num_threads())
+        return PackedWeight(codes, scale, mins, offset, bits, GROUP, (len(rows), cols))
+
+
+@functools.cache
+def block_packer() -> BlockPacker | None:
+    """The packer, built once per machine, or None where the build fails."""
+    try:
+        return BlockPacker(ctypes.CDLL(str(build_library(SOURCE, FLAGS))))
+    except OSError as e:
+        log.warning("block packer unavailable (%s); Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 matrices are dequantized", e)
+        return None
