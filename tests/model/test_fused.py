@@ -3,11 +3,11 @@ the same log-probabilities bit for bit, on every kind of layer it runs; and it s
 piece of the step has no kernel."""
 
 import pytest
-import torch
 
 from kvgen import LLM, SamplingParams
 from kvgen.model.kernels.bf16 import bf16_kernel
 from tests.loaders.gguf_builder import Dims, llama_vocab, q4_k_m_style_model, write_gguf
+from tests.torch_threads import torch_threads
 
 PROMPTS = [list(range(100, 228)), list(range(300, 340)), [7], list(range(5, 70)), list(range(40, 41 + 16))]
 
@@ -46,13 +46,9 @@ def test_fused_steps_give_the_layered_bits_on_the_real_q4_1_file(smollm_gguf):
 
 
 def test_fused_steps_keep_their_bits_on_two_threads(stories_bin):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         fused, steps = generate(stories_bin, quantization="int4")
         layered, _ = generate(stories_bin, quantization="int4", fused_decode=False)
-    finally:
-        torch.set_num_threads(threads)
     assert steps > 20
     assert_same_bits(fused, layered)
 

@@ -12,6 +12,7 @@ from kvgen.model import kernels
 from kvgen.model.attention import PagedKVCache, sdpa_heads_first
 from kvgen.model.kernels import FLAGS, SOURCE, PagedDecode, build_library, load_paged_decode, paged_decode_for
 from tests.tolerances import fp32_gap
+from tests.torch_threads import torch_threads
 
 CPU = torch.device("cpu")
 
@@ -234,12 +235,8 @@ def test_paged_decode_gives_the_same_bits_on_two_threads(dtype):
     cache, q, block_ids, mask = ragged_batch(dtype, 3, 3, 4, window=None, long=700)
     kernel = load_paged_decode()
     one = kernel(q, cache.k[0], cache.v[0], block_ids, 4, mask)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         two = kernel(q, cache.k[0], cache.v[0], block_ids, 4, mask)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one, two)
 
 

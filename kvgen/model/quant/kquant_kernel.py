@@ -43,11 +43,16 @@ class _Args(ctypes.Structure):
 
 class KQuantKernel:
     def __init__(self, library: ctypes.CDLL, packer: ctypes.CDLL) -> None:
-        self._library, self._packer = library, packer
+        self._library = library
         quantize = library.kq_quantize
         quantize.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, _P, _P]
         quantize.restype = ctypes.c_int
         self._quantize = quantize
+        self._packers = {}
+        for ggml_type, kind in KINDS.items():
+            pack = getattr(packer, f"kq_pack_{kind}")
+            pack.argtypes, pack.restype = [_P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int32], None
+            self._packers[ggml_type] = pack
 
     def pack(self, ggml_type: GGMLQuantizationType, parts: Sequence[np.ndarray]) -> KPacked:
         """Q4_K/Q5_K/Q6_K matrices' blocks (each uint8 [rows, bytes per row], rows of the same width;
@@ -55,9 +60,7 @@ class KQuantKernel:
         (kquant_pack.c). A part's rows may be any row-strided view, such as a permutation's copy."""
         rows, cols = row_pointers(ggml_type, parts, KINDS, "K-quant")
         out = torch.empty(-(-len(rows) // PANEL), cols // QK_K * block_bytes(ggml_type), dtype=torch.uint8)
-        function = getattr(self._packer, f"kq_pack_{KINDS[ggml_type]}")
-        function.argtypes, function.restype = [_P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int32], None
-        function(rows.ctypes.data, len(rows), cols, out.data_ptr(), torch.get_num_threads())
+        self._packers[ggml_type](rows.ctypes.data, len(rows), cols, out.data_ptr(), torch.get_num_threads())
         return KPacked(out, ggml_type, (len(rows), cols))
 
     def bind(self, w: KPacked, parts: int) -> BoundKQuant:

@@ -9,6 +9,7 @@ from kvgen.model.quant.block_pack import BLOCK_TYPES, block_packer
 from kvgen.model.quant.formats import PackedWeight
 from tests.model.quant.block_oracle import pack_blocks
 from tests.model.quant.raw_blocks import Q, random_blocks, raw_matrix
+from tests.torch_threads import torch_threads
 
 needs_packer = pytest.mark.skipif(block_packer() is None, reason="no C compiler: block_pack.c does not build")
 
@@ -35,12 +36,8 @@ def test_packer_writes_the_oracles_bytes(ggml_type):
     assert_same(pack(ggml_type, [raw]), pack_blocks(ggml_type, raw))
     first, second = random_blocks(ggml_type, 20, 128, 4), random_blocks(ggml_type, 30, 128, 5)
     order = np.random.default_rng(6).permutation(20)
-    with_threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         got = pack(ggml_type, [first[order], second[3:12]])
-    finally:
-        torch.set_num_threads(with_threads)
     assert_same(got, pack_blocks(ggml_type, np.concatenate([first[order], second[3:12]])))
 
 

@@ -17,6 +17,7 @@ from kvgen.model.quant.linear import FP32_FROM_ROWS, KernelQuantLinear, ManyRows
 from tests.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix
+from tests.torch_threads import torch_threads
 
 pytestmark = pytest.mark.skipif(qmatmul_kernel() is None,
                                 reason="CPU with neither AVX-512 VNNI nor AVX2: layers use torch")
@@ -79,12 +80,8 @@ def test_two_threads_give_the_same_bits(rows, activations):
     x = torch.randn(rows, 1024, generator=gen)
     kernel = qmatmul_kernel().bind(w, activations)
     one = kernel(x)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         two = kernel(x)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one, two)
     check(w, x, activations)
 

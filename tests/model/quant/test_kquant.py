@@ -24,6 +24,7 @@ from kvgen.model.quant.kquant_kernel import kquant_kernel
 from kvgen.model.quant.kquant_linear import MANY_ROWS, KQuantLinear
 from tests.model.quant.kquant_oracle import pack_k
 from tests.model.quant.raw_blocks import raw_matrix
+from tests.torch_threads import torch_threads
 
 Q = GGMLQuantizationType
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -110,12 +111,8 @@ def test_packer_writes_the_oracles_bytes(ggml_type):
         assert np.array_equal(pack(ggml_type, [raw]).data.numpy(), pack_k(ggml_type, raw, (out, cols)).data.numpy())
     first, second = raw_matrix(ggml_type, 20, 512, 3), raw_matrix(ggml_type, 30, 512, 4)
     order = np.random.default_rng(5).permutation(20)
-    with_threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         got = pack(ggml_type, [first[order], second[3:12]])
-    finally:
-        torch.set_num_threads(with_threads)
     want = pack_k(ggml_type, np.concatenate([first[order], second[3:12]]), (29, 512))
     assert got.shape == want.shape and np.array_equal(got.data.numpy(), want.data.numpy())
 
