@@ -19,9 +19,9 @@ from typing import TypeVar
 
 from kvgen.config import EngineConfig
 from kvgen.engine.base import Engine, Prompt
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import RequestOutput
 from kvgen.llm import build_engine, load
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import RequestOutput
 
 T = TypeVar("T")
 

@@ -18,10 +18,10 @@ from kvgen.cache.sizing import KV_ELEMENT_BYTES, format_bytes, kv_bytes_per_toke
 from kvgen.commands import SUBSYSTEM_COMMANDS
 from kvgen.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from kvgen.engine.base import Engine
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import RequestOutput
 from kvgen.errors import KVGenError
 from kvgen.options import add_engine_options, add_sampling_options, build_engine_from_args, config_only, sampling_params
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import RequestOutput
 
 EXIT_USER_ERROR = 2
 

@@ -19,8 +19,8 @@ from kvgen.bench.llama_server import LlamaServerSystem
 from kvgen.bench.models import BenchModel, converted, gguf_for, load_hf_model, plain_hf_dir
 from kvgen.bench.system import BenchRequest, PeerUnavailable, System, TokenTimes
 from kvgen.engine.base import Engine
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import Request
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import Request
 
 
 class KvgenSystem(System):

@@ -29,17 +29,17 @@ from kvgen.distributed.messages import (
     encode_copies,
     encode_step,
 )
-from kvgen.distributed.shard import ShardPlan
 from kvgen.distributed.worker import memory_report, shard_model
 from kvgen.engine.llm_engine import LLMEngine, build_runner
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.scheduler import ScheduledChunk, SchedulerOutput
-from kvgen.engine.sequence import RequestOutput
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
+from kvgen.loaders.shard import ShardPlan
 from kvgen.model.attention import PagedKVCache
 from kvgen.model.llama import LlamaModel
 from kvgen.runner.model_runner import ModelRunner
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.output import ScheduledChunk, SchedulerOutput
+from kvgen.scheduling.sequence import RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from kvgen.distributed.group import DistributedError, Rendezvous, TensorParallel
 from kvgen.distributed.layers import parallelize
 from kvgen.distributed.liveness import exit_with_parent
 from kvgen.distributed.messages import Op, StepChannel, decode_copies, decode_step
-from kvgen.distributed.shard import ShardPlan
 from kvgen.errors import KVGenError
 from kvgen.loaders import LoadedModel
+from kvgen.loaders.shard import ShardPlan
 from kvgen.model.attention import PagedKVCache
 from kvgen.model.llama import LlamaModel
 

@@ -13,13 +13,13 @@ import torch
 from kvgen.cache.policies import CachePolicy
 from kvgen.cache.sizing import format_bytes
 from kvgen.config import EngineConfig
-from kvgen.engine.grammar import Grammar, GrammarCompiler
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import Request, RequestOutput, Sequence, snapshot
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
 from kvgen.model.llama import LlamaModel
-from kvgen.sampler import Sampler, SamplerOutput
+from kvgen.sample.grammar import Grammar, GrammarCompiler
+from kvgen.sample.sampler import Sampler, SamplerOutput
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import Request, RequestOutput, Sequence, snapshot
 
 Prompt = str | list[int]
 log = logging.getLogger(__name__)

@@ -17,9 +17,6 @@ from kvgen.cache.kv_manager import NULL_BLOCK, KVCacheManager
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of, num_blocks_for_budget
 from kvgen.config import DEFAULT_KV_MEMORY, EngineConfig
 from kvgen.engine.base import Engine, EngineStats, finite_rows
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvgen.engine.sequence import Request, RequestOutput, Sequence
 from kvgen.engine.spec.speculator import Speculator, build_speculator
 from kvgen.engine.step_log import StepLog, split_tokens
 from kvgen.errors import InvalidRequestError
@@ -28,9 +25,13 @@ from kvgen.model.attention import PagedKVCache
 from kvgen.model.kernels import paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
 from kvgen.model.llama import LlamaModel
-from kvgen.rejection_sampler import Verdict
 from kvgen.runner.model_runner import BlockTables, KVKind, ModelRunner
-from kvgen.sampler import SamplerOutput, logprobs_of
+from kvgen.sample.rejection import Verdict
+from kvgen.sample.sampler import SamplerOutput, logprobs_of
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.output import SchedulerOutput
+from kvgen.scheduling.scheduler import Scheduler, SchedulerConfig
+from kvgen.scheduling.sequence import Request, RequestOutput, Sequence
 
 log = logging.getLogger(__name__)
 

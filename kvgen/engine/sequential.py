@@ -13,10 +13,10 @@ from collections import deque
 import torch
 
 from kvgen.engine.base import Engine, EngineStats
-from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import InvalidRequestError
-from kvgen.engine.sequence import Request, RequestOutput, Sequence, Status
 from kvgen.phases import DecodeState, decode, prefill
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import Request, RequestOutput, Sequence, Status
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from kvgen.bench.report import Table, machine_info, run_info
 from kvgen.cache.policies import CachePolicy
 from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import KVGenError
-from kvgen.sampler import TokenLogprobs
+from kvgen.sample.sampler import TokenLogprobs
+from kvgen.sampling_params import SamplingParams
 from kvgen.tokenizer import Tokenizer
 
 BUNDLED_TEXT = "tinystory.txt"

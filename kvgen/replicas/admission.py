@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 from kvgen.config import EngineConfig
 from kvgen.engine.base import EngineStats
-from kvgen.engine.grammar import GrammarCompiler
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import RequestOutput
 from kvgen.loaders import LoadedModel
+from kvgen.sample.grammar import GrammarCompiler
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import RequestOutput
 
 
 class AdmissionEngine(LLMEngine):

@@ -27,11 +27,11 @@ from typing import Protocol, TypeVar
 import torch
 
 from kvgen.cache.policies import CachePolicy
-from kvgen.engine.scheduler import ScheduledChunk
 from kvgen.model.attention import PagedAttention, PagedGroup, PagedKVCache, PagedMetadata
 from kvgen.model.kernels import PagedDecode
 from kvgen.model.linear import blas_owns_the_cores
 from kvgen.model.llama import LlamaModel
+from kvgen.scheduling.output import ScheduledChunk
 
 FAR = 1 << 40  # logical position of padding keys: later than any query, so always masked
 T = TypeVar("T")

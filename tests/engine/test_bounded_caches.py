@@ -17,9 +17,9 @@ import pytest
 from kvgen import SamplingParams
 from kvgen.config import EngineConfig, ModelConfig
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.sequence import RequestOutput
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import load_model
+from kvgen.scheduling.sequence import RequestOutput
 from tests.tolerances import assert_same_logprobs, logprob_gap
 
 _ids = itertools.count()

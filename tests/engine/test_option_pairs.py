@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from kvgen import LLM, SamplingParams
-from kvgen.engine.grammar import GrammarSpec
 from kvgen.option_space import BY_NAME, OPTIONS, PLAIN, REFUSED, kind, refusal_of, refused, refused_pairs_markdown
+from kvgen.sample.grammar import GrammarSpec
 from tests.pairwise import all_pairs, allowed_pairs, pairs_of
 from tests.tolerances import (
     ACTIVATION_ROUNDING, KV_ROUNDING, WEIGHT_ROUNDING, agreeing_prefix_within, kv_bound, logprob_gap, trace,

@@ -27,8 +27,6 @@ import torch
 from kvgen.cache.kv_manager import KVCacheManager
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of
 from kvgen.config import EngineConfig, ModelConfig
-from kvgen.engine.scheduler import ScheduledChunk
-from kvgen.engine.sequence import Sequence
 from kvgen.engine.spec.proposer import Proposal, Proposer
 from kvgen.errors import ModelLoadError
 from kvgen.loaders import LoadedModel
@@ -37,7 +35,9 @@ from kvgen.model.kernels import paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
 from kvgen.model.llama import LlamaModel
 from kvgen.runner.model_runner import ModelRunner
-from kvgen.sampler import filtered_probs
+from kvgen.sample.sampler import filtered_probs
+from kvgen.scheduling.output import ScheduledChunk
+from kvgen.scheduling.sequence import Sequence
 
 
 # A packed draft quantizes x to one int8 part per 32 values, as ggml does, not the target's two

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from kvgen.engine.scheduler import ScheduledChunk
-from kvgen.engine.sequence import Sequence
 from kvgen.engine.spec.proposer import Proposal, Proposer
+from kvgen.scheduling.output import ScheduledChunk
+from kvgen.scheduling.sequence import Sequence
 
 
 def lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgen.engine.scheduler import ScheduledChunk
-from kvgen.engine.sequence import Sequence
+from kvgen.scheduling.output import ScheduledChunk
+from kvgen.scheduling.sequence import Sequence
 
 
 @dataclass

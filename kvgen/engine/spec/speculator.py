@@ -16,16 +16,16 @@ import torch
 from kvgen.cache.kv_manager import KVCacheManager
 from kvgen.cache.policies import CachePolicy
 from kvgen.config import EngineConfig, ModelConfig
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.scheduler import ScheduledChunk
-from kvgen.engine.sequence import Sequence
 from kvgen.engine.spec.adaptive import AdaptiveSwitch
 from kvgen.engine.spec.draft import DraftProposer
 from kvgen.engine.spec.ngram import NgramProposer
 from kvgen.engine.spec.proposer import Proposer
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
-from kvgen.rejection_sampler import Verdict, verify
+from kvgen.sample.rejection import Verdict, verify
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.output import ScheduledChunk
+from kvgen.scheduling.sequence import Sequence
 
 # Sinks rotate keys by their rank in the cache and evict one token at a time; h2o scores every
 # token's attention. Tokens that are then rejected would have moved ranks or added scores, so

@@ -12,13 +12,13 @@ from scipy.stats import chi2_contingency
 from kvgen import LLM
 from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.spec.adaptive import MAX_PROBE_EVERY, MIN_SAMPLES, PROBE_EVERY, AdaptiveSwitch
 from kvgen.errors import InvalidRequestError, ModelLoadError
 from kvgen.loaders import load_model
 from kvgen.model.kernels import paged_decode_for
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.quant.kernel import qmatmul_kernel
+from kvgen.sampling_params import SamplingParams
 from tests.engine.test_continuous_batching import finished_outputs, prompts, run_all
 
 CPU = torch.device("cpu")
@@ -236,7 +236,7 @@ def test_sinks_and_h2o_must_opt_out(loaded, stories_bin, policy):
 
 
 def test_grammar_requests_are_not_speculated(loaded, stories_bin):
-    from kvgen.engine.grammar import GrammarSpec
+    from kvgen.sample.grammar import GrammarSpec
 
     eng = engine(loaded, **spec_options("ngram", 3, stories_bin))
     params = SamplingParams(temperature=0, max_tokens=12, grammar=GrammarSpec.choice(["Lily", "Tom"]))

@@ -5,7 +5,7 @@ import pytest
 
 from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.sampling_params import SamplingParams
+from kvgen.sampling_params import SamplingParams
 from tests.engine.test_continuous_batching import prompts, run_all
 
 PASSAGE = ("The old lighthouse stood at the edge of the cliff, its white paint peeling in the salty wind. "

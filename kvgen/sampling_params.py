@@ -7,8 +7,8 @@ import numbers
 from dataclasses import dataclass, field, replace
 
 from kvgen.cache.policies import CachePolicy
-from kvgen.engine.grammar import GrammarSpec
 from kvgen.errors import InvalidRequestError
+from kvgen.sample.grammar import GrammarSpec
 
 
 @dataclass

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvgen.cache.policies import CachePolicy
-from kvgen.engine.grammar import Grammar
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.sampler import TokenLogprobs
+from kvgen.sample.grammar import Grammar
+from kvgen.sample.sampler import TokenLogprobs
+from kvgen.sampling_params import SamplingParams
 from kvgen.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

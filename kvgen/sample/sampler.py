@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from kvgen.engine.grammar import GrammarState, mask_logits
-from kvgen.engine.sampling_params import SamplingParams
+from kvgen.sample.grammar import GrammarState, mask_logits
+from kvgen.sampling_params import SamplingParams
 
 
 class SamplingRow(Protocol):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvgen.config import ModelConfig
-from kvgen.distributed.shard import (
+from kvgen.loaders.shard import (
     COLUMNS,
     ROWS,
     ShardingError,

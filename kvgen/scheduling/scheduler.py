@@ -19,53 +19,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvgen.cache.kv_manager import KVCacheManager
-from kvgen.engine.sequence import Sequence, Status
+from kvgen.scheduling.output import ScheduledChunk, SchedulerOutput
+from kvgen.scheduling.sequence import Sequence, Status
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-
-
-@dataclass
-class ScheduledChunk:
-    """`num_tokens` new tokens of `seq`, starting at its first token without K/V."""
-
-    seq: Sequence
-    num_tokens: int
-    num_lookahead: int = 0  # slots reserved past the sequence's end for speculative tokens
-    draft: list[int] = field(default_factory=list)  # proposed tokens verified in this chunk (after its last)
-
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
-
-    @property
-    def completes_sequence(self) -> bool:
-        """True when this chunk reaches the newest token, so a next token will be sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens + len(self.draft)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens this chunk computes: the sequence's from `start`, then its draft."""
-        start = self.start
-        if not self.draft:
-            return self.seq.token_ids[start : start + self.num_tokens]
-        return (self.seq.token_ids[start:] + self.draft)[: self.num_tokens]
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(chunk.num_tokens for chunk in self.chunks)
 
 
 class Scheduler:

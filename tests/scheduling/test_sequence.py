@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvgen import LLM, SamplingParams
-from kvgen.engine.sequence import Request
+from kvgen.scheduling.sequence import Request
 
 GREEDY = dict(temperature=0)
 REF_TOKENS = 40

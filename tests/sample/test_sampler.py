@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.sampler import Sampler, apply_penalties, filtered_probs
+from kvgen.sample.sampler import Sampler, apply_penalties, filtered_probs
+from kvgen.sampling_params import SamplingParams
 
 sampler = Sampler()
 

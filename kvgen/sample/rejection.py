@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.sampler import SamplingRow, TokenLogprobs, apply_penalties, filtered_probs, gather_logprobs
+from kvgen.sample.sampler import SamplingRow, TokenLogprobs, apply_penalties, filtered_probs, gather_logprobs
+from kvgen.sampling_params import SamplingParams
 
 
 @dataclass

@@ -8,9 +8,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.rejection_sampler import verify
-from kvgen.sampler import filtered_probs
+from kvgen.sample.rejection import verify
+from kvgen.sample.sampler import filtered_probs
+from kvgen.sampling_params import SamplingParams
 
 ALPHA = 1e-3  # a correct sampler fails one seed set in a thousand; the seeds are fixed, so it never flakes
 VOCAB = 6

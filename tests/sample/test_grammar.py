@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 
 from kvgen import LLM, SamplingParams
-from kvgen.engine.grammar import GrammarSpec, token_bytes
 from kvgen.errors import InvalidRequestError
+from kvgen.sample.grammar import GrammarSpec, token_bytes
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},

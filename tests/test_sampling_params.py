@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import InvalidRequestError, KVGenError
+from kvgen.sampling_params import SamplingParams
 
 BAD = [
     ("n", 0), ("n", -1), ("n", 1.5), ("n", "2"),
