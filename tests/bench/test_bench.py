@@ -22,7 +22,7 @@ from kvgen.bench.serve import arrival_offsets
 from kvgen.bench.system import BenchRequest, PeerUnavailable, System
 from kvgen.bench.workload import make_requests
 from kvgen.cli import main
-from tests.servers import wait_healthy
+from tests.support.servers import wait_healthy
 
 TINY = ["--model", "stories260k", "--threads", "1"]
 TINY_ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

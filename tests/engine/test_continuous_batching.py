@@ -12,7 +12,7 @@ from kvgen.engine.llm_engine import LLMEngine
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import load_model
 from kvgen.scheduling.sequence import RequestOutput
-from tests.tolerances import assert_same_logprobs
+from tests.support.tolerances import assert_same_logprobs
 
 WORDS = "the a cat dog Lily Tom park ball happy sad big little ran jumped saw played with and sun tree".split()
 

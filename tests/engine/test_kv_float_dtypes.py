@@ -2,7 +2,7 @@
 fp32 model, float32 under a bf16 one), through the real engine on real models: every path that
 writes or reads the pools converts (issue 34: every request used to fail in index_copy_).
 
-What the bounds rest on (tests/tolerances.py, KV_ROUNDING and KV_GAIN). A pool of `kv_dtype`
+What the bounds rest on (tests/support/tolerances.py, KV_ROUNDING and KV_GAIN). A pool of `kv_dtype`
 rounds each K/V element to nearest once, a relative error of at most its unit roundoff u (bf16: 8
 significand bits, u = 2**-8; fp16: 11 bits, u = 2**-11), and reads widen exactly
 (tests/model/test_kernels.py). So:
@@ -31,7 +31,7 @@ from kvgen.llm import DEFAULT_MODEL
 from kvgen.model.kernels import paged_decode_for
 from kvgen.model.kernels.bf16 import bf16_kernel
 from kvgen.model.kernels.f32 import f32_kernel
-from tests.tolerances import KV_ROUNDING, agreeing_prefix, kv_bound, trace
+from tests.support.tolerances import KV_ROUNDING, agreeing_prefix, kv_bound, trace
 
 CPU = torch.device("cpu")
 
