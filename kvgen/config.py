@@ -199,7 +199,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 # torch.distributed backends for tensor parallelism: "auto" is gloo on the CPU, NCCL on CUDA.
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
-# Speculative decoding (kvgen.engine.spec): "ngram" looks the next tokens up in the prompt and output
+# Speculative decoding (kvgen.engine.speculative): "ngram" looks the next tokens up in the prompt and output
 # so far, "draft" asks a smaller model sharing the tokenizer; K tokens are verified per target pass.
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 32

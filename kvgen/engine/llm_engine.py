@@ -17,7 +17,7 @@ from kvgen.cache.kv_manager import NULL_BLOCK, KVCacheManager
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of, num_blocks_for_budget
 from kvgen.config import DEFAULT_KV_MEMORY, EngineConfig
 from kvgen.engine.base import Engine, EngineStats, finite_rows
-from kvgen.engine.spec.speculator import Speculator, build_speculator
+from kvgen.engine.speculative.speculator import Speculator, build_speculator
 from kvgen.engine.step_log import StepLog, split_tokens
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel

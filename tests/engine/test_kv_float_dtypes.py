@@ -171,7 +171,7 @@ def test_a_draft_model_over_half_pools_changes_no_bit(kv_dtype):
     """Self-speculation (the model's int4 copy drafts) with the target's and the draft's pools in
     `kv_dtype`: a verify chunk's rows get the bits their decodes would (kvgen's fp32 matmul, the
     in-place kernel), so they round to the same pool values, and speculation changes no bit of a
-    logprob, as over fp32 pools (tests/engine/spec/test_speculative.py)."""
+    logprob, as over fp32 pools (tests/engine/speculative/test_speculative.py)."""
     params = greedy(48)
     plain = LLM(enable_prefix_caching=False, kv_cache_dtype=kv_dtype).generate(TEXTS, params)
     llm = LLM(enable_prefix_caching=False, kv_cache_dtype=kv_dtype, speculative_method="draft",

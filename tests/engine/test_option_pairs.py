@@ -99,7 +99,7 @@ def test_every_refusal_names_tested_or_declared_values():
 
 
 def test_the_refusals_follow_the_engines_constants():
-    from kvgen.engine.spec.speculator import UNSPECULATED_POLICIES
+    from kvgen.engine.speculative.speculator import UNSPECULATED_POLICIES
 
     (spec,) = [r for r in REFUSED if (r.first[0], r.second[0]) == ("speculative_method", "kv_policy")]
     assert spec.second[1] == UNSPECULATED_POLICIES

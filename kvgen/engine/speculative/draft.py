@@ -27,7 +27,7 @@ import torch
 from kvgen.cache.kv_manager import KVCacheManager
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of
 from kvgen.config import EngineConfig, ModelConfig
-from kvgen.engine.spec.proposer import Proposal, Proposer
+from kvgen.engine.speculative.proposer import Proposal, Proposer
 from kvgen.errors import ModelLoadError
 from kvgen.loaders import LoadedModel
 from kvgen.model.attention import PagedKVCache

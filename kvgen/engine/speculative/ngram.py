@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from kvgen.engine.spec.proposer import Proposal, Proposer
+from kvgen.engine.speculative.proposer import Proposal, Proposer
 from kvgen.scheduling.output import ScheduledChunk
 from kvgen.scheduling.sequence import Sequence
 

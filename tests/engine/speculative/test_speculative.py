@@ -12,7 +12,7 @@ from scipy.stats import chi2_contingency
 from kvgen import LLM
 from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.spec.adaptive import MAX_PROBE_EVERY, MIN_SAMPLES, PROBE_EVERY, AdaptiveSwitch
+from kvgen.engine.speculative.adaptive import MAX_PROBE_EVERY, MIN_SAMPLES, PROBE_EVERY, AdaptiveSwitch
 from kvgen.errors import InvalidRequestError, ModelLoadError
 from kvgen.loaders import load_model
 from kvgen.model.kernels import paged_decode_for

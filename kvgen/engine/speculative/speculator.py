@@ -16,10 +16,10 @@ import torch
 from kvgen.cache.kv_manager import KVCacheManager
 from kvgen.cache.policies import CachePolicy
 from kvgen.config import EngineConfig, ModelConfig
-from kvgen.engine.spec.adaptive import AdaptiveSwitch
-from kvgen.engine.spec.draft import DraftProposer
-from kvgen.engine.spec.ngram import NgramProposer
-from kvgen.engine.spec.proposer import Proposer
+from kvgen.engine.speculative.adaptive import AdaptiveSwitch
+from kvgen.engine.speculative.draft import DraftProposer
+from kvgen.engine.speculative.ngram import NgramProposer
+from kvgen.engine.speculative.proposer import Proposer
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
 from kvgen.sample.rejection import Verdict, verify

@@ -1,6 +1,6 @@
 """Prompt lookup: the latest earlier occurrence of the longest matching suffix."""
 
-from kvgen.engine.spec.ngram import lookup
+from kvgen.engine.speculative.ngram import lookup
 
 
 def test_longest_suffix_first_then_shorter():
