@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from kvgen.errors import ModelLoadError
 from kvgen.model.architectures import ARCHITECTURES, BY_HF_MODEL_TYPE, Architecture, known_names
 
@@ -289,9 +291,7 @@ class EngineConfig:
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
 
     @property
-    def torch_dtype(self):  # -> torch.dtype (imported lazily: this module stays torch-free)
-        import torch
-
+    def torch_dtype(self) -> torch.dtype:
         return getattr(torch, DTYPES[self.dtype])
 
     @property

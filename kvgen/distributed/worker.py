@@ -86,8 +86,8 @@ def worker_main(reload: Callable[..., LoadedModel], config: EngineConfig, meetin
 def exit_now() -> None:
     """Ends a worker rank's process with status 0 once its output is flushed, skipping interpreter
     teardown: tearing down gloo's threads there sometimes aborts the process ("terminate called
-    without an active exception", SIGABRT), which under torchrun failed the whole job after the
-    work was done (seen about once in ten runs on a loaded machine)."""
+    without an active exception", SIGABRT), which under torchrun fails the whole job after its work
+    is done (about once in ten runs on a loaded machine)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -4,9 +4,9 @@ and zeros that take no memory until written (the KV pools).
 Converting a model's matrices to the generic packed format (kvgen.model.projections, gguf_blocks)
 allocates and frees large numpy temporaries (the K-quants pack in C, without them). glibc serves
 blocks past its mmap threshold with mmap and returns them, but raises that threshold to the largest
-block freed (up to 32 MB), so later temporaries come from the heap, whose freed pages it keeps: when
-the 1B Q4_K_M file still packed in numpy, ~0.56 GB of RSS after loading was freed memory (measured;
-`trim_heap` gives it back). On other C libraries `trim_heap` does nothing.
+block freed (up to 32 MB), so later temporaries come from the heap, whose freed pages it keeps: a
+file packed in numpy can leave hundreds of MB of freed memory resident after loading (0.56 GB for a
+1B Q4_K_M packed so, measured), which `trim_heap` gives back. On other C libraries it does nothing.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def trim_heap() -> None:
 def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros whose pages nothing has written yet: an anonymous private map, which the
     kernel fills with zero pages as they are first written. A KV pool sized for thousands of tokens
-    then costs memory as tokens arrive, not at load (torch.zeros writes every page: a 1 GB pool took
-    0.3 s on warm pages and 2-4 s on pages the VM had to back afresh, measured on the 1B bench)."""
+    then costs memory as tokens arrive, not at load (torch.zeros writes every page: a 1 GB pool costs
+    0.3 s on warm pages and 2-4 s on pages the VM must back afresh, measured on the 1B bench)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)

@@ -221,19 +221,11 @@ class ReplicaSet:
 
     # -- replicas -------------------------------------------------------------------------------
 
-    def live(self) -> list[bool]:
-        with self._lock:
-            return [r.up for r in self.replicas]
-
     def readings(self) -> ReplicaReadings:
         """What /metrics reports of the replicas, read together under one lock."""
         with self._lock:
             return ReplicaReadings(stats=[r.stats for r in self.replicas], up=[r.up for r in self.replicas],
                                    restarts=list(self.restarts), routed=dict(self.routed))
-
-    def pids(self) -> list[int | None]:
-        with self._lock:
-            return [r.pid if r.up else None for r in self.replicas]
 
     def _total_stats(self) -> EngineStats:
         with self._lock:
