@@ -10,7 +10,7 @@ For each architecture in `ARCHS`, `arch_checkpoint(arch)` builds (once, then fro
 
 The converter is taken from the llama-cpp-python source package (`pip download`), which vendors
 llama.cpp: only `convert_hf_to_gguf.py`, `conversion/` and `gguf-py/` are unpacked, once, into the
-cache (kvgen.bench.llama_tools, which the bench's 1B/3B files use too). The converter runs as a
+cache (benchmarks.llama_tools, which the bench's 1B/3B files use too). The converter runs as a
 subprocess with that vendored gguf-py first on its path (it needs a newer `gguf` than the
 pip-installed one). Failing to get it is an error, never a skip.
 
@@ -46,8 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvgen.bench import llama_tools
-from kvgen.bench.llama_tools import QWEN2_VOCAB
+from benchmarks import llama_tools
+from benchmarks.llama_tools import QWEN2_VOCAB
 
 FIXTURE_VERSION = "3"
 

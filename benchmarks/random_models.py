@@ -7,8 +7,8 @@ as transformers' own init draws it (matrices N(0, initializer_range), norms 1), 
 cut into shards of at most SHARD_BYTES. The dtype is the architecture's `dtype` (default float32).
 
 `build_quantized_gguf` makes the file a llama.cpp user would have: llama.cpp's `convert_hf_to_gguf.py`
-to BF16, then `llama-quantize` to the mix (kvgen.bench.llama_tools). The converter needs a vocabulary
-it recognises; the directory gets a SentencePiece placeholder for it (the pieces kvgen.bench.models'
+to BF16, then `llama-quantize` to the mix (benchmarks.llama_tools). The converter needs a vocabulary
+it recognises; the directory gets a SentencePiece placeholder for it (the pieces benchmarks.models'
 own GGUF writer uses: <unk> <s> </s>, 256 byte tokens, then ▁w<i>), so token ids mean the same.
 
 Every file is built into a temporary sibling and renamed, so an interrupted build leaves nothing behind.
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvgen.bench import llama_tools
+from benchmarks import llama_tools
 from kvgen.paths import cache_root
 
 SHARD_BYTES = 1 << 30

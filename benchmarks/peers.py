@@ -1,12 +1,11 @@
-"""The systems benchmarked side by side (kvgen.bench.system says what each does): kvgen's engine, and
-peers on the same weights.
+"""The peers benchmarked beside kvgen's engine on the same weights (kvgen.bench.system says what every
+system does; kvgen's own is kvgen.bench.system.KvgenSystem).
 
 Peers import lazily: a missing package becomes `PeerUnavailable` with the pip command to fix it.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -14,44 +13,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.llama_server import LlamaServerSystem
+from benchmarks.models import BenchModel, converted, gguf_for, load_hf_model, plain_hf_dir
 from kvgen.bench.latency import gguf_matmul_bytes
-from kvgen.bench.llama_server import LlamaServerSystem
-from kvgen.bench.models import BenchModel, converted, gguf_for, load_hf_model, plain_hf_dir
 from kvgen.bench.system import BenchRequest, PeerUnavailable, System, TokenTimes
-from kvgen.engine.base import Engine
-from kvgen.sampling_params import SamplingParams
-from kvgen.scheduling.sequence import Request
-
-
-class KvgenSystem(System):
-    """kvgen's engine, driven through its public add_request / step loop."""
-
-    name = "kvgen"
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._ids = itertools.count()
-
-    def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
-        request = self._add(BenchRequest(prompt, output_len))
-        self._drain()
-        return TokenTimes(request.metrics.arrival, list(request.metrics.token_times))
-
-    def run_batch(self, requests: Sequence[BenchRequest]) -> None:
-        added = [self._add(r) for r in requests]
-        self._drain()
-        short = [(r.request_id, len(r.sequences[0].output_token_ids)) for r in added
-                 if len(r.sequences[0].output_token_ids) != r.params.max_tokens]
-        if short:
-            raise RuntimeError(f"requests stopped before max_tokens (id, tokens): {short[:3]}")
-
-    def _add(self, request: BenchRequest) -> Request:
-        params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
-        return self.engine.add_request(f"bench-{next(self._ids)}", request.prompt, params)
-
-    def _drain(self) -> None:
-        while self.engine.has_unfinished():
-            self.engine.step()
 
 
 def load_peer(name: str, model: BenchModel, dtype: str, max_len: int, device: str = "cpu") -> System:

@@ -8,7 +8,7 @@ ids to `/completion`, greedy, EOS ignored, prompt cache off, and each answer mus
 requested number of tokens.
 
 The binary: `$KVGEN_LLAMA_SERVER`, else `llama-server` beside the llama.cpp libraries that
-llama-cpp-python loads (`$LLAMA_CPP_LIB_PATH`, the same build), else on PATH (kvgen.bench.llama_tools).
+llama-cpp-python loads (`$LLAMA_CPP_LIB_PATH`, the same build), else on PATH (benchmarks.llama_tools).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from kvgen.bench import llama_tools
+from benchmarks import llama_tools
 from kvgen.bench.latency import gguf_matmul_bytes
-from kvgen.bench.models import BenchModel, gguf_for
+from benchmarks.models import BenchModel, gguf_for
 from kvgen.bench.system import BenchRequest, PeerUnavailable, System, TokenTimes
 from kvgen.threads import foreign_environment
 
@@ -38,7 +38,7 @@ REQUEST_TIMEOUT_S = 1800.0
 
 
 def find_binary() -> Path:
-    """The llama-server to run (see kvgen.bench.llama_tools.find_binary); PeerUnavailable if there is none."""
+    """The llama-server to run (see benchmarks.llama_tools.find_binary); PeerUnavailable if there is none."""
     try:
         return llama_tools.find_binary("llama-server")
     except llama_tools.ToolError as e:
