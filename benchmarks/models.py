@@ -13,7 +13,7 @@
     stories260k    the default model (`kvgen.llm.default_model_path()`); transformers reads the
                    GGUF copy beside it.
     any path       a HF directory, a .gguf, or a llama2.c .bin (peers need a .gguf of the same stem).
-                   These two kvgen.bench.models resolves by itself, without this harness.
+                   These two kvgen.bench.bench_model resolves by itself, without this harness.
 
 Conversions for peers (a GGUF for llama.cpp, a plain HF directory for CTranslate2) are cached under
 `$KVGEN_CACHE_DIR` (default ~/.cache/kvgen) beside the generated models. The 1B and 3B shapes use no
@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.random_models import (QUANT_MIXES, build_atomically, build_quantized_gguf, build_random_model,
                                        save_placeholder_tokenizer)
-from kvgen.bench.models import DEFAULT_WEIGHTS_SEED, BenchModel, resolve_file
+from kvgen.bench.bench_model import DEFAULT_WEIGHTS_SEED, BenchModel, resolve_file
 from kvgen.paths import cache_root
 
 __all__ = ["ARCHITECTURES", "QUANT_MIXES", "BenchModel", "build_random_model", "gguf_for", "load_hf_model",

@@ -18,7 +18,8 @@ and those below it, never one above:
     api          what a program calls: the package itself (`from kvgen import LLM`), llm, async_llm,
                  replicas (which hand their readings up to the server's /metrics, never the reverse)
     engine       engine/ (the step, its front ends' shared rules, speculation), distributed/ (TP ranks)
-    runner       runner/ (a step's batch laid out and run), phases (one sequence, prefill and decode)
+    runner       runner/ (a step's batch laid out and run), phases (one sequence, prefill and decode),
+                 gpu/ (the CUDA backends and decode graphs a runner is given)
     scheduling   scheduling/: a request's state, who runs each step, and output.py, the step handed
                  to the runner (the runner reads that module, never the scheduler)
     sampling     sampling_params, sample/ (sampler, rejection sampler, grammars)
@@ -53,7 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "kvgen.kv_view", "kvgen.server", "kvgen.chat", "kvgen.bench", "kvgen.eval")),
     ("api", ("kvgen", "kvgen.llm", "kvgen.async_llm", "kvgen.replicas")),
     ("engine", ("kvgen.engine", "kvgen.distributed")),
-    ("runner", ("kvgen.runner", "kvgen.phases")),
+    ("runner", ("kvgen.runner", "kvgen.phases", "kvgen.gpu")),
     ("scheduling", ("kvgen.scheduling",)),
     ("sampling", ("kvgen.sampling_params", "kvgen.sample")),
     ("cache", ("kvgen.cache",)),

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from kvgen.bench import latency, memory, scaling, throughput
+from kvgen.bench.bench_model import BenchModel, resolve
 from kvgen.bench.harness import available, harness
-from kvgen.bench.models import BenchModel, resolve
 from kvgen.bench.report import PLOTS, Report, emit
 from kvgen.bench.system import KvgenSystem, PeerUnavailable, System
 from kvgen.bench.tasks import MIN_PASSAGE_TOKENS, TASKS
