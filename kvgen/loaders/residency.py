@@ -4,9 +4,9 @@ and zeros that take no memory until written (the KV pools).
 Converting a model's matrices to the generic packed format (kvgen.model.projections, gguf_blocks)
 allocates and frees large numpy temporaries (the K-quants pack in C, without them). glibc serves
 blocks past its mmap threshold with mmap and returns them, but raises that threshold to the largest
-block freed (up to 32 MB), so later temporaries come from the heap, whose freed pages it keeps: a
-file packed in numpy can leave hundreds of MB of freed memory resident after loading (0.56 GB for a
-1B Q4_K_M packed so, measured), which `trim_heap` gives back. On other C libraries it does nothing.
+block freed (up to 32 MB), so later temporaries come from the heap, whose freed pages it keeps: when
+the 1B Q4_K_M file still packed in numpy, ~0.56 GB of RSS after loading was freed memory (measured;
+`trim_heap` gives it back). On other C libraries `trim_heap` does nothing.
 """
 
 from __future__ import annotations
