@@ -40,8 +40,8 @@ def harness(module: str, wanted_for: str) -> ModuleType:
     try:
         return _import(f"benchmarks.{module}")
     except HarnessMissing:
-        raise HarnessMissing(f"{wanted_for} needs the peer harness, benchmarks/ in a kvgen checkout "
-                             f"(not beside {CHECKOUT / 'kvgen'}): git clone kvgen and pip install -e '.[bench]'") from None
+        raise HarnessMissing(f"{wanted_for} needs the peer harness, benchmarks/ in a kvgen checkout (not beside "
+                             f"{CHECKOUT / 'kvgen'}): git clone kvgen and pip install -e '.[bench]'") from None
 
 
 def _import(name: str) -> ModuleType:

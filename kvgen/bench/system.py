@@ -1,6 +1,7 @@
 """What the bench asks of every system it runs, kvgen's engine (KvgenSystem, here) and its peers alike
-(benchmarks.peers, benchmarks.llama_server: the peer harness, outside the package). Every system generates greedily from token ids and never stops early (EOS
-ignored), so each produces exactly the tokens asked for. Two operations:
+(benchmarks.peers, benchmarks.llama_server: the peer harness, outside the package). Every system
+generates greedily from token ids and never stops early (EOS ignored), so each produces exactly the
+tokens asked for. Two operations:
 
     generate_timed(prompt, n)  one request alone -> when each output token became available
     run_batch(requests)        requests run together (kvgen: all submitted at once, continuous
