@@ -115,3 +115,37 @@ class HybridShape:
                 "state_bytes_per_layer": self.recurrent.bytes(state_bytes, state_bytes),
                 "tokens": tokens, "kv_bytes": tokens * self.kv_bytes_per_token(kv_dtype_bytes),
                 "sequence_bytes": hybrid, "full_attention_bytes": full, "ratio": hybrid / full}
+
+
+RECURRENT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+
+
+def hybrid_shape_of(path) -> HybridShape | None:
+    """The HybridShape of a Qwen3.5 HF directory or config.json at `path`, None for any other model
+    (a GGUF, another architecture: `kvgen kv-size` then sizes it as before)."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    config_file = path / "config.json" if path.is_dir() else path
+    if config_file.name != "config.json" or not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    if config.get("model_type") not in RECURRENT_MODEL_TYPES:
+        return None
+    return HybridShape.from_hf_config(config)
+
+
+def describe(report: dict) -> list[str]:
+    """`HybridShape.report`'s figures as `kvgen kv-size` prints them."""
+    from kvgen.cache.sizing import format_bytes
+
+    return [
+        f"{report['attention_layers']} attention layers: {report['kv_bytes_per_token']:,} bytes of KV per token",
+        f"{report['recurrent_layers']} recurrent layers: {report['state_bytes_per_sequence']:,} bytes of state per "
+        f"sequence ({report['state_bytes_per_layer']:,} per layer: conv window + delta-rule state, fp32), "
+        "whatever its length",
+        f"{report['tokens']:,} tokens: {report['kv_bytes']:,} bytes of KV + {report['state_bytes_per_sequence']:,} of "
+        f"state = {report['sequence_bytes']:,} bytes ({format_bytes(report['sequence_bytes'])}), "
+        f"{report['ratio']:.1%} of every layer holding every token ({format_bytes(report['full_attention_bytes'])})",
+    ]
