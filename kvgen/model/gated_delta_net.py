@@ -144,8 +144,8 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     _check(q, k, v, g, beta, state)
     T, v_heads, v_dim = v.shape
     k_dim = k.shape[2]
-    qf, kf, vf = (x.transpose(0, 1) for x in _prepare(q, k, v, v_head_order, normalize_qk))  # [Hv, T, D*]
-    gf, bf = g.float().t(), beta.float().t()                                                  # [Hv, T]
+    qf, kf, vf = (x.transpose(0, 1).contiguous() for x in _prepare(q, k, v, v_head_order, normalize_qk))  # [Hv, T, D*]
+    gf, bf = g.float().t().contiguous(), beta.float().t().contiguous()                       # [Hv, T]
     device = v.device
     S = torch.zeros(v_heads, k_dim, v_dim, device=device) if state is None else state.to(torch.float32, copy=True)
     out = torch.empty(v_heads, T, v_dim, device=device)
@@ -156,18 +156,20 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         gamma = gf[:, start:end].cumsum(-1)                                   # [Hv, C]
         # decay from j to t (j <= t), zero above the diagonal; masked before exp (gamma_t - gamma_j > 0 there)
         causal = torch.ones(C, C, dtype=torch.bool, device=device).tril()
-        diff = (gamma[:, :, None] - gamma[:, None, :]).masked_fill(~causal, float("-inf"))
-        decay = diff.exp()                                                    # [Hv, C, C]
+        decay = (gamma[:, :, None] - gamma[:, None, :]).masked_fill_(~causal, float("-inf")).exp_()  # [Hv, C, C]
+        scores = torch.cat([qc, kc], dim=1) @ kc.transpose(1, 2)              # [Hv, 2C, C]: q.k and k.k
+        qk, kk = scores[:, :C].mul_(decay), scores[:, C:].mul_(decay)
         # (I + A) U = beta V - beta exp(gamma) K S_0, A strictly lower
-        A = (kc @ kc.transpose(1, 2)) * decay * bc[:, :, None]
-        system = A.tril(-1) + torch.eye(C, device=device)
-        rhs = bc[:, :, None] * (vc - (gamma.exp()[:, :, None] * kc) @ S)     # [Hv, C, Dv]
+        system = kk.mul_(bc[:, :, None]).tril_(-1)
+        system.diagonal(dim1=1, dim2=2).fill_(1.0)
+        grow = gamma.exp()[:, :, None]                                        # [Hv, C, 1]
+        rhs = torch.baddbmm(vc, grow * kc, S, alpha=-1).mul_(bc[:, :, None])  # [Hv, C, Dv]
         U = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
         # o_t = exp(gamma_t) S_0^T q_t + sum_{j<=t} exp(gamma_t - gamma_j) (q_t.k_j) u_j
-        out[:, start:end] = (gamma.exp()[:, :, None] * qc) @ S + ((qc @ kc.transpose(1, 2)) * decay) @ U
+        torch.baddbmm(torch.bmm(grow * qc, S), qk, U, out=out[:, start:end])
         # S_C = exp(gamma_C) S_0 + sum_j exp(gamma_C - gamma_j) k_j u_j^T
-        tail = (gamma[:, -1:] - gamma).exp()                                  # [Hv, C]
-        S = gamma[:, -1].exp()[:, None, None] * S + (kc * tail[:, :, None]).transpose(1, 2) @ U
+        tail = (gamma[:, -1:] - gamma).exp_()                                 # [Hv, C]
+        S.mul_(gamma[:, -1].exp()[:, None, None]).baddbmm_((kc * tail[:, :, None]).transpose(1, 2), U)
     return out.transpose(0, 1).to(v.dtype), S
 
 
