@@ -92,3 +92,29 @@ class SharedKVShape:
                 "sharing_layers": len(self.layer_types) - len(holders), "tokens": tokens,
                 "kv_bytes": shared, "kv_bytes_unshared": unshared, "ratio": shared / unshared,
                 "holders_by_kind": {kind: sum(self.layer_types[i] == kind for i in holders) for kind in (SLIDING, FULL)}}
+
+
+def shared_kv_shape_of(path) -> SharedKVShape | None:
+    """The SharedKVShape of a Gemma 4 HF directory or config.json with sharing layers, else None."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    config_file = path / "config.json" if path.is_dir() else path
+    if config_file.name != "config.json" or not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    if config.get("model_type") not in ("gemma4", "gemma4_text"):
+        return None
+    return SharedKVShape.from_hf_config(config)
+
+
+def describe(report: dict) -> list[str]:
+    """SharedKVShape.report as `kvgen kv-size` prints it."""
+    from kvgen.cache.sizing import format_bytes
+
+    kinds = ", ".join(f"{n} {kind.split('_')[0]}" for kind, n in report["holders_by_kind"].items())
+    return [f"{report['layers']} layers, {report['sharing_layers']} of them reading an earlier layer's K/V: "
+            f"{report['holders']} hold K/V ({kinds})",
+            f"{report['tokens']:,} tokens: {report['kv_bytes']:,} bytes ({format_bytes(report['kv_bytes'])}), "
+            f"{report['ratio']:.1%} of every layer holding its own ({format_bytes(report['kv_bytes_unshared'])})"]

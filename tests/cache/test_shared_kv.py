@@ -68,3 +68,15 @@ def test_e2b_kv_at_8k_is_the_donors_share(dtype):
     # with the block slack the hybrid pool keeps for a window straddling blocks
     assert shape.sequence_bytes(TOKENS, size, block_size=block) - report["kv_bytes"] == 12 * block * \
         shape.kind_bytes_per_token(SLIDING, size)
+
+
+def test_kv_size_prints_the_holders_only(tmp_path, capsys):
+    import json
+
+    from kvgen.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4", "text_config": E2B}))
+    assert main(["kv-size", str(tmp_path), "--tokens", str(TOKENS), "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "35 layers, 20 of them reading an earlier layer's K/V: 15 hold K/V (12 sliding, 3 full)" in out
+    assert "56,623,104 bytes" in out and "42.9%" in out
