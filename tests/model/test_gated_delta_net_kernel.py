@@ -136,3 +136,35 @@ def test_step_time_against_torch(kernel, B, v_heads):
     print(f"\nB={B} Hv={v_heads}: delta step torch {torch_step:.0f} us, C {c_step:.0f} us ({torch_step / c_step:.1f}x); "
           f"conv step torch {torch_conv:.0f} us, C {c_conv:.0f} us ({torch_conv / c_conv:.1f}x)")
     assert c_step < torch_step and c_conv < torch_conv
+
+
+def test_kernel_calls_run_from_a_call_list(kernel):
+    """step_call / conv_step_call in a fused step's call list (kvgen.model.kernels.step): two steps run
+    from C with new inputs written into the same tensors give what the direct calls give."""
+    from kvgen.model.kernels.step import step_kernels
+
+    runner = step_kernels()
+    assert runner is not None
+    gen = torch.Generator().manual_seed(3)
+    B, Hk, Hv, D = 2, 2, 4, 16
+    channels = (2 * Hk + Hv) * D
+    weight = torch.randn(channels, 4, generator=gen)
+    pools = (torch.randn(3, channels, 3, generator=gen), torch.randn(3, Hv, D, D, generator=gen))
+    direct = tuple(p.clone() for p in pools)
+    slots = torch.tensor([2, 0])
+    mixed, conv_out = torch.empty(B, channels), torch.empty(B, channels)
+    g, beta, out = torch.empty(B, Hv), torch.empty(B, Hv), torch.empty(B, Hv, D)
+    kd = Hk * D
+    q, k = conv_out[:, :kd].view(B, Hk, D), conv_out[:, kd:2 * kd].view(B, Hk, D)
+    v = conv_out[:, 2 * kd:].view(B, Hv, D)
+    calls = runner.call_list([kernel.conv_step_call(mixed, weight, pools[0], slots, conv_out),
+                              kernel.step_call(q, k, v, g, beta, pools[1], slots, out)])
+    for _ in range(2):
+        mixed.copy_(torch.randn(B, channels, generator=gen))
+        g.copy_(-torch.rand(B, Hv, generator=gen))
+        beta.copy_(torch.rand(B, Hv, generator=gen))
+        calls()
+        x = kernel.conv_step(mixed, weight, direct[0], slots)
+        expected = kernel.step(*(t.view(B, -1, D) for t in (x[:, :kd], x[:, kd:2 * kd], x[:, 2 * kd:])), g, beta,
+                               direct[1], slots)
+        assert torch.equal(out, expected) and torch.equal(pools[0], direct[0]) and torch.equal(pools[1], direct[1])

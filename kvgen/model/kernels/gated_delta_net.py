@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kvgen.model.gated_delta_net import V_HEAD_ORDERS
-from kvgen.model.kernels import build_library
+from kvgen.model.kernels import KernelCall, build_library
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,21 @@ class GatedDeltaNetKernel:
         output), v [B, Hv, Dv], g, beta [B, Hv], fp32; states [num_slots, Hv, Dk, Dv] fp32 (a pool),
         slots [B] int64, each sequence's row, updated in place -> o [B, Hv, Dv] fp32. As
         kvgen.model.gated_delta_net.delta_rule_step on states[slots], up to rounding."""
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= states.shape[0]):
+            raise IndexError(f"gated delta net step: slots outside the pool's {states.shape[0]}")
+        out = torch.empty(q.shape[0], states.shape[1], states.shape[3])
+        call = self.step_call(q, k, v, g, beta, states, slots, out, v_head_order, normalize_qk)
+        if self._step(ctypes.byref(call.args)):
+            raise ValueError(f"gated delta net step: head sizes over {MAX_DIM}")
+        return out
+
+    def step_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  states: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, v_head_order: str = "grouped",
+                  normalize_qk: bool = True) -> KernelCall:
+        """`step` into out [B, Hv, Dv] (fp32, contiguous) as a KernelCall over these tensors' memory, for a
+        fused decode step's call list (kvgen.model.kernels.step): whatever q, k, v, g, beta and slots hold
+        when it runs (g, beta fp32 contiguous and slots int64 contiguous already: they are not copied).
+        The pool belongs to its StatePool, which must outlive the call."""
         num_slots, v_heads, k_dim, v_dim = states.shape
         batch, k_heads = q.shape[:2]
         qk_stride = _rows(q, k_heads, k_dim, "q")
@@ -69,44 +84,48 @@ class GatedDeltaNetKernel:
         v_stride = _rows(v, v_heads, v_dim, "v")
         if (v.shape[0] != batch or g.shape != (batch, v_heads) or beta.shape != (batch, v_heads)
                 or slots.shape != (batch,) or v_heads % k_heads or max(k_dim, v_dim) > MAX_DIM
-                or v_head_order not in V_HEAD_ORDERS):
-            raise ValueError(f"gated delta net step: g, beta [{batch}, {v_heads}], slots [{batch}], Dk, Dv <= "
-                             f"{MAX_DIM}, v_head_order in {V_HEAD_ORDERS}")
+                or v_head_order not in V_HEAD_ORDERS or out.shape != (batch, v_heads, v_dim)):
+            raise ValueError(f"gated delta net step: g, beta [{batch}, {v_heads}], slots [{batch}], out [{batch}, "
+                             f"{v_heads}, {v_dim}], Dk, Dv <= {MAX_DIM}, v_head_order in {V_HEAD_ORDERS}")
         if not states.is_contiguous() or states.dtype != torch.float32:
             raise ValueError("gated delta net step: the state pool is contiguous fp32")
         g, beta = g.float().contiguous(), beta.float().contiguous()
         slots = slots.to(torch.int64).contiguous()
-        if batch and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
-            raise IndexError(f"gated delta net step: slots outside the pool's {num_slots}")
-        out = torch.empty(batch, v_heads, v_dim)
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError("gated delta net step: out is contiguous fp32")
         args = _StepArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), states.data_ptr(),
                          slots.data_ptr(), out.data_ptr(), batch, k_heads, v_heads, k_dim, v_dim, qk_stride, v_stride,
                          int(v_head_order == "tiled"), int(normalize_qk), torch.get_num_threads())
-        if self._step(ctypes.byref(args)):
-            raise ValueError(f"gated delta net step: head sizes over {MAX_DIM}")
-        return out
+        return KernelCall(self._step, args, keep=(q, k, v, g, beta, slots, out))
 
     def conv_step(self, x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor,
                   slots: torch.Tensor) -> torch.Tensor:
         """x [B, C] fp32 (rows may be strided), weight [C, K], windows [num_slots, C, K - 1] fp32 (a pool;
         each sequence's row slots[b] shifted by one, in place) -> silu(conv) [B, C] fp32. As
         kvgen.model.gated_delta_net.conv1d_step on windows[slots], up to rounding."""
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= windows.shape[0]):
+            raise IndexError(f"conv step: slots outside the pool's {windows.shape[0]}")
+        out = torch.empty(x.shape[0], windows.shape[1])
+        self._conv(ctypes.byref(self.conv_step_call(x, weight, windows, slots, out).args))
+        return out
+
+    def conv_step_call(self, x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor,
+                       out: torch.Tensor) -> KernelCall:
+        """`conv_step` into out [B, C] (fp32, contiguous) as a KernelCall (see step_call)."""
         batch, channels = x.shape
-        num_slots, _, width = windows.shape
+        _, _, width = windows.shape
         weight = weight.float().contiguous()
         if (x.dtype != torch.float32 or x.stride(1) != 1 or weight.shape != (channels, width + 1)
                 or windows.shape[1] != channels or windows.dtype != torch.float32 or not windows.is_contiguous()
-                or slots.shape != (batch,)):
-            raise ValueError(f"conv step: x [B, C] fp32, weight [C, K], windows [slots, C, K - 1] fp32, slots [B]; "
-                             f"got {list(x.shape)}, {list(weight.shape)}, {list(windows.shape)}, {list(slots.shape)}")
+                or slots.shape != (batch,) or out.shape != (batch, channels) or out.dtype != torch.float32
+                or not out.is_contiguous()):
+            raise ValueError(f"conv step: x [B, C] fp32, weight [C, K], windows [slots, C, K - 1] fp32, slots [B], "
+                             f"out [B, C] fp32; got {list(x.shape)}, {list(weight.shape)}, {list(windows.shape)}, "
+                             f"{list(slots.shape)}, {list(out.shape)}")
         slots = slots.to(torch.int64).contiguous()
-        if batch and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
-            raise IndexError(f"conv step: slots outside the pool's {num_slots}")
-        out = torch.empty(batch, channels)
         args = _ConvArgs(x.data_ptr(), weight.data_ptr(), windows.data_ptr(), slots.data_ptr(), out.data_ptr(), batch,
                          channels, width + 1, x.stride(0), torch.get_num_threads())
-        self._conv(ctypes.byref(args))
-        return out
+        return KernelCall(self._conv, args, keep=(x, weight, slots, out))
 
 
 @functools.cache
