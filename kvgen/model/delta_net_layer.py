@@ -75,12 +75,14 @@ def prefill(layer: DeltaNetLayer, mixed: torch.Tensor, z: torch.Tensor, a: torch
 
 
 def verify(layer: DeltaNetLayer, mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-           window: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           window: torch.Tensor | None, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A verify chunk of one sequence (its last token and the drafts): as prefill, token by token, and
     -> (y [T, Hv * Dv], windows [T, conv_dim, K - 1], states [T, Hv, Dk, Dv]): the conv window and state
     after each position, for the state pool's checkpoints (kvgen.cache.state_pool: accepting n tokens
     keeps entry n - 1)."""
     T, K = mixed.shape[0], layer.shape.conv_kernel
+    if window is None:  # a sequence's start
+        window = torch.zeros(layer.shape.conv_window, dtype=mixed.dtype, device=mixed.device)
     x, _ = causal_conv1d(mixed, layer.conv_weight, window)
     inputs = torch.cat([window.to(mixed.dtype), mixed.t()], dim=1)         # [conv_dim, K - 1 + T]
     windows = inputs.unfold(1, K - 1, 1)[:, 1:].permute(1, 0, 2)            # [T, conv_dim, K - 1]

@@ -141,3 +141,14 @@ def test_tiled_gguf_layout_gives_the_same_layer(hf_layer):
     with torch.no_grad():
         got = y @ hf_layer.out_proj.weight[:, value_cols].t()
     assert float((got - reference(hf_layer, h)).abs().max()) <= TOL
+
+
+def test_verify_from_a_sequences_start(hf_layer):
+    layer, h = ours(hf_layer), torch.randn(5, 32)
+    y, windows, states = verify(layer, *projections(hf_layer, h), None, None)
+    with torch.no_grad():
+        assert float((hf_layer.out_proj(y) - reference(hf_layer, h)).abs().max()) <= TOL
+    mixed, z, a, b = projections(hf_layer, h)
+    _, window, state = prefill(layer, mixed, z, a, b)
+    assert torch.equal(windows[-1], window)
+    assert float((states[-1] - state).abs().max()) <= rule_bound_of(layer, mixed, a, b)
