@@ -50,6 +50,7 @@ class StatePoolError(RuntimeError):
 class _Snapshot:
     index: int  # its row in the snapshot region
     tokens: int  # how many tokens of the prompt the state has consumed
+    block_tokens: tuple[int, ...] | None  # the last block's token ids: a hash collision guard, as BlockPool's
 
 
 class StatePool:
@@ -160,17 +161,20 @@ class StatePool:
     def num_snapshots(self) -> int:
         return len(self._snapshots)
 
-    def has_snapshot(self, block_hash: int) -> bool:
-        return block_hash in self._snapshots
+    def has_snapshot(self, block_hash: int, block_tokens=None) -> bool:
+        """Whether a snapshot is kept under `block_hash` (and, if given, for a block of these token ids)."""
+        snap = self._snapshots.get(block_hash)
+        return snap is not None and (block_tokens is None or snap.block_tokens in (None, tuple(block_tokens)))
 
     def snapshot_tokens(self, block_hash: int) -> int | None:
         """How many tokens the snapshot under `block_hash` has consumed, or None."""
         snap = self._snapshots.get(block_hash)
         return None if snap is None else snap.tokens
 
-    def save_snapshot(self, slot: int, block_hash: int, tokens: int) -> bool:
-        """Copies `slot`'s state as the state after the block `block_hash` (`tokens` tokens of prompt),
-        evicting the least recently used snapshot if none is free; False if the pool keeps none."""
+    def save_snapshot(self, slot: int, block_hash: int, tokens: int, block_tokens=None) -> bool:
+        """Copies `slot`'s state as the state after the block `block_hash` (`tokens` tokens of prompt; that
+        block's token ids `block_tokens`, kept to guard against hash collisions), evicting the least
+        recently used snapshot if none is free; False if the pool keeps none."""
         if slot not in self._used:
             raise StatePoolError(f"state pool: slot {slot} is not in use")
         if self.num_snapshot_rows == 0:
@@ -180,20 +184,24 @@ class StatePool:
             if not self._free_snapshot_rows:
                 _, evicted = self._snapshots.popitem(last=False)
                 self._free_snapshot_rows.append(evicted.index)
-            snap = _Snapshot(self._free_snapshot_rows.pop(), tokens)
+            snap = _Snapshot(self._free_snapshot_rows.pop(), tokens, None)
             self._snapshots[block_hash] = snap
         else:
             snap.tokens = tokens
             self._snapshots.move_to_end(block_hash)
+        snap.block_tokens = None if block_tokens is None else tuple(block_tokens)
         self.snapshot_conv[:, snap.index].copy_(self.conv[:, slot])
         self.snapshot_states[:, snap.index].copy_(self.states[:, slot])
         return True
 
-    def restore_snapshot(self, block_hash: int, slot: int) -> int:
+    def restore_snapshot(self, block_hash: int, slot: int, block_tokens=None) -> int:
         """Copies the snapshot under `block_hash` into `slot` (a prefix hit) and marks it recently used;
-        returns how many tokens it covers. KeyError if there is none."""
+        returns how many tokens it covers. KeyError if there is none (or, given `block_tokens`, none for a
+        block of these token ids)."""
         if slot not in self._used:
             raise StatePoolError(f"state pool: slot {slot} is not in use")
+        if not self.has_snapshot(block_hash, block_tokens):
+            raise KeyError(block_hash)
         snap = self._snapshots[block_hash]
         self._snapshots.move_to_end(block_hash)
         self.conv[:, slot].copy_(self.snapshot_conv[:, snap.index])

@@ -78,6 +78,11 @@ def test_snapshots_are_keyed_by_block_hash_and_evicted_least_recently_used_first
     assert p.snapshot_tokens(hashes[2]) == 32
     with pytest.raises(KeyError):
         p.restore_snapshot(hashes[1], s)
+    # the collision guard: a snapshot saved with its block's token ids answers only for those ids
+    p.save_snapshot(s, hashes[2], tokens=32, block_tokens=[9, 9, 9, 9])
+    assert p.has_snapshot(hashes[2], [9, 9, 9, 9]) and not p.has_snapshot(hashes[2], [9, 9, 9, 8])
+    with pytest.raises(KeyError):
+        p.restore_snapshot(hashes[2], s, block_tokens=[9, 9, 9, 8])
     assert p.drop_snapshot(hashes[0]) and not p.drop_snapshot(hashes[0])
     p.free(s)
     p.drop_snapshot(hashes[2])
