@@ -82,14 +82,16 @@ def _download_converter(cache: Path, root: Path) -> None:
         staged.rename(root)
 
 
-def convert(hf_dir: Path, out: Path, outtype: str, cache: Path) -> Path:
-    """Runs convert_hf_to_gguf.py on `hf_dir` (`--outtype` f32, bf16, q8_0, ...), writing `out`."""
+def convert(hf_dir: Path, out: Path, outtype: str, cache: Path, extra: tuple[str, ...] = ()) -> Path:
+    """Runs convert_hf_to_gguf.py on `hf_dir` (`--outtype` f32, bf16, q8_0, ...), writing `out`; `extra`
+    are more of its flags (`--no-mtp` for a Qwen3.5 directory saved by transformers, which has no MTP
+    layers: the converter asserts it has some unless told)."""
     conv = converter_dir(cache)
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the script then prefers gguf-py
     env |= {"PYTHONPATH": os.pathsep.join([str(conv / "gguf-py"), str(conv)]), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(conv / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out),
-           "--outtype", outtype]
-    _run(cmd, out, f"convert_hf_to_gguf.py --outtype {outtype} on {hf_dir}", env)
+           "--outtype", outtype, *extra]
+    _run(cmd, out, f"convert_hf_to_gguf.py --outtype {outtype} {' '.join(extra)} on {hf_dir}".replace("  ", " "), env)
     return out
 
 
