@@ -119,7 +119,7 @@ def _best_us(fn, calls=100, repeats=5):
 def test_step_time_against_torch(kernel, B, v_heads):
     """The measurement behind the kernel: one decode step of a Qwen3.5-0.8B-shaped linear layer (16 key
     heads x 128, 16 or 32 value heads x 128), one thread, best of 5 x 100 calls, ctypes call included."""
-    from tests.torch_threads import torch_threads
+    from tests.support.torch_threads import torch_threads
 
     gen = torch.Generator().manual_seed(0)
     q, k, v, g, beta = step_inputs(B, 16, v_heads, 128, gen)
