@@ -1,0 +1,42 @@
+"""The engine on the Triton backend (interpreted on the CPU) gives the torch path's greedy tokens on the
+bundled stories260K, over ragged decode batches, chunked prefill, a window policy (ranges) and sinks
+(the torch fallback); and a CPU run never imports triton or kvgen.gpu."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+if os.environ.get("KVGEN_TEST_CUDA") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from kvgen import LLM, SamplingParams  # noqa: E402
+from kvgen.gpu.backend import TritonPagedAttention  # noqa: E402
+
+PROMPTS = ["Once upon a time", "Tom and Lily went to the park and saw a big dog", "The sun", "A little bird"]
+
+
+def _tokens(triton: bool, policy: str = "full") -> list[list[int]]:
+    llm = LLM(attention_backend="sdpa", max_num_batched_tokens=8, block_size=4)  # chunked prefill, many blocks
+    if triton:
+        llm.engine.runner.attention_type = TritonPagedAttention
+    params = SamplingParams(temperature=0, max_tokens=24, kv_policy=policy)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("policy", ["full", "window:8", "sinks:2,8"])
+def test_triton_backend_gives_the_torch_paths_tokens(policy):
+    assert _tokens(True, policy) == _tokens(False, policy)
+
+
+def test_a_cpu_run_imports_no_triton_and_no_gpu_module():
+    code = ("import sys; from kvgen import LLM, SamplingParams; "
+            "LLM().generate(['Once'], SamplingParams(temperature=0, max_tokens=4)); "
+            "bad = [m for m in sys.modules if m == 'triton' or m.startswith(('triton.', 'kvgen.gpu'))]; "
+            "assert not bad, bad")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
