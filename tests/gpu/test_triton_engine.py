@@ -10,7 +10,10 @@ import sys
 
 import pytest
 
-if os.environ.get("KVGEN_TEST_CUDA") != "1":
+import torch  # noqa: E402
+
+CUDA = os.environ.get("KVGEN_TEST_CUDA") == "1" and torch.cuda.is_available()
+if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
@@ -20,10 +23,17 @@ from kvgen.gpu.backend import TritonPagedAttention  # noqa: E402
 PROMPTS = ["Once upon a time", "Tom and Lily went to the park and saw a big dog", "The sun", "A little bird"]
 
 
-def _tokens(triton: bool, policy: str = "full") -> list[list[int]]:
-    llm = LLM(attention_backend="sdpa", max_num_batched_tokens=8, block_size=4)  # chunked prefill, many blocks
-    if triton:
-        llm.engine.runner.attention_type = TritonPagedAttention
+def _tokens(triton: bool, policy: str = "full", eager: bool = False) -> list[list[int]]:
+    """On the CPU: the torch path, or its runner switched to the (interpreted) Triton backend. On CUDA:
+    `--attention-backend sdpa` (torch) against the engine's own CUDA choice (Triton, decode graphs)."""
+    options = dict(max_num_batched_tokens=8, block_size=4)  # chunked prefill, many blocks
+    if CUDA:
+        llm = LLM(device="cuda", attention_backend="auto" if triton else "sdpa", enforce_eager=eager, **options)
+        assert (llm.engine.runner.attention_type is TritonPagedAttention) == triton
+    else:
+        llm = LLM(attention_backend="sdpa", **options)
+        if triton:
+            llm.engine.runner.attention_type = TritonPagedAttention
     params = SamplingParams(temperature=0, max_tokens=24, kv_policy=policy)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
@@ -31,6 +41,11 @@ def _tokens(triton: bool, policy: str = "full") -> list[list[int]]:
 @pytest.mark.parametrize("policy", ["full", "window:8", "sinks:2,8"])
 def test_triton_backend_gives_the_torch_paths_tokens(policy):
     assert _tokens(True, policy) == _tokens(False, policy)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_decode_graphs_replay_and_give_the_eager_tokens():
+    assert _tokens(True, eager=False) == _tokens(True, eager=True) == _tokens(False)
 
 
 def test_a_cpu_run_imports_no_triton_and_no_gpu_module():
