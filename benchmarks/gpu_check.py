@@ -33,6 +33,9 @@ from pathlib import Path
 
 import torch
 
+if os.environ.get("KVGEN_TRITON_ON_CPU") == "1":  # before triton is imported: its kernels are built interpreted
+    os.environ["TRITON_INTERPRET"] = "1"
+
 REPO = Path(__file__).resolve().parent.parent
 SIZES = {  # per check: (full, tiny)
     "prompts": (4, 2), "tokens": (64, 8), "latency_prompt": (128, 16), "latency_tokens": (256, 16),
@@ -165,6 +168,9 @@ def check_tokens(args) -> int:
     n = size(args, "tokens")
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     generated = [list(o.outputs[0].token_ids) for o in outs]
+    if any(len(g) != n for g in generated):
+        return report(args, f"tokens-{args.label}", False, f"kvgen generated {[len(g) for g in generated]} tokens, "
+                      f"not {n} each ({[o.outputs[0].finish_reason for o in outs]})", {})
     llm.close()
     del llm
     if args.device.startswith("cuda"):
@@ -217,6 +223,9 @@ def check_latency_kvgen(args) -> int:
     for _ in range(3):
         out = llm.generate([prompt], params)[0]
         times = out.metrics.token_times
+        if len(out.outputs[0].token_ids) != n or len(times) < 2:
+            return report(args, "latency-kvgen", False, f"generated {len(out.outputs[0].token_ids)} of {n} tokens "
+                          f"({out.outputs[0].finish_reason})", {})
         rate = (len(times) - 1) / (times[-1] - times[0])
         best = rate if best is None else max(best, rate)
     model = llm.engine.model

@@ -34,8 +34,10 @@ def _tokens(triton: bool, policy: str = "full", eager: bool = False) -> list[lis
         llm = LLM(attention_backend="sdpa", **options)
         if triton:
             llm.engine.runner.attention_type = TritonPagedAttention
-    params = SamplingParams(temperature=0, max_tokens=24, kv_policy=policy)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    params = SamplingParams(temperature=0, max_tokens=24, kv_policy=policy, ignore_eos=True)
+    tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+    assert all(len(t) == 24 for t in tokens), tokens  # an engine error would leave requests short
+    return tokens
 
 
 @pytest.mark.parametrize("policy", ["full", "window:8", "sinks:2,8"])
