@@ -109,11 +109,11 @@ stage2() {
   local config=benchmarks/configs/qwen2.5-coder-1.5b.json big=$WORK/qwen2.5-coder-1.5b-random
   if [ -n "$TINY" ]; then config=benchmarks/configs/tiny-qwen2.json; big=$WORK/tiny-qwen2-random; fi
   step bandwidth 30 "${PY[@]}" bandwidth "${ARGS[@]}"
-  step build-model 90 "${PY[@]}" build-model --config "$config" --model-dir "$big" "${ARGS[@]}"
-  [ -n "$smol" ] && step tokens-smollm2 60 "${PY[@]}" tokens --model "$smol" --label smollm2 "${ARGS[@]}"
-  step tokens-qwen1.5b-random 60 "${PY[@]}" tokens --model "$big" --label qwen1.5b-random --random-ids "${ARGS[@]}"
-  step latency-kvgen 60 "${PY[@]}" latency-kvgen --model "$big" "${ARGS[@]}"
-  step latency-hf 120 "${PY[@]}" latency-hf --model "$big" "${ARGS[@]}"
+  step build-model 60 "${PY[@]}" build-model --config "$config" --model-dir "$big" "${ARGS[@]}"
+  [ -n "$smol" ] && step tokens-smollm2 45 "${PY[@]}" tokens --model "$smol" --label smollm2 "${ARGS[@]}"
+  step tokens-qwen1.5b-random 45 "${PY[@]}" tokens --model "$big" --label qwen1.5b-random --random-ids "${ARGS[@]}"
+  step latency-kvgen 45 "${PY[@]}" latency-kvgen --model "$big" "${ARGS[@]}"
+  step latency-hf 150 "${PY[@]}" latency-hf --model "$big" "${ARGS[@]}"
   step throughput-kvgen 75 "${PY[@]}" throughput-kvgen --model "$big" "${ARGS[@]}"
   step throughput-hf 90 "${PY[@]}" throughput-hf --model "$big" "${ARGS[@]}"
 }

@@ -41,7 +41,9 @@ class GraphAttention(Attention):
 class GraphDecoder:
     """Replays captured decode steps in place of `runner.run` where a step allows it."""
 
-    def __init__(self, runner, max_batch: int, max_model_len: int) -> None:
+    def __init__(self, runner, max_batch: int, max_model_len: int, capture: bool = True) -> None:
+        """`capture=False` replays by running the forward over the static buffers instead of a graph:
+        the same bookkeeping (padding, ranges, buffers), testable on the CPU."""
         self.runner = runner
         self.eager = runner.run
         cache = runner.cache
@@ -58,7 +60,8 @@ class GraphDecoder:
         self.hi = torch.ones(largest, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.capture = capture
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0  # steps served by a graph (the bench and tests read it)
 
     @torch.inference_mode()
@@ -111,6 +114,9 @@ class GraphDecoder:
         return model.logits(model.forward(self.tokens[:size], self.positions[:size], attention))
 
     def _capture(self, size: int) -> None:
+        if not self.capture:
+            self.graphs[size] = _Replay(self, size)
+            return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -121,6 +127,16 @@ class GraphDecoder:
         with torch.cuda.graph(graph, pool=self.pool):
             self.outputs[size] = self._forward(size)
         self.graphs[size] = graph
+
+
+class _Replay:
+    """What `capture=False` keeps per rung: a replay that runs the forward eagerly."""
+
+    def __init__(self, decoder: GraphDecoder, size: int) -> None:
+        self.decoder, self.size = decoder, size
+
+    def replay(self) -> None:
+        self.decoder.outputs[self.size] = self.decoder._forward(self.size)
 
 
 def gpu_runner(runner, config):

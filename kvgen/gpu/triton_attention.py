@@ -231,7 +231,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         _decode_kernel[(rows, kv_heads)](
             q, k_pool, v_pool, ks, vs, block_table, lo, hi, out, *common, rows_per_seq, head_dim ** -0.5 * LOG2E,
             BLOCK_SIZE=block_size, GROUP=group, GROUP_P=triton.next_power_of_2(group), D=head_dim, D_P=d_p,
-            BLOCK_N=32 if head_dim <= 128 else 16, QUANT=quant, KEY_GROUP=key_group)
+            BLOCK_N=_decode_block_n(triton.next_power_of_2(group), d_p), QUANT=quant, KEY_GROUP=key_group)
         return out
     block_m = 32 if head_dim <= 128 else 16
     tiles_per_seq = triton.cdiv(rows_per_seq, block_m)
@@ -241,6 +241,12 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         BLOCK_SIZE=block_size, GROUP=group, D=head_dim, D_P=d_p, BLOCK_M=block_m, BLOCK_N=32,
         QUANT=quant, KEY_GROUP=key_group, IEEE=q.dtype == torch.float32 or _interpreted())
     return out
+
+
+def _decode_block_n(group_p: int, d_p: int) -> int:
+    """Keys a decode tile holds: the [group, keys, D] product stays near 8K fp32 values a program
+    (about 64 registers a thread at 4 warps), 16 to 64 keys."""
+    return max(16, min(64, 8192 // (group_p * d_p)))
 
 
 def _interpreted() -> bool:

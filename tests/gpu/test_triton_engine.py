@@ -57,3 +57,22 @@ def test_a_cpu_run_imports_no_triton_and_no_gpu_module():
             "assert not bad, bad")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU stand-in for graphs; on CUDA the real graphs are tested above")
+@pytest.mark.parametrize("policy", ["full", "window:8"])
+def test_graph_bookkeeping_without_capture_gives_the_torch_paths_tokens(policy):
+    """GraphDecoder's static buffers, padding to the ladder and key ranges, replayed without a graph."""
+    from kvgen.gpu.graphs import GraphDecoder
+
+    llm = LLM(attention_backend="sdpa", max_num_batched_tokens=8, block_size=4, max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.attention_type = TritonPagedAttention
+    decoder = GraphDecoder(runner, max_batch=4, max_model_len=256, capture=False)  # rungs 1, 2, 4
+    runner.run = decoder.run
+    # ending at different steps: 3, 2, 1 sequences decode after the first ends (rung 4 pads a row)
+    params = [SamplingParams(temperature=0, max_tokens=n, kv_policy=policy, ignore_eos=True) for n in (24, 20, 16, 12)]
+    tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+    assert decoder.replays >= 16 and {1, 2, 4} <= set(decoder.graphs)
+    reference = LLM(attention_backend="sdpa", max_num_batched_tokens=8, block_size=4, max_num_seqs=8)
+    assert tokens == [list(o.outputs[0].token_ids) for o in reference.generate(PROMPTS, params)]
