@@ -58,7 +58,7 @@ def load_peer(name: str, model: BenchModel, dtype: str, max_len: int, device: st
     """The named peer on `model` in `dtype` ("float32", "float16", "bfloat16") on `device`, able to hold
     `max_len` tokens. Raises PeerUnavailable when it is not installed or cannot read the model."""
     system, module, pip_name = _PEERS[name]
-    if device != "cpu" and system not in (HFSystem, HFLookupSystem):
+    if device != "cpu" and not issubclass(system, HFSystem):
         raise PeerUnavailable(f"{name}: runs on the CPU only in kvgen bench (not {device})")
     try:
         return system(model, dtype, max_len, device)
@@ -283,4 +283,10 @@ _PEERS: dict[str, tuple[Callable[[BenchModel, str, int, str], System], str, str]
     "hf-lookup": (HFLookupSystem, "transformers", "transformers"),
     "llama.cpp-lookup": (LlamaCppLookupSystem, "llama_cpp", "llama-cpp-python"),
 }
+
+# transformers' GPU settings: static cache + its compile, and continuous batching (subclasses of HFSystem)
+from kvgen.bench.gpu_peers import HFContinuousSystem, HFStaticSystem  # noqa: E402
+
+_PEERS["hf-static"] = (HFStaticSystem, "transformers", "transformers")
+_PEERS["hf-cb"] = (HFContinuousSystem, "transformers", "transformers")
 PEERS = tuple(_PEERS)
