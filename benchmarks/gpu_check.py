@@ -357,7 +357,9 @@ def check_throughput_hf(args) -> int:
     sync(args.device)
     start = time.perf_counter()
     try:
-        generated = _hf_manager(model, gc, prompts, outputs)
+        from kvgen.bench.gpu_peers import run_continuous
+
+        generated = run_continuous(model, prompts, outputs)
     except Exception as e:  # an API this transformers lacks: generate_batch, one length for all (said so)
         print(f"transformers continuous-batching manager failed ({e!r}); generate_batch instead", flush=True)
         mode = f"generate_batch, max_new_tokens={max(outputs)} for every request"
@@ -372,26 +374,6 @@ def check_throughput_hf(args) -> int:
             + (f"; kvgen / transformers = {ratio:.2f}x" if ratio else ""))
     return report(args, "throughput-hf", True, line, {"seconds": seconds, "generated": generated, "mode": mode,
                                                        "tok_s": generated / seconds, "kvgen_over_hf": ratio})
-
-
-def _hf_manager(model, gc, prompts, outputs) -> int:
-    manager = model.init_continuous_batching(generation_config=gc)
-    manager.start()
-    try:
-        for i, (p, o) in enumerate(zip(prompts, outputs)):
-            manager.add_request(p, request_id=f"r{i}", max_new_tokens=o)
-        done, generated = set(), 0
-        deadline = time.monotonic() + 600
-        while len(done) < len(prompts):
-            if time.monotonic() > deadline:
-                raise TimeoutError("continuous batching did not finish")
-            result = manager.get_result(timeout=1)
-            if result is not None and result.is_finished() and result.request_id not in done:
-                done.add(result.request_id)
-                generated += len(result.generated_tokens)
-        return generated
-    finally:
-        manager.stop(block=True)
 
 
 CHECKS = {"bandwidth": check_bandwidth, "build-model": check_build_model, "tokens": check_tokens,

@@ -106,6 +106,36 @@ class HFSystem(System):
                             streamer=streamer)
 
 
+class HFStaticSystem(HFSystem):
+    """generate() with its static KV cache; on a GPU transformers compiles the decode forward itself
+    (torch.compile, CompileConfig's reduce-overhead), plain PyTorch's fastest batch-1 decode."""
+
+    name = "hf-static"
+
+    def _generate(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, streamer=None) -> None:
+        self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                            streamer=streamer, cache_implementation="static")
+
+
+class HFContinuousSystem(HFSystem):
+    """transformers' continuous batching (kvgen.bench.gpu_peers), each request with its own length."""
+
+    name = "hf-cb"
+
+    @torch.inference_mode()
+    def run_batch(self, requests: Sequence[BenchRequest]) -> None:
+        from kvgen.bench.gpu_peers import run_continuous
+
+        generated = run_continuous(self.model, [r.prompt for r in requests], [r.output_len for r in requests])
+        if generated != sum(r.output_len for r in requests):
+            raise RuntimeError(f"transformers continuous batching gave {generated} tokens, "
+                               f"not {sum(r.output_len for r in requests)}")
+
+    def run_at(self, requests: Sequence[BenchRequest], size: int) -> None:
+        self.run_batch(requests)  # the manager batches by itself: one size
+
+
 class _TimingStreamer:
     """A transformers streamer (batch 1) that records when each token arrives; the first put is the prompt."""
 
@@ -283,9 +313,6 @@ _PEERS: dict[str, tuple[Callable[[BenchModel, str, int, str], System], str, str]
     "hf-lookup": (HFLookupSystem, "transformers", "transformers"),
     "llama.cpp-lookup": (LlamaCppLookupSystem, "llama_cpp", "llama-cpp-python"),
 }
-
-# transformers' GPU settings: static cache + its compile, and continuous batching (subclasses of HFSystem)
-from kvgen.bench.gpu_peers import HFContinuousSystem, HFStaticSystem  # noqa: E402
 
 _PEERS["hf-static"] = (HFStaticSystem, "transformers", "transformers")
 _PEERS["hf-cb"] = (HFContinuousSystem, "transformers", "transformers")

@@ -106,9 +106,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lo_ptr, hi_ptr, 
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
         if QUANT:
-            k_groups: tl.constexpr = D // KEY_GROUP
             ks = tl.load(ks_ptr + kv_head * stride_ksh + slots[:, None] * stride_kss + (d // KEY_GROUP)[None, :],
-                         mask=kv_mask & (d < k_groups * KEY_GROUP)[None, :], other=0.0)
+                         mask=kv_mask & (d < (D // KEY_GROUP) * KEY_GROUP)[None, :], other=0.0)
             k = k * ks
             v = v * tl.load(vs_ptr + kv_head * stride_vsh + slots * stride_vss, mask=valid, other=0.0)[:, None]
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P, BLOCK_N], log2 units
@@ -165,9 +164,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lo_ptr, hi_ptr,
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
         if QUANT:
-            k_groups: tl.constexpr = D // KEY_GROUP
             ks = tl.load(ks_ptr + kv_head * stride_ksh + slots[:, None] * stride_kss + (d // KEY_GROUP)[None, :],
-                         mask=kv_mask & (d < k_groups * KEY_GROUP)[None, :], other=0.0)
+                         mask=kv_mask & (d < (D // KEY_GROUP) * KEY_GROUP)[None, :], other=0.0)
             k = (k.to(tl.float32) * ks).to(q.dtype)
             vs = tl.load(vs_ptr + kv_head * stride_vsh + slots * stride_vss, mask=valid, other=0.0)
             v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
