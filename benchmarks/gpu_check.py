@@ -229,8 +229,7 @@ def check_latency_kvgen(args) -> int:
         rate = (len(times) - 1) / (times[-1] - times[0])
         best = rate if best is None else max(best, rate)
     model = llm.engine.model
-    params_bytes = sum(t.numel() * t.element_size() for t in _tensors(model))
-    embed = model.config.vocab_size * model.config.hidden_size * 2
+    params_bytes, embed = _weight_bytes(Path(args.model))
     step_bytes = decode_bytes(model.config, params_bytes, embed, len(prompt) + n // 2)
     bandwidth = measured_bandwidth(args)
     share = step_bytes * best / bandwidth if bandwidth else None
@@ -243,26 +242,19 @@ def check_latency_kvgen(args) -> int:
                    "graph_replays": graphs.replays if graphs else 0, "prompt": len(prompt), "tokens": n})
 
 
-def _tensors(model):
-    """Every distinct weight tensor of a kvgen model (attributes walked once)."""
-    seen, out = set(), []
+def _weight_bytes(model_dir: Path) -> tuple[int, int]:
+    """bf16 bytes of every tensor of an HF directory's safetensors, and of its embedding table."""
+    from safetensors import safe_open
 
-    def walk(obj, depth=0):
-        if depth > 4:
-            return
-        if isinstance(obj, torch.Tensor):
-            if obj.data_ptr() not in seen and obj.numel() > 1:
-                seen.add(obj.data_ptr())
-                out.append(obj)
-            return
-        if isinstance(obj, (list, tuple)):
-            for x in obj:
-                walk(x, depth + 1)
-        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("kvgen"):
-            for x in vars(obj).values():
-                walk(x, depth + 1)
-    walk(model)
-    return out
+    total = embed = 0
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                shape = f.get_slice(key).get_shape()
+                nbytes = 2 * int(torch.tensor(shape).prod().item()) if shape else 2
+                total += nbytes
+                embed += nbytes if "embed_tokens" in key else 0
+    return total, embed
 
 
 def check_latency_hf(args) -> int:
@@ -305,7 +297,13 @@ def check_latency_hf(args) -> int:
         return best
 
     eager = rate("static_eager_tok_s", False, 2)
-    compiled = rate("static_compiled_tok_s", True, 3) if args.device.startswith("cuda") else None
+    compiled = None
+    if args.device.startswith("cuda"):
+        try:
+            compiled = rate("static_compiled_tok_s", True, 3)
+        except Exception as e:  # no compiler for inductor, a dynamo error: the eager figure stands, said so
+            print(f"transformers' compiled decode failed: {e!r}", flush=True)
+            data["compile_error"] = repr(e)[:500]
     best = max(eager, compiled or 0.0)
     kvgen_path = Path(args.out) / "latency-kvgen.json"
     kvgen = json.loads(kvgen_path.read_text()).get("tok_s") if kvgen_path.exists() else None

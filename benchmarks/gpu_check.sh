@@ -36,6 +36,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=$PYTHONPATH:$WORK/site
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false KVGEN_CACHE_DIR=$WORK/cache
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1  # no network there: fail fast, never wait
 
 ARGS=(--out "$OUT" --device "$DEVICE")
 [ -n "$TINY" ] && ARGS+=(--tiny)
@@ -81,7 +82,7 @@ stage1() {
   if [ -f .models/smollm2.gguf.part-aa ]; then cp .models/smollm2.gguf.part-aa "$WORK/"; echo "chunk a copied to $WORK"; fi
   local test_env=(env KVGEN_TEST_CUDA=1)
   [ "$DEVICE" = cpu ] && test_env=(env)
-  step cuda-tests 240 "${test_env[@]}" python -m pytest -q -p no:cacheprovider tests/gpu \
+  step cuda-tests 300 "${test_env[@]}" python -m pytest -q -p no:cacheprovider tests/gpu \
        --junitxml "$OUT/cuda-tests.xml"
 }
 
@@ -110,12 +111,12 @@ stage2() {
   if [ -n "$TINY" ]; then config=benchmarks/configs/tiny-qwen2.json; big=$WORK/tiny-qwen2-random; fi
   step bandwidth 30 "${PY[@]}" bandwidth "${ARGS[@]}"
   step build-model 60 "${PY[@]}" build-model --config "$config" --model-dir "$big" "${ARGS[@]}"
-  [ -n "$smol" ] && step tokens-smollm2 45 "${PY[@]}" tokens --model "$smol" --label smollm2 "${ARGS[@]}"
-  step tokens-qwen1.5b-random 45 "${PY[@]}" tokens --model "$big" --label qwen1.5b-random --random-ids "${ARGS[@]}"
+  [ -n "$smol" ] && step tokens-smollm2 60 "${PY[@]}" tokens --model "$smol" --label smollm2 "${ARGS[@]}"
+  step tokens-qwen1.5b-random 60 "${PY[@]}" tokens --model "$big" --label qwen1.5b-random --random-ids "${ARGS[@]}"
   step latency-kvgen 45 "${PY[@]}" latency-kvgen --model "$big" "${ARGS[@]}"
-  step latency-hf 150 "${PY[@]}" latency-hf --model "$big" "${ARGS[@]}"
+  step latency-hf 120 "${PY[@]}" latency-hf --model "$big" "${ARGS[@]}"
   step throughput-kvgen 75 "${PY[@]}" throughput-kvgen --model "$big" "${ARGS[@]}"
-  step throughput-hf 90 "${PY[@]}" throughput-hf --model "$big" "${ARGS[@]}"
+  step throughput-hf 80 "${PY[@]}" throughput-hf --model "$big" "${ARGS[@]}"
 }
 
 case "$STAGE" in
