@@ -144,11 +144,52 @@ def hf_model(args):
     from transformers import AutoModelForCausalLM
 
     path = Path(args.model)
+    if path.suffix == ".gguf" and not _has_accelerate():
+        print("accelerate missing (transformers needs it for gguf_file=): transformers reads an HF directory "
+              "of the GGUF's weights as kvgen's loader dequantizes them", flush=True)
+        path = _hf_dir_from_gguf(path, Path(os.environ.get("KVGEN_CHECK_WORK", "/tmp/kvgen-gpu")) / "hf-from-gguf")
     if path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
     return model.to(args.device).eval()
+
+
+def _has_accelerate() -> bool:
+    if os.environ.get("KVGEN_CHECK_NO_ACCELERATE") == "1":
+        return False
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _hf_dir_from_gguf(path: Path, out: Path) -> Path:
+    """A llama GGUF as an HF directory (bf16 safetensors + LlamaConfig), from kvgen's loader's
+    dequantized weights (HF names; kvgen's suite checks that loader against transformers' own)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from kvgen.loaders import load_model
+
+    loaded = load_model(path, dtype=torch.bfloat16)
+    c = loaded.config
+    if c.architecture != "llama":
+        raise ValueError(f"no HF directory for architecture {c.architecture}")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in loaded.weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                         num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                         max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                         rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+                         bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids))
+    config.rope_parameters = {"rope_type": "default", "rope_theta": c.rope_theta}
+    config.dtype = torch.bfloat16
+    config.save_pretrained(out)
+    return out
 
 
 def prompt_ids(args, llm) -> list[list[int]]:

@@ -21,6 +21,7 @@ DEVICE=${KVGEN_CHECK_DEVICE:-cuda}
 TINY=${KVGEN_CHECK_TINY:-}
 SMOLLM2_SHA256=${SMOLLM2_SHA256:-b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53}
 mkdir -p "$OUT" "$WORK"
+export KVGEN_CHECK_WORK=$WORK  # big files (models) go here, never under $OUT (which travels back)
 START=$(date +%s)
 SUMMARY=$OUT/summary.txt
 
