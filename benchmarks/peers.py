@@ -23,7 +23,7 @@ def load_peer(name: str, model: BenchModel, dtype: str, max_len: int, device: st
     """The named peer on `model` in `dtype` ("float32", "float16", "bfloat16") on `device`, able to hold
     `max_len` tokens. Raises PeerUnavailable when it is not installed or cannot read the model."""
     system, module, pip_name = _PEERS[name]
-    if device != "cpu" and system not in (HFSystem, HFLookupSystem):
+    if device != "cpu" and not issubclass(system, HFSystem):
         raise PeerUnavailable(f"{name}: runs on the CPU only in kvgen bench (not {device})")
     try:
         return system(model, dtype, max_len, device)
@@ -69,6 +69,36 @@ class HFSystem(System):
         self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                             streamer=streamer)
+
+
+class HFStaticSystem(HFSystem):
+    """generate() with its static KV cache; on a GPU transformers compiles the decode forward itself
+    (torch.compile, CompileConfig's reduce-overhead), plain PyTorch's fastest batch-1 decode."""
+
+    name = "hf-static"
+
+    def _generate(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, streamer=None) -> None:
+        self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                            streamer=streamer, cache_implementation="static")
+
+
+class HFContinuousSystem(HFSystem):
+    """transformers' continuous batching (kvgen.bench.gpu_peers), each request with its own length."""
+
+    name = "hf-cb"
+
+    @torch.inference_mode()
+    def run_batch(self, requests: Sequence[BenchRequest]) -> None:
+        from kvgen.bench.gpu_peers import run_continuous
+
+        generated = run_continuous(self.model, [r.prompt for r in requests], [r.output_len for r in requests])
+        if generated != sum(r.output_len for r in requests):
+            raise RuntimeError(f"transformers continuous batching gave {generated} tokens, "
+                               f"not {sum(r.output_len for r in requests)}")
+
+    def run_at(self, requests: Sequence[BenchRequest], size: int) -> None:
+        self.run_batch(requests)  # the manager batches by itself: one size
 
 
 class _TimingStreamer:
@@ -248,4 +278,7 @@ _PEERS: dict[str, tuple[Callable[[BenchModel, str, int, str], System], str, str]
     "hf-lookup": (HFLookupSystem, "transformers", "transformers"),
     "llama.cpp-lookup": (LlamaCppLookupSystem, "llama_cpp", "llama-cpp-python"),
 }
+
+_PEERS["hf-static"] = (HFStaticSystem, "transformers", "transformers")
+_PEERS["hf-cb"] = (HFContinuousSystem, "transformers", "transformers")
 PEERS = tuple(_PEERS)

@@ -239,6 +239,7 @@ class EngineConfig:
     prompt_lookup_max: int = 3
     adaptive_speculation: bool = True  # skip speculating a step where it measures slower (docs/speculative.md)
     fused_decode: bool = True  # decode steps as one list of C kernel calls where they can (kvgen.model.fused)
+    enforce_eager: bool = False  # CUDA: no decode graphs (kvgen.gpu.graphs)
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:

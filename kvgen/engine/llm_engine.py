@@ -347,7 +347,7 @@ def build_hybrid_runner(model: LlamaModel, config: EngineConfig, kinds: list[Lay
     decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
     more = [KVKind(cache, table, kind.window, list(kind.layers))
             for cache, table, kind in zip(caches[1:], tables[1:], kinds[1:])]
-    return ModelRunner(model, caches[0], tables[0], decode_kernel, more)
+    return _on_device(ModelRunner(model, caches[0], tables[0], decode_kernel, more), config)
 
 
 def build_runner(model: LlamaModel, config: EngineConfig, num_blocks: int, block_tables: BlockTables | None,
@@ -359,4 +359,12 @@ def build_runner(model: LlamaModel, config: EngineConfig, num_blocks: int, block
     cache = cache_type(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                        model.device, pool_dtype, compute_dtype=model.dtype)
     decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
-    return runner_type(model, cache, block_tables, decode_kernel)
+    return _on_device(runner_type(model, cache, block_tables, decode_kernel), config)
+
+
+def _on_device(runner: ModelRunner, config: EngineConfig) -> ModelRunner:
+    """A runner on CUDA takes the Triton backend and decode graphs (imported only there)."""
+    if runner.device.type != "cuda" or config.attention_backend == "sdpa":
+        return runner
+    from kvgen.gpu.graphs import gpu_runner
+    return gpu_runner(runner, config)

@@ -91,6 +91,8 @@ class ModelRunner:
     """Owns the model, the KV pools and per-sequence tensor state; knows tensors, not queues.
     `more_kinds`: a hybrid model's windowed layers, beside the global ones in `cache`."""
 
+    attention_type = PagedAttention  # on CUDA kvgen.gpu.graphs.gpu_runner sets the Triton backend
+
     def __init__(self, model: LlamaModel, cache: PagedKVCache, block_tables: BlockTables,
                  decode_kernel: PagedDecode | None = None, more_kinds: list[KVKind] = ()) -> None:
         self.model = model
@@ -121,7 +123,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass over a prepared step (tensor-parallel workers get theirs from rank 0)."""
-        attention = PagedAttention(self.cache, inputs.meta, self.decode_kernel,
+        attention = self.attention_type(self.cache, inputs.meta, self.decode_kernel,
                                    [(kind.cache, meta) for kind, meta in zip(self.kinds[1:], inputs.more_metas)],
                                    self.layer_kinds if len(self.kinds) > 1 else ())
         with blas_owns_the_cores(self.model.device, self.model.dtype, gemv_only=len(inputs.token_ids) == 1):
