@@ -96,7 +96,7 @@ def check_build_model(args) -> int:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvgen.bench.random_models import save_placeholder_tokenizer
+    from benchmarks.random_models import save_placeholder_tokenizer
 
     spec = json.loads(Path(args.config).read_text())
     spec = {k: v for k, v in spec.items() if not k.startswith("_")}

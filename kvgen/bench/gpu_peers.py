@@ -1,5 +1,5 @@
 """transformers' continuous batching, driven request by request (each with its own max_new_tokens, EOS
-off), as the `hf-cb` peer (kvgen.bench.peers; `kvgen bench throughput --device cuda --compare hf-cb`) and
+off), as the `hf-cb` peer (benchmarks.peers; `kvgen bench throughput --device cuda --compare hf-cb`) and
 benchmarks/gpu_check.py run it. generate_batch gives every request one length; its manager takes one
 per request.
 """

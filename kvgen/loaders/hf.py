@@ -24,7 +24,7 @@ from kvgen.tokenizer import Tokenizer
 if TYPE_CHECKING:
     import sentencepiece
 
-    from kvgen.distributed.shard import ShardPlan, Slice
+    from kvgen.loaders.shard import ShardPlan, Slice
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
