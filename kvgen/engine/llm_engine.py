@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvgen.cache.heavy_hitters import HeavyHitters
 from kvgen.cache.hybrid import HybridKVManager, LayerKind, layer_kinds, sequence_bytes, split_budget
 from kvgen.cache.kv_manager import NULL_BLOCK, KVCacheManager
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of, num_blocks_for_budget
@@ -42,6 +43,7 @@ class LLMEngine(Engine):
         """`draft`: the draft model of speculative_method 'draft' (loaded by kvgen.llm.build_engine)."""
         super().__init__(loaded, config)
         num_blocks = self._build_kv_manager()
+        self.heavy_hitters = HeavyHitters(self.model.device, config.block_size)
         self.runner = self._build_runner(num_blocks)
         self.speculator: Speculator | None = build_speculator(config, loaded.config, self.kv, draft)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv,
@@ -66,7 +68,7 @@ class LLMEngine(Engine):
 
     def _build_runner(self, num_blocks: int) -> ModelRunner:
         if not self.layer_kinds:
-            return build_runner(self.model, self.config, num_blocks, self.kv)
+            return build_runner(self.model, self.config, num_blocks, self.kv, heavy_hitters=self.heavy_hitters)
         return build_hybrid_runner(self.model, self.config, self.layer_kinds, self.kind_blocks, self.kv.kinds)
 
     @property
@@ -259,7 +261,7 @@ class LLMEngine(Engine):
     def _dead_blocks(self, seq: Sequence) -> range | list[int]:
         """Blocks that no later query of `seq` reads under its cache policy and that it still holds."""
         if seq.policy.kind == "h2o":
-            return self.runner.evict_heavy_hitters(seq.seq_id, seq.num_computed_tokens, seq.policy)
+            return self.heavy_hitters.evict(seq.seq_id, seq.num_computed_tokens, seq.policy)
         start, end = seq.policy.dead_range(seq.num_computed_tokens)
         first = max(-(-start // self.kv.block_size), seq.num_dead_blocks)
         seq.num_dead_blocks = max(first, end // self.kv.block_size)
@@ -317,7 +319,7 @@ class LLMEngine(Engine):
             if child.status.value != "waiting" or child.is_finished:
                 continue
             self.kv.fork(parent.seq_id, child.seq_id)
-            self.runner.fork_state(parent.seq_id, child.seq_id)
+            self.heavy_hitters.fork(parent.seq_id, child.seq_id)
             child.num_computed_tokens = parent.num_computed_tokens
             self.scheduler.add_running(child)
         return [c for c in children if not c.is_finished]
@@ -331,7 +333,7 @@ class LLMEngine(Engine):
 
     def _forget(self, seq_id: int) -> None:
         """Drops the tensor state of a sequence that gave its blocks back (finished or preempted)."""
-        self.runner.forget(seq_id)
+        self.heavy_hitters.forget(seq_id)
         if self.speculator is not None:
             self.speculator.forget(seq_id)
 
@@ -351,11 +353,12 @@ def build_hybrid_runner(model: LlamaModel, config: EngineConfig, kinds: list[Lay
 
 def build_runner(model: LlamaModel, config: EngineConfig, num_blocks: int, block_tables: BlockTables | None,
                  cache_type: Callable[..., PagedKVCache] = PagedKVCache,
-                 runner_type: Callable[..., ModelRunner] = ModelRunner) -> ModelRunner:
+                 runner_type: Callable[..., ModelRunner] = ModelRunner,
+                 heavy_hitters: HeavyHitters | None = None) -> ModelRunner:
     """The runner over KV pools of `num_blocks` blocks for the model's (local) KV heads."""
     cfg = model.config
     pool_dtype = STORAGE_DTYPES[config.kv_dtype]
     cache = cache_type(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                        model.device, pool_dtype, compute_dtype=model.dtype)
     decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
-    return runner_type(model, cache, block_tables, decode_kernel)
+    return runner_type(model, cache, block_tables, decode_kernel, heavy_hitters=heavy_hitters)
