@@ -27,9 +27,12 @@ from typing import Protocol, TypeVar
 import torch
 
 from kvgen.cache.heavy_hitters import HeavyHitters
+from kvgen.cache.hybrid import LayerKind
+from kvgen.config import EngineConfig
 from kvgen.engine.scheduler import ScheduledChunk
 from kvgen.model.attention import PagedAttention, PagedGroup, PagedKVCache, PagedMetadata
-from kvgen.model.kernels import PagedDecode
+from kvgen.model.kernels import PagedDecode, paged_decode_for
+from kvgen.model.kv_quant import STORAGE_DTYPES
 from kvgen.model.linear import blas_owns_the_cores
 from kvgen.model.llama import LlamaModel
 from kvgen.runner.policy_tensors import FAR, PolicyTensors, ScoreTarget
@@ -238,3 +241,29 @@ def _logit_rows(chunks: list[ScheduledChunk], ordered: list[ScheduledChunk], all
         elif c.completes_sequence:
             rows.append(end - 1)
     return rows
+
+
+def build_hybrid_runner(model: LlamaModel, config: EngineConfig, kinds: list[LayerKind], kind_blocks: list[int],
+                        tables: list[BlockTables], heavy_hitters: HeavyHitters | None = None) -> ModelRunner:
+    """The runner over one pool per kind of layer (kvgen.cache.hybrid), the global kind first."""
+    cfg = model.config
+    pool_dtype = STORAGE_DTYPES[config.kv_dtype]
+    caches = [PagedKVCache(len(kind.layers), n, config.block_size, cfg.num_kv_heads, cfg.head_dim, model.device,
+                           pool_dtype, compute_dtype=model.dtype) for kind, n in zip(kinds, kind_blocks)]
+    decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
+    more = [KVKind(cache, table, kind.window, list(kind.layers))
+            for cache, table, kind in zip(caches[1:], tables[1:], kinds[1:])]
+    return ModelRunner(model, caches[0], tables[0], decode_kernel, more, heavy_hitters)
+
+
+def build_runner(model: LlamaModel, config: EngineConfig, num_blocks: int, block_tables: BlockTables | None,
+                 cache_type: Callable[..., PagedKVCache] = PagedKVCache,
+                 runner_type: Callable[..., ModelRunner] = ModelRunner,
+                 heavy_hitters: HeavyHitters | None = None) -> ModelRunner:
+    """The runner over KV pools of `num_blocks` blocks for the model's (local) KV heads."""
+    cfg = model.config
+    pool_dtype = STORAGE_DTYPES[config.kv_dtype]
+    cache = cache_type(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                       model.device, pool_dtype, compute_dtype=model.dtype)
+    decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
+    return runner_type(model, cache, block_tables, decode_kernel, heavy_hitters=heavy_hitters)

@@ -1,0 +1,202 @@
+"""One admission: every rule a request must meet, checked once, before any engine takes it.
+
+    prompt, SamplingParams --Admission.admit--> AdmittedRequest (token ids, resolved cache policy,
+                                                 compiled grammar)
+        LLM.generate, LLMEngine.add_request      admit, then engine.add_admitted
+        AsyncLLM.generate                        admit at once (a bad request raises to the caller),
+                                                 engine.add_admitted between two steps
+        ReplicaSet.generate                      admit in the front end, then the replica's engine
+                                                 takes the admitted request as it is
+        the server (kvgen.server.jobs)           admit each prompt, then hand the admitted requests on
+
+The rules: the prompt's token ids lie in the vocabulary (an empty prompt starts from BOS); the cache
+policy suits the model (a sliding-window model gets its window by default; a hybrid one refuses sinks
+and h2o) and where it runs (tensor parallelism refuses h2o); fields naming tokens stay inside the
+vocabulary; speculation is asked of an engine that has it, with a policy it composes with; prompt +
+max_tokens fits the context (a sinks policy runs past it); the sequence fits the KV pools at its peak;
+a reference engine (contiguous / no cache) runs only the model's own policy; the grammar compiles.
+
+A request's kv_policy is parsed once, when its SamplingParams are made (`SamplingParams.cache_policy`);
+the policy resolved here travels on the request and its sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvgen.cache.hybrid import HybridKVManager
+from kvgen.cache.kv_manager import KVCacheManager
+from kvgen.cache.policies import CachePolicy
+from kvgen.config import EngineConfig, ModelConfig
+from kvgen.engine.grammar import Grammar, GrammarCompiler
+from kvgen.engine.sampling_params import SamplingParams
+from kvgen.engine.spec.speculator import Speculator
+from kvgen.errors import InvalidRequestError
+from kvgen.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+def max_model_len_of(model: ModelConfig, config: EngineConfig) -> int:
+    """The context an engine serves: `max_model_len` if set, never past the model's positions."""
+    return min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+
+
+@dataclass
+class AdmittedRequest:
+    """A request that passed admission: what an engine needs to queue it without checking it again.
+    A compiled grammar stays in its process: sent to another (a replica), the request carries its
+    GrammarSpec only, and `Admission.restore` compiles it there."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    policy: CachePolicy  # resolved for the model and the engine
+    grammar: Grammar | None = None
+    prompt: str | None = None  # the prompt's text, when it came as text
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "grammar": None}
+
+
+@dataclass(frozen=True)
+class KVLimits:
+    """What the paged engine's pools take: a sequence must fit `tables` at its peak, which with a
+    bounded policy is what it keeps plus one step's `chunk` of tokens."""
+
+    tables: KVCacheManager | HybridKVManager
+    capacity_tokens: int
+    chunk: int
+
+
+class Admission:
+    """The rules of a valid request for one engine: its model, context, KV pools (None: a reference
+    engine, which runs only the model's own policy), speculation, and what its executor refuses."""
+
+    def __init__(self, tokenizer: Tokenizer, model: ModelConfig, max_model_len: int,
+                 kv: KVLimits | None = None, speculative: bool = False,
+                 policy_refusal: Callable[[CachePolicy], str | None] = lambda _: None,
+                 grammars: GrammarCompiler | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.max_model_len = max_model_len
+        self.kv = kv
+        self.speculative = speculative
+        self.policy_refusal = policy_refusal
+        self.grammars = grammars or GrammarCompiler(tokenizer, model.vocab_size)
+        self.default_policy = self._for_model(CachePolicy())
+
+    def admit(self, prompt: Prompt, params: SamplingParams) -> AdmittedRequest:
+        """Checks every rule once; raises InvalidRequestError for a request that could never be served."""
+        token_ids = self.encode_prompt(prompt)
+        policy = self.resolve_policy(params)
+        self._check_token_fields(params)
+        self._check_speculative(params, policy)
+        self._check_context(len(token_ids), params, policy)
+        if self.kv is not None:
+            self._check_pool(len(token_ids), params, policy)
+        elif policy != self.default_policy:
+            raise InvalidRequestError(f"kv_policy {params.kv_policy} needs the paged KV cache (--kv-cache paged)")
+        return AdmittedRequest(token_ids, params, policy, self.compile_grammar(params),
+                               prompt if isinstance(prompt, str) else None)
+
+    def restore(self, admitted: AdmittedRequest) -> AdmittedRequest:
+        """The request with its grammar compiled in this process, when it came from another."""
+        if admitted.grammar is None and admitted.params.grammar is not None:
+            admitted.grammar = self.compile_grammar(admitted.params)
+        return admitted
+
+    # -- the rules ------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Text -> ids (BOS first when the model wants it); an empty prompt means "start from BOS"."""
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            token_ids = list(prompt)
+            vocab = self.model.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        if not token_ids:
+            bos = self.tokenizer.bos_token_id
+            if bos is None:
+                raise InvalidRequestError("the prompt is empty and the model has no BOS token to start from")
+            token_ids = [bos]
+        return token_ids
+
+    def compile_grammar(self, params: SamplingParams) -> Grammar | None:
+        """The request's compiled grammar, if it has one; raises InvalidRequestError for a schema or
+        regex that does not compile (compiled grammars are cached, so a second call is cheap)."""
+        return None if params.grammar is None else self.grammars.compile(params.grammar)
+
+    def resolve_policy(self, params: SamplingParams) -> CachePolicy:
+        """The request's cache policy for this model and executor (see `_for_model`)."""
+        policy = self._for_model(params.cache_policy)
+        refusal = self.policy_refusal(policy)
+        if refusal is not None:
+            raise InvalidRequestError(refusal)
+        return policy
+
+    def _for_model(self, policy: CachePolicy) -> CachePolicy:
+        """Models with a sliding window get it unless told otherwise. On a hybrid model (Gemma 3)
+        `window:W` bounds every layer by W (windowed layers by the smaller window); sinks re-rotate
+        keys by cache rank and h2o ranks keys over every layer, neither of which a hybrid cache's
+        kinds share, so they are refused."""
+        window = self.model.sliding_window
+        if policy.kind == "full" and window is not None:
+            return CachePolicy("window", window=window)
+        if self.model.is_hybrid and policy.kind in ("sinks", "h2o"):
+            raise InvalidRequestError(f"kv_policy {policy.spec} does not combine with this model's own sliding-window "
+                                      "layers (full and window:W do)")
+        return policy
+
+    def _check_token_fields(self, params: SamplingParams) -> None:
+        """Fields that name tokens, or count them, stay inside the vocabulary."""
+        vocab = self.model.vocab_size
+        if params.top_k > vocab:
+            raise InvalidRequestError(f"top_k is {params.top_k}, more than the vocabulary of {vocab} tokens "
+                                      "(0 or -1 turns top-k off)")
+        for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"{field} names token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+    def _check_speculative(self, params: SamplingParams, policy: CachePolicy) -> None:
+        """Insisting on speculation needs an engine that speculates; one that does refuses the
+        policies speculation does not compose with, unless the request opts out."""
+        if self.speculative:
+            Speculator.check_request(params, policy)
+        elif params.speculative:
+            raise InvalidRequestError("speculative is set, but this engine runs without speculative decoding "
+                                      "(start it with --speculative-method ngram or draft)")
+
+    def _check_context(self, num_prompt_tokens: int, params: SamplingParams, policy: CachePolicy) -> None:
+        total = num_prompt_tokens + params.max_tokens
+        if policy.uses_cache_positions:
+            if policy.max_kept > self.max_model_len:
+                raise InvalidRequestError(f"kv_policy {policy.spec} keeps {policy.max_kept} tokens, more than "
+                                          f"the model's context of {self.max_model_len} tokens")
+        elif total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
+                f"exceeds the model's context of {self.max_model_len} tokens"
+                + ("" if policy.kind != "full" else "; a bounded kv_policy such as sinks:4,508 can run longer"))
+
+    def _check_pool(self, num_prompt_tokens: int, params: SamplingParams, policy: CachePolicy) -> None:
+        total = num_prompt_tokens + params.max_tokens
+        peak = self._peak_tokens(total, policy)
+        if not self.kv.tables.fits(peak):
+            need = (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} tokens"
+                    if peak == total else f"kv_policy {params.kv_policy} holds up to {peak} tokens at once, which")
+            raise InvalidRequestError(f"{need} exceeds the KV cache capacity of {self.kv.capacity_tokens} tokens")
+
+    def _peak_tokens(self, total: int, policy: CachePolicy) -> int:
+        """Most KV slots one sequence can hold at once: all its tokens, or what its policy keeps plus
+        one step's chunk and a block of slack on each side of a gap. Heavy hitters may lie in as
+        many blocks as there are of them, each held for the one token."""
+        if policy.max_kept is None:
+            return total
+        block_size = self.kv.tables.block_size
+        kept = policy.max_kept + policy.heavy * (block_size - 1)
+        return min(total, kept + self.kv.chunk + 2 * block_size)
