@@ -43,11 +43,21 @@ def max_model_len_of(model: ModelConfig, config: EngineConfig) -> int:
     return min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
 
 
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt as `Admission.encode` made it, its ids checked: admitted later without encoding it again
+    (the server sizes max_tokens by the longest prompt first)."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
 @dataclass
 class AdmittedRequest:
     """A request that passed admission: what an engine needs to queue it without checking it again.
-    A compiled grammar stays in its process: sent to another (a replica), the request carries its
-    GrammarSpec only, and `Admission.restore` compiles it there."""
+    Sent to another process (a replica), it leaves behind its compiled grammar, which `Admission.restore`
+    compiles there again from the GrammarSpec, and the prompt's text, which the replica's outputs would
+    otherwise carry back after every step."""
 
     token_ids: list[int]
     params: SamplingParams
@@ -56,7 +66,7 @@ class AdmittedRequest:
     prompt: str | None = None  # the prompt's text, when it came as text
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "grammar": None}
+        return {**self.__dict__, "grammar": None, "prompt": None}
 
 
 @dataclass(frozen=True)
@@ -86,9 +96,10 @@ class Admission:
         self.grammars = grammars or GrammarCompiler(tokenizer, model.vocab_size)
         self.default_policy = self._for_model(CachePolicy())
 
-    def admit(self, prompt: Prompt, params: SamplingParams) -> AdmittedRequest:
+    def admit(self, prompt: Prompt | EncodedPrompt, params: SamplingParams) -> AdmittedRequest:
         """Checks every rule once; raises InvalidRequestError for a request that could never be served."""
-        token_ids = self.encode_prompt(prompt)
+        encoded = prompt if isinstance(prompt, EncodedPrompt) else self.encode(prompt)
+        token_ids = encoded.token_ids
         policy = self.resolve_policy(params)
         self._check_token_fields(params)
         self._check_speculative(params, policy)
@@ -97,8 +108,7 @@ class Admission:
             self._check_pool(len(token_ids), params, policy)
         elif policy != self.default_policy:
             raise InvalidRequestError(f"kv_policy {params.kv_policy} needs the paged KV cache (--kv-cache paged)")
-        return AdmittedRequest(token_ids, params, policy, self.compile_grammar(params),
-                               prompt if isinstance(prompt, str) else None)
+        return AdmittedRequest(token_ids, params, policy, self.compile_grammar(params), encoded.text)
 
     def restore(self, admitted: AdmittedRequest) -> AdmittedRequest:
         """The request with its grammar compiled in this process, when it came from another."""
@@ -108,8 +118,9 @@ class Admission:
 
     # -- the rules ------------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """Text -> ids (BOS first when the model wants it); an empty prompt means "start from BOS"."""
+    def encode(self, prompt: Prompt) -> EncodedPrompt:
+        """Text -> ids (BOS first when the model wants it); ids are checked against the vocabulary; an
+        empty prompt means "start from BOS"."""
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt) if prompt else []
         else:
@@ -123,7 +134,11 @@ class Admission:
             if bos is None:
                 raise InvalidRequestError("the prompt is empty and the model has no BOS token to start from")
             token_ids = [bos]
-        return token_ids
+        return EncodedPrompt(token_ids, prompt if isinstance(prompt, str) else None)
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """`encode(prompt)`'s token ids."""
+        return self.encode(prompt).token_ids
 
     def compile_grammar(self, params: SamplingParams) -> Grammar | None:
         """The request's compiled grammar, if it has one; raises InvalidRequestError for a schema or

@@ -122,13 +122,13 @@ def prepare_job(state: ServerState, id_prefix: str, prompts: Sequence[Prompt], b
     and admits each prompt with the parameters, once (kvgen.engine.admission: a schema or regex that
     does not compile is a 400 too, before anything runs); raises InvalidRequestError."""
     admission, max_model_len = state.engine.admission, state.engine.max_model_len
-    token_ids = [admission.encode_prompt(p) for p in prompts]
-    for ids in token_ids:
-        state.limits.check_prompt_tokens(len(ids), max_model_len)
-    longest = max(len(ids) for ids in token_ids)
+    encoded = [admission.encode(p) for p in prompts]
+    for prompt in encoded:
+        state.limits.check_prompt_tokens(len(prompt.token_ids), max_model_len)
+    longest = max(len(prompt.token_ids) for prompt in encoded)
     params = body.sampling_params(max_tokens_left=max(max_model_len - longest, 1))
-    admitted = [admission.admit(ids, params) for ids in token_ids]
-    return Job(f"{id_prefix}-{uuid.uuid4().hex}", token_ids, params, admitted)
+    admitted = [admission.admit(prompt, params) for prompt in encoded]
+    return Job(f"{id_prefix}-{uuid.uuid4().hex}", [a.token_ids for a in admitted], params, admitted)
 
 
 class TokenTexts:
