@@ -109,10 +109,12 @@ class LLMEngine(Engine):
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """schedule -> run -> postprocess. An executor that can run no more steps (a broken
+        tensor-parallel group) ends the engine, before the step or after it."""
         self._stop_if_broken()
         started = time.perf_counter()
         schedule = self._schedule()
-        outputs = self._run_and_postprocess(schedule, started) if schedule.chunks else []
+        outputs = self._run_step(schedule, started) if schedule.chunks else []
         self._stop_if_broken()
         return outputs
 
@@ -125,21 +127,24 @@ class LLMEngine(Engine):
             self._forget(seq.seq_id)
         return schedule
 
-    def _run_and_postprocess(self, schedule: SchedulerOutput, started: float) -> list[RequestOutput]:
-        """A fault fails the step's requests, not the engine."""
+    def _run_step(self, schedule: SchedulerOutput, started: float) -> list[RequestOutput]:
+        """propose -> run -> postprocess over a schedule with chunks, then the step's log line."""
         tokens, released = split_tokens(schedule.chunks), []
         try:
             tokens = self._propose(schedule)
             logits = self._run(schedule)
             outputs = self._postprocess(schedule, logits, released)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:  # noqa: BLE001 - a fault fails the step's requests, not the engine
             outputs = self.fail({chunk.seq.request for chunk in schedule.chunks}, self._failure_message(error))
-        seconds = time.perf_counter() - started
+        self._log_step(schedule, tokens, outputs, released, time.perf_counter() - started)
+        return outputs
+
+    def _log_step(self, schedule: SchedulerOutput, tokens: tuple[int, int], outputs: list[RequestOutput],
+                  released: list[int], seconds: float) -> None:
         self.step_log.add(tokens, len(schedule.chunks), len(schedule.preempted), seconds, released)
         if self.speculator is not None:
             emitted = sum(len(c.new_token_ids) for out in outputs for c in out.outputs)
             self.speculator.end_step(tokens[0] == 0, emitted, seconds)
-        return outputs
 
     def _failure_message(self, error: Exception) -> str:
         """Called while `error` is handled: an expected failure of the executor as it describes it, else
