@@ -31,7 +31,7 @@ from kvgen.cache.policies import CachePolicy
 from kvgen.config import EngineConfig, ModelConfig
 from kvgen.engine.grammar import Grammar, GrammarCompiler
 from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.spec.speculator import Speculator
+from kvgen.engine.spec.speculator import UNSPECULATED_POLICIES
 from kvgen.errors import InvalidRequestError
 from kvgen.tokenizer import Tokenizer
 
@@ -179,9 +179,13 @@ class Admission:
 
     def _check_speculative(self, params: SamplingParams, policy: CachePolicy) -> None:
         """Insisting on speculation needs an engine that speculates; one that does refuses the
-        policies speculation does not compose with, unless the request opts out."""
+        policies speculation does not compose with (kvgen.engine.spec.speculator), unless the request
+        opts out."""
         if self.speculative:
-            Speculator.check_request(params, policy)
+            if policy.kind in UNSPECULATED_POLICIES and params.speculative is not False:
+                raise InvalidRequestError(f"kv_policy {policy.spec} does not compose with speculative decoding "
+                                          "(rejected tokens would stay in its ranks or scores); send speculative: "
+                                          "false with it, or run without speculative decoding")
         elif params.speculative:
             raise InvalidRequestError("speculative is set, but this engine runs without speculative decoding "
                                       "(start it with --speculative-method ngram or draft)")
