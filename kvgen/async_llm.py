@@ -14,15 +14,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
-from kvgen.config import EngineConfig
 from kvgen.engine.admission import AdmittedRequest
 from kvgen.engine.base import Engine, Prompt
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import RequestOutput
-from kvgen.llm import build_engine, load
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import RequestOutput
 
 T = TypeVar("T")
 
@@ -83,11 +80,6 @@ class AsyncLLM:
         self._loop_task: asyncio.Task | None = None
         self._stepping = False
         self._observers: list[tuple[Callable[[Engine], object], asyncio.Future]] = []
-
-    @classmethod
-    def from_options(cls, model: str | Path | None = None, **engine_options) -> "AsyncLLM":
-        config = EngineConfig(**engine_options)
-        return cls(build_engine(load(model, config), config))
 
     def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Adds the request now and returns its outputs, one after every step that changed it; the

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from kvgen.errors import ModelLoadError
 from kvgen.model.architectures import ARCHITECTURES, BY_HF_MODEL_TYPE, Architecture, known_names
 
@@ -199,7 +201,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 # torch.distributed backends for tensor parallelism: "auto" is gloo on the CPU, NCCL on CUDA.
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
-# Speculative decoding (kvgen.engine.spec): "ngram" looks the next tokens up in the prompt and output
+# Speculative decoding (kvgen.engine.speculative): "ngram" looks the next tokens up in the prompt and output
 # so far, "draft" asks a smaller model sharing the tokenizer; K tokens are verified per target pass.
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 32
@@ -289,9 +291,7 @@ class EngineConfig:
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
 
     @property
-    def torch_dtype(self):  # -> torch.dtype (imported lazily: this module stays torch-free)
-        import torch
-
+    def torch_dtype(self) -> torch.dtype:
         return getattr(torch, DTYPES[self.dtype])
 
     @property

@@ -23,13 +23,13 @@ from kvgen.cache.sizing import format_bytes
 from kvgen.config import EngineConfig
 from kvgen.engine.base import Engine, Prompt
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import RequestOutput
 from kvgen.engine.sequential import SequentialEngine
 from kvgen.loaders import LoadedModel, load_model
 from kvgen.loaders.hub import resolve_model
 from kvgen.loaders.progress import loading
 from kvgen.loaders.residency import peak_rss_bytes, rss_bytes, trim_heap
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import RequestOutput
 
 # stories260K ships inside the package (MIT licence; see its README), so the default works anywhere.
 DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "stories260K" / "stories260K.bin"

@@ -17,11 +17,11 @@ from kvgen.config import (
     QUANTIZATION_MODES, SPECULATIVE_METHODS, EngineConfig, ModelConfig,
 )
 from kvgen.engine.base import Engine
-from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import ModelLoadError
 from kvgen.llm import open_engine
-from kvgen.option_space import KV_POLICY_FORMS, refused_pairs_text
 from kvgen.loaders import load_model
+from kvgen.option_space import KV_POLICY_FORMS, refused_pairs_text
+from kvgen.sampling_params import SamplingParams
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:

@@ -137,8 +137,8 @@ def smollm_requantized(smollm_gguf):
     makes a `mix` (Q4_K_M, Q6_K, ...) of it, built once into the test model cache (KVGEN_TEST_MODELS,
     default ~/.cache/kvgen-test-models). A file not built yet where this machine has no llama-quantize
     skips the test, saying why."""
-    from kvgen.bench import llama_tools
-    from kvgen.bench.random_models import build_atomically
+    from benchmarks import llama_tools
+    from benchmarks.random_models import build_atomically
     from tests.loaders.arch_fixtures import cache_root
 
     def build(mix: str, out: Path) -> None:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from kvgen.engine.admission import AdmittedRequest
 from kvgen.engine.base import Engine
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import RequestOutput
 from kvgen.errors import InvalidRequestError, KVGenError
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import RequestOutput
 from kvgen.server.chat import ChatTemplate
 from kvgen.server.protocol import ChatMessage
 

@@ -1,7 +1,7 @@
 """Tensor parallelism on torch.distributed (Megatron layout): one model across processes, GPUs and
-machines. See docs/tensor_parallel.md.
+machines. See docs/tensor_parallel.md. Which slice of each weight a rank holds (ShardPlan) is the
+loaders' to say (kvgen/loaders/shard.py), since each rank loads only its own slices.
 
-    shard.py     which slice of each weight a rank holds (ShardPlan)
     layers.py    the collectives of a sharded model (row-parallel all-reduce, vocab-parallel layers)
     group.py     the process group, its collectives and timeouts (DistributedError)
     messages.py  a step's tensors, sent from rank 0 with a fixed header

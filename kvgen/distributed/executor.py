@@ -22,14 +22,14 @@ from kvgen.config import EngineConfig
 from kvgen.distributed.group import DistributedError, TensorParallelGroup
 from kvgen.distributed.liveness import WorkerWatch
 from kvgen.distributed.messages import Header, Message, Op, StepChannel, encode_copies, encode_step
-from kvgen.distributed.shard import ShardPlan
 from kvgen.distributed.worker import memory_report, shard_model
 from kvgen.engine.executor import Executor
-from kvgen.engine.scheduler import ScheduledChunk
 from kvgen.loaders import LoadedModel
+from kvgen.loaders.shard import ShardPlan
 from kvgen.model.attention import PagedKVCache
 from kvgen.model.llama import LlamaModel
 from kvgen.runner.model_runner import BlockTables, ModelRunner, build_runner
+from kvgen.scheduling.output import ScheduledChunk
 
 
 class TensorParallelRunner(ModelRunner):

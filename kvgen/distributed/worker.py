@@ -19,9 +19,9 @@ from kvgen.distributed.group import DistributedError, Rendezvous, TensorParallel
 from kvgen.distributed.layers import parallelize
 from kvgen.distributed.liveness import exit_with_parent
 from kvgen.distributed.messages import Op, StepChannel, decode_copies, decode_step
-from kvgen.distributed.shard import ShardPlan
 from kvgen.errors import KVGenError
 from kvgen.loaders import LoadedModel
+from kvgen.loaders.shard import ShardPlan
 from kvgen.model.attention import PagedKVCache
 from kvgen.model.llama import LlamaModel
 from kvgen.runner.model_runner import build_runner
@@ -85,8 +85,8 @@ def worker_main(reload: Callable[..., LoadedModel], config: EngineConfig, meetin
 def exit_now() -> None:
     """Ends a worker rank's process with status 0 once its output is flushed, skipping interpreter
     teardown: tearing down gloo's threads there sometimes aborts the process ("terminate called
-    without an active exception", SIGABRT), which under torchrun failed the whole job after the
-    work was done (seen about once in ten runs on a loaded machine)."""
+    without an active exception", SIGABRT), which under torchrun fails the whole job after its work
+    is done (about once in ten runs on a loaded machine)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -29,10 +29,10 @@ from kvgen.cache.hybrid import HybridKVManager
 from kvgen.cache.kv_manager import KVCacheManager
 from kvgen.cache.policies import CachePolicy
 from kvgen.config import EngineConfig, ModelConfig
-from kvgen.engine.grammar import Grammar, GrammarCompiler
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.spec.speculator import UNSPECULATED_POLICIES
+from kvgen.engine.speculative.speculator import UNSPECULATED_POLICIES
 from kvgen.errors import InvalidRequestError
+from kvgen.sample.grammar import Grammar, GrammarCompiler
+from kvgen.sampling_params import SamplingParams
 from kvgen.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -179,7 +179,7 @@ class Admission:
 
     def _check_speculative(self, params: SamplingParams, policy: CachePolicy) -> None:
         """Insisting on speculation needs an engine that speculates; one that does refuses the
-        policies speculation does not compose with (kvgen.engine.spec.speculator), unless the request
+        policies speculation does not compose with (kvgen.engine.speculative.speculator), unless the request
         opts out."""
         if self.speculative:
             if policy.kind in UNSPECULATED_POLICIES and params.speculative is not False:

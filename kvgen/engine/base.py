@@ -13,13 +13,13 @@ import torch
 from kvgen.cache.policies import CachePolicy
 from kvgen.config import EngineConfig
 from kvgen.engine.admission import Admission, AdmittedRequest, Prompt, max_model_len_of
-from kvgen.engine.grammar import Grammar, GrammarCompiler
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import Request, RequestOutput, Sequence, snapshot
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
 from kvgen.model.llama import LlamaModel
-from kvgen.sampler import Sampler, SamplerOutput
+from kvgen.sample.grammar import Grammar, GrammarCompiler
+from kvgen.sample.sampler import Sampler, SamplerOutput
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import Request, RequestOutput, Sequence, snapshot
 
 log = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ from kvgen.cache.heavy_hitters import HeavyHitters
 from kvgen.cache.policies import CachePolicy
 from kvgen.cache.sizing import KVPlan, format_bytes
 from kvgen.config import EngineConfig
-from kvgen.engine.scheduler import ScheduledChunk
 from kvgen.loaders import LoadedModel
 from kvgen.model.llama import LlamaModel
 from kvgen.runner.model_runner import BlockTables, ModelRunner, build_hybrid_runner, build_runner
+from kvgen.scheduling.output import ScheduledChunk
 
 log = logging.getLogger(__name__)
 

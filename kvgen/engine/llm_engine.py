@@ -24,13 +24,14 @@ from kvgen.config import EngineConfig
 from kvgen.engine.admission import Admission, KVLimits
 from kvgen.engine.base import Engine, EngineStats, finite_rows
 from kvgen.engine.executor import Executor
-from kvgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvgen.engine.sequence import Request, RequestOutput, Sequence
-from kvgen.engine.spec.speculator import Speculator, build_speculator
+from kvgen.engine.speculative.speculator import Speculator, build_speculator
 from kvgen.engine.step_log import StepLog, split_tokens
 from kvgen.loaders import LoadedModel
-from kvgen.rejection_sampler import Verdict
-from kvgen.sampler import SamplerOutput, logprobs_of
+from kvgen.sample.rejection import Verdict
+from kvgen.sample.sampler import SamplerOutput, logprobs_of
+from kvgen.scheduling.output import SchedulerOutput
+from kvgen.scheduling.scheduler import Scheduler, SchedulerConfig
+from kvgen.scheduling.sequence import Request, RequestOutput, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import torch
 from kvgen.engine.admission import Admission
 from kvgen.engine.base import Engine, EngineStats
 from kvgen.engine.executor import load_model, log_weights
-from kvgen.engine.sequence import Request, RequestOutput, Sequence, Status
 from kvgen.phases import DecodeState, decode, prefill
+from kvgen.scheduling.sequence import Request, RequestOutput, Sequence, Status
 
 log = logging.getLogger(__name__)
 

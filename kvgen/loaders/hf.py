@@ -23,7 +23,7 @@ from kvgen.loaders.tokenizers import HFTokenizer, SentencePieceTokenizer
 from kvgen.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from kvgen.distributed.shard import ShardPlan, Slice
+    from kvgen.loaders.shard import ShardPlan, Slice
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"

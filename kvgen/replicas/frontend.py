@@ -29,25 +29,20 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from kvgen.async_llm import RequestStream
 from kvgen.config import EngineConfig
 from kvgen.engine.admission import AdmittedRequest
 from kvgen.engine.base import EngineStats, Prompt
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import RequestOutput
 from kvgen.engine.snapshot import EngineSnapshot
 from kvgen.errors import InvalidRequestError, KVGenError
 from kvgen.replicas.admission import AdmissionView
 from kvgen.replicas.launch import Launcher, LocalLauncher, ReplicaProcess
 from kvgen.replicas.router import PrefixRouter, RoundRobinRouter
-from kvgen.server.metrics import labelled_families
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import RequestOutput
 
 log = logging.getLogger("kvgen.replicas")
 ROUTERS = ("prefix", "round-robin")
@@ -56,6 +51,18 @@ START_TIMEOUT_S = 600.0
 # kvgen.replicas.replica.HEARTBEAT_S from a thread of its own, even in the middle of a long step.
 SILENCE_LIMIT_S = 3.0
 _EMPTY = EngineStats(num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaReadings:
+    """The replicas as /metrics shows them, read at one moment: each replica's engine stats, whether it
+    serves (up) and its restarts, by replica index, and the router's decisions by reason. Plain data:
+    the server formats it (kvgen.server.metrics.ReplicaCollector)."""
+
+    stats: list[EngineStats]
+    up: list[bool]
+    restarts: list[int]
+    routed: dict[str, int]
 
 
 class ReplicaFailedError(Exception):
@@ -137,7 +144,6 @@ class ReplicaSet:
         except BaseException:
             self.close()
             raise
-        self.metrics_collector = ReplicaCollector(self)
 
     # -- AsyncLLM's interface -------------------------------------------------------------------
 
@@ -218,13 +224,11 @@ class ReplicaSet:
 
     # -- replicas -------------------------------------------------------------------------------
 
-    def live(self) -> list[bool]:
+    def readings(self) -> ReplicaReadings:
+        """What /metrics reports of the replicas, read together under one lock."""
         with self._lock:
-            return [r.up for r in self.replicas]
-
-    def pids(self) -> list[int | None]:
-        with self._lock:
-            return [r.pid if r.up else None for r in self.replicas]
+            return ReplicaReadings(stats=[r.stats for r in self.replicas], up=[r.up for r in self.replicas],
+                                   restarts=list(self.restarts), routed=dict(self.routed))
 
     def _total_stats(self) -> EngineStats:
         with self._lock:
@@ -353,33 +357,3 @@ def _settle(future: asyncio.Future, snap: EngineSnapshot | str) -> None:
         future.set_exception(ReplicaFailedError(snap))
     else:
         future.set_result(snap)
-
-
-class ReplicaCollector(Collector):
-    """/metrics of the replicas: the engine's gauges and counters per replica (label `replica`), each
-    replica's state, and the router's decisions."""
-
-    def __init__(self, replicas: ReplicaSet) -> None:
-        self.replicas = replicas
-
-    def collect(self) -> Iterator[Metric]:
-        rs = self.replicas
-        with rs._lock:
-            readings = [({"replica": str(r.index)}, r.stats) for r in rs.replicas]
-            up = [(str(r.index), float(r.up)) for r in rs.replicas]
-            restarts = list(rs.restarts)
-            routed = dict(rs.routed)
-        yield from labelled_families(readings)
-        live = GaugeMetricFamily("kvgen_replica_up", "1 while the replica serves requests.", labels=["replica"])
-        restarted = CounterMetricFamily("kvgen_replica_restarts", "Times the replica was restarted after dying.",
-                                        labels=["replica"])
-        for (index, value), n in zip(up, restarts):
-            live.add_metric([index], value)
-            restarted.add_metric([index], n)
-        yield live
-        yield restarted
-        decisions = CounterMetricFamily("kvgen_router_requests", "Requests routed: by prefix match, by load "
-                                        "(least loaded), or round_robin.", labels=["reason"])
-        for reason, n in routed.items():
-            decisions.add_metric([reason], n)
-        yield decisions

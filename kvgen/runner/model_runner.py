@@ -29,13 +29,13 @@ import torch
 from kvgen.cache.heavy_hitters import HeavyHitters
 from kvgen.cache.hybrid import LayerKind
 from kvgen.config import EngineConfig
-from kvgen.engine.scheduler import ScheduledChunk
 from kvgen.model.attention import PagedAttention, PagedGroup, PagedKVCache, PagedMetadata
 from kvgen.model.kernels import PagedDecode, paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
 from kvgen.model.linear import blas_owns_the_cores
 from kvgen.model.llama import LlamaModel
 from kvgen.runner.policy_tensors import FAR, PolicyTensors, ScoreTarget
+from kvgen.scheduling.output import ScheduledChunk
 
 T = TypeVar("T")
 

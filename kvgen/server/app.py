@@ -27,7 +27,7 @@ from kvgen.server.dashboard import routes as dashboard_routes
 from kvgen.server.dashboard.source import DashboardSource
 from kvgen.server.http import BodySizeLimit, add_error_handlers
 from kvgen.server.limits import DEFAULT_MAX_QUEUED_REQUESTS, RequestLimits
-from kvgen.server.metrics import ServerMetrics
+from kvgen.server.metrics import ReplicaCollector, ServerMetrics
 from kvgen.server.state import ServerState, check_api_key
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
@@ -48,7 +48,7 @@ def create_app(engine: Engine | AsyncLLM | ReplicaSet, *, model_name: str, api_k
 
     app = FastAPI(title="kvgen", summary="OpenAI-compatible API over the kvgen engine", lifespan=lifespan)
     app.state.kvgen = ServerState(llm=llm, model_name=model_name, api_key=api_key,
-                                  metrics=ServerMetrics(llm.engine, getattr(llm, "metrics_collector", None)), chat_template=ChatTemplate(llm.tokenizer),
+                                  metrics=ServerMetrics(llm.engine, ReplicaCollector(llm) if isinstance(llm, ReplicaSet) else None), chat_template=ChatTemplate(llm.tokenizer),
                                   limits=limits or RequestLimits(), max_queued_requests=max_queued_requests)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     add_error_handlers(app)

@@ -18,9 +18,9 @@ from fastapi import Request
 from kvgen.async_llm import RequestStream
 from kvgen.engine.admission import AdmittedRequest
 from kvgen.engine.base import Prompt
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import CompletionOutput, RequestOutput
-from kvgen.sampler import TokenLogprobs
+from kvgen.sample.sampler import TokenLogprobs
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import CompletionOutput, RequestOutput
 from kvgen.server.protocol import SamplingRequest, Usage
 from kvgen.server.state import ServerState
 from kvgen.tokenizer import Tokenizer
