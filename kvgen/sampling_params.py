@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvgen.cache.policies import CachePolicy
 from kvgen.errors import InvalidRequestError
@@ -83,11 +84,18 @@ class SamplingParams:
                        for t, b in self.logit_bias.items()),
                "logit_bias must map token ids to biases in [-100, 100]")
         _check(isinstance(self.kv_policy, str), f"kv_policy must be a string, got {self.kv_policy!r}")
-        CachePolicy.parse(self.kv_policy)
+        self._policy = (self.kv_policy, CachePolicy.parse(self.kv_policy))  # (its spec, the policy)
         _check(self.grammar is None or isinstance(self.grammar, GrammarSpec),
                f"grammar must be a GrammarSpec, got {self.grammar!r}")
         _check(self.speculative is None or isinstance(self.speculative, bool),
                f"speculative must be true, false or null, got {self.speculative!r}")
+
+    @property
+    def cache_policy(self) -> CachePolicy:
+        """`kv_policy` parsed, once, when these parameters were made (again only if it was reassigned)."""
+        if self._policy[0] != self.kv_policy:
+            self._policy = (self.kv_policy, CachePolicy.parse(self.kv_policy))
+        return self._policy[1]
 
     @property
     def greedy(self) -> bool:
@@ -104,9 +112,12 @@ class SamplingParams:
         return self.has_penalties or bool(self.logit_bias)
 
     def for_completion(self, index: int) -> "SamplingParams":
-        """The parameters of completion `index` of an n > 1 request (its own seed)."""
-        seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        """The parameters of completion `index` of an n > 1 request (its own seed). A shallow copy, as
+        `dataclasses.replace` would make, without validating (and parsing kv_policy) again: n = 1 and
+        seed + index were checked with these parameters."""
+        completion = copy.copy(self)
+        completion.n, completion.seed = 1, None if self.seed is None else self.seed + index
+        return completion
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -266,3 +266,32 @@ def gemma_llm(gemma_gguf):
     from kvgen import LLM
 
     return LLM(gemma_gguf, quantization="none", dtype="float32", max_num_seqs=8, kv_cache_memory=1 << 30)
+
+
+# Admission's rules, each called once per request by Admission.admit (kvgen.engine.admission).
+ADMISSION_RULES = ("encode", "resolve_policy", "_check_token_fields", "_check_speculative", "_check_context",
+                   "compile_grammar")
+
+
+@pytest.fixture
+def admissions(monkeypatch):
+    """Counts, in this process, the calls of Admission.admit ("admit"), of each of its rules (by name)
+    and of CachePolicy.parse ("parse")."""
+    from collections import Counter
+
+    from kvgen.cache.policies import CachePolicy
+    from kvgen.engine.admission import Admission
+
+    calls = Counter()
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("admit", *ADMISSION_RULES):
+        monkeypatch.setattr(Admission, name, counted(name, getattr(Admission, name)))
+    parse = CachePolicy.parse.__func__
+    monkeypatch.setattr(CachePolicy, "parse", classmethod(counted("parse", parse)))
+    return calls

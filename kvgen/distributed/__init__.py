@@ -5,7 +5,7 @@ loaders' to say (kvgen/loaders/shard.py), since each rank loads only its own sli
     layers.py    the collectives of a sharded model (row-parallel all-reduce, vocab-parallel layers)
     group.py     the process group, its collectives and timeouts (DistributedError)
     messages.py  a step's tensors, sent from rank 0 with a fixed header
-    engine.py    rank 0's engine (TensorParallelEngine)
+    executor.py  rank 0's executor (TensorParallelExecutor): the engine hands it each step
     worker.py    a worker rank's loop
     liveness.py  who watches whom
     launch.py    starting the workers, or joining torchrun's group

@@ -24,6 +24,7 @@ from kvgen.loaders import LoadedModel
 from kvgen.loaders.shard import ShardPlan
 from kvgen.model.attention import PagedKVCache
 from kvgen.model.llama import LlamaModel
+from kvgen.runner.model_runner import build_runner
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,6 @@ def memory_report(group: TensorParallelGroup, model: LlamaModel, cache: PagedKVC
 def serve_worker(loaded: LoadedModel, config: EngineConfig, group: TensorParallelGroup) -> None:
     """Runs this rank's part of every step until rank 0 sends STOP (raises DistributedError if the
     group breaks)."""
-    from kvgen.engine.llm_engine import build_runner
-
     model = shard_model(loaded, config, loaded.shard, group)
     head_dim = model.config.head_dim
     channel = StepChannel(group, model.device, model.dtype, head_dim)

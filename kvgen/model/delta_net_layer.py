@@ -51,7 +51,7 @@ class DeltaNetLayer:
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output x [T, conv_dim] -> views q, k [T, Hk, Dk], v [T, Hv, Dv]."""
-        s, T = self.shape, x.shape[0]
+        s = self.shape
         kd = s.k_heads * s.k_dim
         return (x[:, :kd].unflatten(1, (s.k_heads, s.k_dim)), x[:, kd:2 * kd].unflatten(1, (s.k_heads, s.k_dim)),
                 x[:, 2 * kd:].unflatten(1, (s.v_heads, s.v_dim)))

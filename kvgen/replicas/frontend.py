@@ -5,9 +5,9 @@ object with AsyncLLM's interface, so the server's routes run on it unchanged. Wh
     replicas = ReplicaSet(model=..., config=EngineConfig(...), num_replicas=2)
     app = create_app(replicas, model_name=...)
 
-What the routes read of `llm.engine` (tokenizer, encode_prompt, check_fits, compile_grammar,
-max_model_len) is an AdmissionEngine (kvgen.replicas.admission), so a request is refused (400) before
-it is routed exactly as one engine would refuse it. `generate` routes the request
+What the routes read of `llm.engine` (tokenizer, admission, max_model_len, stats) is an AdmissionView
+(kvgen.replicas.admission), so a request is admitted once, here, and refused (400) before it is
+routed exactly as one engine would refuse it. `generate` routes the admitted request
 (kvgen.replicas.router), sends it to the replica, and yields the RequestOutputs the replica sends
 back after each step; closing the iteration early (a client that went away) sends an abort, which
 the replica applies before its next step.
@@ -34,14 +34,14 @@ from pathlib import Path
 
 from kvgen.async_llm import RequestStream
 from kvgen.config import EngineConfig
+from kvgen.engine.admission import AdmittedRequest
 from kvgen.engine.base import EngineStats, Prompt
 from kvgen.engine.snapshot import EngineSnapshot
 from kvgen.errors import InvalidRequestError, KVGenError
-from kvgen.replicas.admission import AdmissionEngine
+from kvgen.replicas.admission import AdmissionView
 from kvgen.replicas.launch import Launcher, LocalLauncher, ReplicaProcess
 from kvgen.replicas.router import PrefixRouter, RoundRobinRouter
 from kvgen.sampling_params import SamplingParams
-from kvgen.scheduling.sequence import RequestOutput
 
 log = logging.getLogger("kvgen.replicas")
 ROUTERS = ("prefix", "round-robin")
@@ -124,7 +124,7 @@ class ReplicaSet:
         self._closing = False
         self._tokens = itertools.count()
         try:
-            self.engine = AdmissionEngine(load(model, config, tokenizer, gguf_file), config, self._total_stats)
+            self.engine = AdmissionView(load(model, config, tokenizer, gguf_file), config, self._total_stats)
         except BaseException:
             self.launcher.close()
             raise
@@ -150,20 +150,22 @@ class ReplicaSet:
         """Routes and sends the request now and returns its outputs, one after every step of its replica
         that changed it; the last one is finished. Raises InvalidRequestError at once for a request that
         can never be served; the stream raises ReplicaFailedError when its replica dies."""
+        return self.submit(self.engine.admission.admit(prompt, params), request_id)
+
+    def submit(self, admitted: AdmittedRequest, request_id: str | None = None) -> RequestStream:
+        """`generate` for a request admitted already (by `self.engine.admission`)."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
-        token_ids = self.engine.encode_prompt(prompt)
-        self.engine.check_fits(len(token_ids), params)
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             live = [r.up for r in self.replicas]
             if not any(live):
                 raise ReplicaFailedError("no replica is up (they are restarting); retry later")
-            index, reason = self.router.choose(token_ids, [len(r.inflight) for r in self.replicas], live)
+            index, reason = self.router.choose(admitted.token_ids, [len(r.inflight) for r in self.replicas], live)
             self.routed[reason] += 1
             replica = self.replicas[index]
             replica.inflight[request_id] = (asyncio.get_running_loop(), queue)
             replica.adds_sent += 1
-        replica.send(("add", request_id, token_ids, params))
+        replica.send(("add", request_id, admitted))
 
         def done(finished: bool) -> None:
             with self._lock:

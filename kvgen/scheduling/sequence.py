@@ -176,7 +176,7 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
-        self.policy = policy or CachePolicy.parse(params.kv_policy)
+        self.policy = policy or params.cache_policy
         self.metrics = RequestMetrics(arrival=time.monotonic() if arrival is None else arrival)
         self.grammar = grammar
         self.sequences = [Sequence(self, i, params.for_completion(i), tokenizer, self.policy)

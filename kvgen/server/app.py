@@ -56,7 +56,7 @@ def create_app(engine: Engine | AsyncLLM | ReplicaSet, *, model_name: str, api_k
     app.include_router(info.v1_router)
     app.include_router(completions.router)
     app.include_router(chat_completions.router)
-    if dashboard and isinstance(llm.engine, LLMEngine):
+    if dashboard and (isinstance(llm, ReplicaSet) or isinstance(llm.engine, LLMEngine)):
         metrics = app.state.kvgen.metrics
         app.state.dashboard = (DashboardSource(llm, metrics) if isinstance(llm, AsyncLLM) else
                                [DashboardSource(llm, metrics, replica=i) for i in range(llm.num_replicas)])

@@ -145,7 +145,6 @@ class DraftProposer(Proposer):
 
     def forget(self, seq_id: int) -> None:
         self.computed.pop(seq_id, None)
-        self.runner.forget(seq_id)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.cache.copy_blocks(copies)

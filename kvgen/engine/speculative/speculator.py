@@ -14,16 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from kvgen.cache.kv_manager import KVCacheManager
-from kvgen.cache.policies import CachePolicy
 from kvgen.config import EngineConfig, ModelConfig
 from kvgen.engine.speculative.adaptive import AdaptiveSwitch
 from kvgen.engine.speculative.draft import DraftProposer
 from kvgen.engine.speculative.ngram import NgramProposer
 from kvgen.engine.speculative.proposer import Proposer
-from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
 from kvgen.sample.rejection import Verdict, verify
-from kvgen.sampling_params import SamplingParams
 from kvgen.scheduling.output import ScheduledChunk
 from kvgen.scheduling.sequence import Sequence
 
@@ -66,14 +63,6 @@ class Speculator:
         self.active = True  # this step speculates (the adaptive switch's choice)
         self._batch_size = 0
         self._probs: dict[int, torch.Tensor | None] = {}  # seq_id -> q of its draft this step
-
-    @staticmethod
-    def check_request(params: SamplingParams, policy: CachePolicy) -> None:
-        """Refuses a request whose cache policy cannot be speculated, unless it opts out."""
-        if policy.kind in UNSPECULATED_POLICIES and params.speculative is not False:
-            raise InvalidRequestError(f"kv_policy {policy.spec} does not compose with speculative decoding "
-                                      "(rejected tokens would stay in its ranks or scores); send speculative: "
-                                      "false with it, or run without speculative decoding")
 
     # -- scheduling -----------------------------------------------------------------------------
 
