@@ -68,7 +68,7 @@ class PolicyTensors:
         """[B, Q]: the queries' token indices, capped at S + W - 1 for sinks (RoPE by cache rank)."""
         if not any(p.uses_cache_positions for p in policies):
             return q_pos
-        cap = torch.tensor([p.sinks + p.window - 1 if p.uses_cache_positions else FAR for p in policies],
+        cap = torch.tensor([FAR if p.rope_cap is None else p.rope_cap for p in policies],
                            device=self.device)
         return torch.minimum(q_pos, cap[:, None])
 
