@@ -302,3 +302,37 @@ class EngineConfig:
 
 
 DEFAULT_KV_MEMORY = 1 << 30
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    """One Gated DeltaNet layer's state, per sequence."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int = 4
+
+    def __post_init__(self) -> None:
+        if min(self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.conv_kernel) <= 0:
+            raise ValueError(f"a recurrent layer's sizes must be positive: {self}")
+        if self.v_heads % self.k_heads:
+            raise ValueError(f"{self.v_heads} value heads cannot share {self.k_heads} key heads evenly")
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    @property
+    def conv_window(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def state(self) -> tuple[int, int, int]:
+        return (self.v_heads, self.k_dim, self.v_dim)
+
+    def bytes(self, state_bytes: int = 4, conv_bytes: int = 4) -> int:
+        """One sequence's bytes in this layer: its conv window and recurrent state (fp32 by default)."""
+        conv, heads = self.conv_window, self.state
+        return conv[0] * conv[1] * conv_bytes + heads[0] * heads[1] * heads[2] * state_bytes

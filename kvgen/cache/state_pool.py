@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgen.cache.state_sizing import RecurrentShape
+from kvgen.config import RecurrentShape
 
 
 class StatePoolError(RuntimeError):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgen.cache.state_sizing import RecurrentShape
+from kvgen.config import RecurrentShape
 from kvgen.model.gated_delta_net import (V_HEAD_ORDERS, causal_conv1d, conv1d_step, delta_rule_chunked,
                                          delta_rule_recurrent, delta_rule_step, gated_rms_norm, gates)
 

@@ -8,7 +8,7 @@ import torch
 
 from kvgen.cache.block_pool import hash_block
 from kvgen.cache.state_pool import StatePool, StatePoolError
-from kvgen.cache.state_sizing import RecurrentShape
+from kvgen.config import RecurrentShape
 from kvgen.model.gated_delta_net import causal_conv1d, delta_rule_chunked, delta_rule_recurrent, gates
 
 SHAPE = RecurrentShape(k_heads=2, v_heads=4, k_dim=8, v_dim=8, conv_kernel=4)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvgen.cache.state_pool import StatePool
-from kvgen.cache.state_sizing import HybridShape, RecurrentShape, hybrid_shape_of, state_bytes_per_sequence
+from kvgen.cache.state_sizing import HybridShape, hybrid_shape_of, state_bytes_per_sequence
+from kvgen.config import RecurrentShape
 
 # The text configs of Qwen/Qwen3.5-2B and Qwen/Qwen3.5-0.8B as their config.json gives them (the sizes that
 # matter here; transcribed from copies of the files, several agreeing). The 4B / 9B shapes have 32 value heads.

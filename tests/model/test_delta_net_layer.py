@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvgen.cache.state_pool import StatePool
-from kvgen.cache.state_sizing import RecurrentShape
+from kvgen.config import RecurrentShape
 from kvgen.model.delta_net_layer import DeltaNetLayer, decode, prefill, verify
 from kvgen.model.gated_delta_net import causal_conv1d, delta_rule_recurrent, gates
 from kvgen.model.kernels.gated_delta_net import gated_delta_net_kernel

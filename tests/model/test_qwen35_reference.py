@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvgen.cache.state_sizing import RecurrentShape
+from kvgen.config import RecurrentShape
 from kvgen.model.delta_net_layer import DeltaNetLayer, prefill
 from tests.loaders.conftest import arch_ckpt  # noqa: F401 (the fixture, shared with the loader tests)
 
