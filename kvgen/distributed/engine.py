@@ -38,7 +38,7 @@ from kvgen.engine.sequence import RequestOutput
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
 from kvgen.model.attention import PagedKVCache
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 from kvgen.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class TensorParallelEngine(LLMEngine):
         super().__init__(loaded, config)  # logs capacity_report(), every rank's memory with it
         atexit.register(self.close)
 
-    def _build_model(self, loaded: LoadedModel, config: EngineConfig) -> LlamaModel:
+    def _build_model(self, loaded: LoadedModel, config: EngineConfig) -> DecoderModel:
         return shard_model(loaded, config, self.plan, self.group)
 
     def _build_runner(self, num_blocks: int) -> ModelRunner:

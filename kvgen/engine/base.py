@@ -18,7 +18,7 @@ from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.sequence import Request, RequestOutput, Sequence, snapshot
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 from kvgen.sampler import Sampler, SamplerOutput
 
 Prompt = str | list[int]
@@ -63,8 +63,8 @@ class Engine(ABC):
         self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size)
         self.requests: dict[str, Request] = {}
 
-    def _build_model(self, loaded: LoadedModel, config: EngineConfig) -> LlamaModel:
-        return LlamaModel(loaded.config, {**loaded.weights, **loaded.quantized}, config.device,
+    def _build_model(self, loaded: LoadedModel, config: EngineConfig) -> DecoderModel:
+        return DecoderModel(loaded.config, {**loaded.weights, **loaded.quantized}, config.device,
                           config.torch_dtype, config.quantization, config.fused_decode)
 
     def close(self) -> None:

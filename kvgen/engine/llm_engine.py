@@ -27,7 +27,7 @@ from kvgen.loaders import LoadedModel
 from kvgen.model.attention import PagedKVCache
 from kvgen.model.kernels import paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 from kvgen.rejection_sampler import Verdict
 from kvgen.runner.model_runner import BlockTables, KVKind, ModelRunner
 from kvgen.sampler import SamplerOutput, logprobs_of
@@ -336,7 +336,7 @@ class LLMEngine(Engine):
             self.speculator.forget(seq_id)
 
 
-def build_hybrid_runner(model: LlamaModel, config: EngineConfig, kinds: list[LayerKind], kind_blocks: list[int],
+def build_hybrid_runner(model: DecoderModel, config: EngineConfig, kinds: list[LayerKind], kind_blocks: list[int],
                         tables: list[KVCacheManager]) -> ModelRunner:
     """The runner over one pool per kind of layer (kvgen.cache.hybrid), the global kind first."""
     cfg = model.config
@@ -349,7 +349,7 @@ def build_hybrid_runner(model: LlamaModel, config: EngineConfig, kinds: list[Lay
     return ModelRunner(model, caches[0], tables[0], decode_kernel, more)
 
 
-def build_runner(model: LlamaModel, config: EngineConfig, num_blocks: int, block_tables: BlockTables | None,
+def build_runner(model: DecoderModel, config: EngineConfig, num_blocks: int, block_tables: BlockTables | None,
                  cache_type: Callable[..., PagedKVCache] = PagedKVCache,
                  runner_type: Callable[..., ModelRunner] = ModelRunner) -> ModelRunner:
     """The runner over KV pools of `num_blocks` blocks for the model's (local) KV heads."""

@@ -10,7 +10,7 @@ The model computes q, k, v (RoPE applied) for the tokens of one step and hands t
                          decodes and speculative verify chunks on the CPU read the blocks in
                          place (kvgen.model.kernels).
 
-Each backend is an explicit object passed to `LlamaModel.forward`; nothing global is read.
+Each backend is an explicit object passed to `DecoderModel.forward`; nothing global is read.
 """
 
 from __future__ import annotations

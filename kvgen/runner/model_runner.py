@@ -31,7 +31,7 @@ from kvgen.engine.scheduler import ScheduledChunk
 from kvgen.model.attention import PagedAttention, PagedGroup, PagedKVCache, PagedMetadata
 from kvgen.model.kernels import PagedDecode
 from kvgen.model.linear import blas_owns_the_cores
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 
 FAR = 1 << 40  # logical position of padding keys: later than any query, so always masked
 T = TypeVar("T")
@@ -91,7 +91,7 @@ class ModelRunner:
     """Owns the model, the KV pools and per-sequence tensor state; knows tensors, not queues.
     `more_kinds`: a hybrid model's windowed layers, beside the global ones in `cache`."""
 
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, block_tables: BlockTables,
+    def __init__(self, model: DecoderModel, cache: PagedKVCache, block_tables: BlockTables,
                  decode_kernel: PagedDecode | None = None, more_kinds: list[KVKind] = ()) -> None:
         self.model = model
         self.cache = cache

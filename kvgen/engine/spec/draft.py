@@ -35,7 +35,7 @@ from kvgen.loaders import LoadedModel
 from kvgen.model.attention import PagedKVCache
 from kvgen.model.kernels import paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 from kvgen.runner.model_runner import ModelRunner
 from kvgen.sampler import filtered_probs
 
@@ -75,7 +75,7 @@ class DraftProposer(Proposer):
     def __init__(self, loaded: LoadedModel, target: ModelConfig, config: EngineConfig, kv: KVCacheManager) -> None:
         check_vocabulary(loaded.config, target, config.draft_model)
         cfg = loaded.config
-        self.model = LlamaModel(cfg, {**loaded.weights, **loaded.quantized}, config.device, config.torch_dtype,
+        self.model = DecoderModel(cfg, {**loaded.weights, **loaded.quantized}, config.device, config.torch_dtype,
                                 config.draft_quantization, config.fused_decode, DRAFT_ACTIVATIONS)
         pool_dtype = STORAGE_DTYPES[config.kv_dtype]
         self.cache = PagedKVCache(cfg.num_layers, kv.num_blocks, kv.block_size, cfg.num_kv_heads, cfg.head_dim,

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
 SILU_DTYPES = {torch.float32: "silu_mul_f32", torch.bfloat16: "silu_mul_bf16"}
-GATE_ACTIVATIONS = ("silu", "gelu_tanh")  # kvgen.model.architectures.ACTIVATIONS, each with a kernel
+GATE_ACTIVATIONS = ("silu", "gelu_tanh")  # kvgen.architectures.spec.ACTIVATIONS, each with a kernel
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
