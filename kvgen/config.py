@@ -124,10 +124,10 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
 
 KV_CACHE_MODES = ("paged", "contiguous", "none")
 # How paged decode attention reads K/V: "native" in place through the compiled CPU kernel
-# (kvgen.model.kernels), "sdpa" through a gathered copy and torch's SDPA, "auto" native where it
+# (kvgen.model.kernels.paged_decode), "sdpa" through a gathered copy and torch's SDPA, "auto" native where it
 # builds and applies (CPU, fp32/bf16), else sdpa.
 ATTENTION_BACKENDS = ("auto", "native", "sdpa")
-# How weights are kept: "auto" keeps a GGUF's quantized matrices packed (kvgen.model.quant); "none"
+# How weights are kept: "auto" keeps a GGUF's quantized matrices packed (kvgen.model.formats); "none"
 # dequantizes them to `dtype`; "int8" / "int4" pack float matrices in groups of 32.
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvgen.model.attention import ContiguousAttention, ContiguousKVCache, NoCacheAttention
+from kvgen.model.attention import ContiguousAttention, NoCacheAttention
+
+from kvgen.model.kv_storage import ContiguousKVCache
 from kvgen.model.linear import RowKernels, blas_owns_the_cores
 from kvgen.model.decoder import DecoderModel
 

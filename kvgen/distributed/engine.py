@@ -37,7 +37,7 @@ from kvgen.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvgen.engine.sequence import RequestOutput
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
-from kvgen.model.attention import PagedKVCache
+from kvgen.model.kv_storage import PagedKVCache
 from kvgen.model.decoder import DecoderModel
 from kvgen.runner.model_runner import ModelRunner
 

@@ -17,7 +17,7 @@ from kvgen.distributed.group import TensorParallelGroup
 from kvgen.distributed.shard import ShardPlan
 from kvgen.model.linear import Linear, RowKernels
 from kvgen.model.decoder import DecoderModel
-from kvgen.model.projections import Embedding
+from kvgen.model.linear_choice import Embedding
 
 
 class RowParallel(Linear):

@@ -22,7 +22,7 @@ from kvgen.distributed.messages import Op, StepChannel, decode_copies, decode_st
 from kvgen.distributed.shard import ShardPlan
 from kvgen.errors import KVGenError
 from kvgen.loaders import LoadedModel
-from kvgen.model.attention import PagedKVCache
+from kvgen.model.kv_storage import PagedKVCache
 from kvgen.model.decoder import DecoderModel
 
 log = logging.getLogger(__name__)

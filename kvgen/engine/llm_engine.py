@@ -24,8 +24,8 @@ from kvgen.engine.spec.speculator import Speculator, build_speculator
 from kvgen.engine.step_log import StepLog, split_tokens
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
-from kvgen.model.attention import PagedKVCache
-from kvgen.model.kernels import paged_decode_for
+from kvgen.model.kv_storage import PagedKVCache
+from kvgen.model.kernels.paged_decode import paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
 from kvgen.model.decoder import DecoderModel
 from kvgen.rejection_sampler import Verdict

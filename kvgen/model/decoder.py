@@ -22,14 +22,14 @@ from kvgen.model.blocks.layer import DecoderLayer
 from kvgen.model.fused import DecodePrograms
 from kvgen.model.layers import RotaryEmbedding, make_rms_norm, make_rope
 from kvgen.model.linear import RowKernels
-from kvgen.model.projections import ACTIVATIONS, Embedding, LayerBuilder, Weight, describe
+from kvgen.model.linear_choice import ACTIVATIONS, Embedding, LayerBuilder, Weight, describe
 
 
 class DecoderModel:
     """Weights plus the forward pass. Built from Hugging Face-named weights (see `kvgen.loaders`):
     float tensors, or GGUF matrices kept packed (`LoadedModel.quantized`), which get quantized
-    linear layers (kvgen.model.projections). `quantization` "int8" / "int4" packs float matrices;
-    `activations` is how packed layers quantize x (kvgen.model.projections.ACTIVATIONS by default).
+    linear layers (kvgen.model.linear_choice). `quantization` "int8" / "int4" packs float matrices;
+    `activations` is how packed layers quantize x (kvgen.model.linear_choice.ACTIVATIONS by default).
     `fused_decode` lets decode steps run as one list of C kernel calls (kvgen.model.fused)."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight],

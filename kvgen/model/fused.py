@@ -31,10 +31,12 @@ from typing import Protocol
 import torch
 
 from kvgen.config import ModelConfig
-from kvgen.model.attention import Attention, PagedAttention, PagedKVCache
+from kvgen.model.attention import Attention, PagedAttention
+from kvgen.model.kv_storage import PagedKVCache
 from kvgen.model.blocks import StateBatch, StepContext
 from kvgen.model.blocks.layer import DecoderLayer
-from kvgen.model.kernels import KernelCall, PagedDecode, stores
+from kvgen.model.kernels.build import KernelCall
+from kvgen.model.kernels.paged_decode import PagedDecode, stores
 from kvgen.model.kernels.norm import rms_norm_kernel
 from kvgen.model.kernels.rope import rope_kernel
 from kvgen.model.kernels.step import CallList, step_kernels

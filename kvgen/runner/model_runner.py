@@ -28,8 +28,9 @@ import torch
 
 from kvgen.cache.policies import CachePolicy
 from kvgen.engine.scheduler import ScheduledChunk
-from kvgen.model.attention import PagedAttention, PagedGroup, PagedKVCache, PagedMetadata
-from kvgen.model.kernels import PagedDecode
+from kvgen.model.attention import PagedAttention, PagedGroup, PagedMetadata
+from kvgen.model.kv_storage import PagedKVCache
+from kvgen.model.kernels.paged_decode import PagedDecode
 from kvgen.model.linear import blas_owns_the_cores
 from kvgen.model.decoder import DecoderModel
 

@@ -11,7 +11,8 @@ import torch
 from kvgen.llm import DEFAULT_MODEL
 from kvgen.loaders import load_model
 from kvgen.model.kernels.f32 import PANEL, f32_kernel, pack, unpacked_rows
-from kvgen.model.linear import F32Linear, make_linear
+from kvgen.model.linear import F32Linear
+from kvgen.model.linear_choice import make_linear
 from kvgen.model.decoder import DecoderModel
 from tests.tolerances import gamma
 

@@ -20,11 +20,11 @@ from kvgen import LLM, SamplingParams
 from kvgen.eval.ppl import read_text, text_token_ids
 from kvgen.llm import DEFAULT_MODEL
 from kvgen.loaders import load_model
-from kvgen.model.linear import make_linear
+from kvgen.model.linear_choice import make_linear
 from kvgen.model.decoder import DecoderModel
-from kvgen.model.projections import ConcatLinear
-from kvgen.model.quant import QuantLinear
-from kvgen.model.quant.kquant_kernel import kquant_kernel
+from kvgen.model.linear_choice import ConcatLinear
+from kvgen.model.linear import QuantLinear
+from kvgen.model.kernels.kquant import kquant_kernel
 from tests.loaders.gguf_builder import Dims, llama_vocab, q4_k_m_style_model, random_model, write_gguf
 from tests.model.teacher_forced import all_logits, packed_model, top1_agreement
 from tests.model.test_parity_hf import greedy

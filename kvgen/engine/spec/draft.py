@@ -32,8 +32,8 @@ from kvgen.engine.sequence import Sequence
 from kvgen.engine.spec.proposer import Proposal, Proposer
 from kvgen.errors import ModelLoadError
 from kvgen.loaders import LoadedModel
-from kvgen.model.attention import PagedKVCache
-from kvgen.model.kernels import paged_decode_for
+from kvgen.model.kv_storage import PagedKVCache
+from kvgen.model.kernels.paged_decode import paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
 from kvgen.model.decoder import DecoderModel
 from kvgen.runner.model_runner import ModelRunner
@@ -41,7 +41,7 @@ from kvgen.sampler import filtered_probs
 
 
 # A packed draft quantizes x to one int8 part per 32 values, as ggml does, not the target's two
-# (kvgen.model.projections.ACTIVATIONS): its numbers only steer proposals, and one part halves
+# (kvgen.model.linear_choice.ACTIVATIONS): its numbers only steer proposals, and one part halves
 # the integer kernel's work. A SmolLM2 Q4_1 step's matrices at 1 / 2 rows: 5.9 / 9.7 ms -> 4.6 / 5.9.
 DRAFT_ACTIVATIONS = "int8"
 

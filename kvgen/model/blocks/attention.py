@@ -10,7 +10,7 @@ import torch
 from kvgen.architectures.spec import AttentionSpec
 from kvgen.config import ModelConfig
 from kvgen.model.blocks.base import Block, BuildContext, FusedProgram, StepContext, register
-from kvgen.model.kernels import KernelCall
+from kvgen.model.kernels.build import KernelCall
 from kvgen.model.linear import Linear
 
 

@@ -15,12 +15,12 @@ import torch
 from kvgen.architectures.spec import BlockSpec
 from kvgen.config import ModelConfig
 from kvgen.model.attention import Attention
-from kvgen.model.kernels import KernelCall
+from kvgen.model.kernels.build import KernelCall
 from kvgen.model.layers import Norm, Rotate
 from kvgen.model.linear import Linear, RowKernels
 
 if TYPE_CHECKING:
-    from kvgen.model.projections import LayerBuilder, Weight
+    from kvgen.model.linear_choice import LayerBuilder, Weight
 
 
 class StateBatch(Protocol):

@@ -1,4 +1,4 @@
-"""The token embedding block: a lookup (float or packed, kvgen.model.projections.Embedding, sharing
+"""The token embedding block: a lookup (float or packed, kvgen.model.linear_choice.Embedding, sharing
 its table with a tied LM head), times sqrt(hidden) where the architecture scales it (Gemma)."""
 
 from __future__ import annotations

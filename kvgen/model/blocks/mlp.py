@@ -7,7 +7,7 @@ import torch
 
 from kvgen.architectures.spec import GatedMLPSpec
 from kvgen.model.blocks.base import Block, BuildContext, FusedProgram, StepContext, register
-from kvgen.model.kernels import KernelCall
+from kvgen.model.kernels.build import KernelCall
 from kvgen.model.layers import make_gate_mul
 from kvgen.model.linear import Linear
 

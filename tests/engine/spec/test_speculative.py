@@ -16,9 +16,9 @@ from kvgen.engine.sampling_params import SamplingParams
 from kvgen.engine.spec.adaptive import MAX_PROBE_EVERY, MIN_SAMPLES, PROBE_EVERY, AdaptiveSwitch
 from kvgen.errors import InvalidRequestError, ModelLoadError
 from kvgen.loaders import load_model
-from kvgen.model.kernels import paged_decode_for
+from kvgen.model.kernels.paged_decode import paged_decode_for
 from kvgen.model.kernels.f32 import f32_kernel
-from kvgen.model.quant.kernel import qmatmul_kernel
+from kvgen.model.kernels.qmatmul import qmatmul_kernel
 from tests.engine.test_continuous_batching import finished_outputs, prompts, run_all
 
 CPU = torch.device("cpu")
