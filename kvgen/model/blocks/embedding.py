@@ -4,6 +4,7 @@ its table with a tied LM head), times sqrt(hidden) where the architecture scales
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -18,7 +19,7 @@ def embedding_scale(arch: Architecture, config: ModelConfig, dtype: torch.dtype)
     return torch.tensor(math.sqrt(config.hidden_size)).to(dtype).item()
 
 
-def embed(lookup, scale: float | None, token_ids: torch.Tensor) -> torch.Tensor:
-    """token_ids [T] -> [T, hidden], a fresh tensor."""
+def embed(lookup: Callable[[torch.Tensor], torch.Tensor], scale: float | None, token_ids: torch.Tensor) -> torch.Tensor:
+    """token_ids [T] -> [T, hidden], a fresh tensor (`lookup`: kvgen.model.linear_choice.Embedding)."""
     x = lookup(token_ids)
     return x if scale is None else x.mul_(scale)

@@ -9,6 +9,7 @@ import torch
 
 from kvgen.architectures.spec import LayerSpec
 from kvgen.model.blocks.base import Block, BuildContext, StepContext, build_block
+from kvgen.model.layers import Norm
 from kvgen.model.linear import Linear
 
 
@@ -24,7 +25,7 @@ class Branch:
 class DecoderLayer:
     """One layer: its branches (attention then MLP, for every architecture kvgen runs today)."""
 
-    def __init__(self, index: int, branches: list[Branch], eps: float, norm) -> None:
+    def __init__(self, index: int, branches: list[Branch], eps: float, norm: Norm) -> None:
         self.index, self.branches, self.eps, self._norm = index, branches, eps, norm
 
     @classmethod
