@@ -7,9 +7,8 @@
                   OpenBLAS costs 1.5-2.2x, and at prefill's hundreds of rows it runs ~35% faster
                   than oneDNN's GEMM (BENCHMARKS.md). Every row goes through the same operations
                   whatever the row count, so a row's bits never depend on the rows beside it.
-    CodedF32Linear  the same, on weights stored in 28 bits each, losslessly (kernels/f32_coded.c):
-                  the low 3 bytes and a 4-bit code of the top byte, on CPUs with AVX-512 VBMI.
-                  Decode reads an eighth fewer bytes for the same fp32 values.
+    CodedF32Linear  the same on weights in 28 bits each, losslessly (kernels/f32_coded.c, AVX-512
+                  VBMI): decode reads an eighth fewer bytes for the same fp32 values.
     BlasLinear    fp32 on other CPUs (without AVX2), through OpenBLAS (numpy, on the same memory):
                   its GEMV (one row) reads the weights near memory bandwidth, about twice as fast as
                   MKL's (torch's default) one-row path, and its GEMM handles many rows at compute
@@ -31,38 +30,29 @@
     TorchLinear   everything else (CUDA, fp16...): `F.linear`.
 
 Over weights that stay quantized in memory (kvgen.model.formats):
-
-    KernelQuantLinear  the generic packed format on a CPU with AVX-512 VNNI or AVX2 (qmatmul.c, the
-                  same bits from either build); x is quantized inside the call per group of 32, to
-                  int8 (`activations="int8"`, as ggml) or to two int8 parts, the second quantizing
-                  the first's rounding error (`"int8x2"`, ~15 bits: top-1 agreement with the fp32
-                  model on the real Q4_1 file 100% against 97.8-98.2% for int8). From
-                  BF16_FROM_ROWS / FP32_FROM_ROWS rows on (prefill), where the integer kernel is
-                  compute-bound, the weight is dequantized per call (in C) for the float kernel
-                  this CPU runs faster (kernels/many_rows_choice.py).
-    KQuantLinear  Q4_K / Q5_K / Q6_K in kquant.c's layout (AVX-512 VNNI): one integer kernel at every
-                  row count, unpacking a panel's codes once for 8 rows of x, so prefill reads the
-                  weights once; x in `activations`' parts below MANY_ROWS rows, in one int8 part from
-                  there (where a second part would double a compute-bound kernel's work).
-    TorchQuantLinear  CUDA and other devices: dequantize per call, then `F.linear` (and the CPU twin
-                  of the kernels in the tests).
-
+    KernelQuantLinear  the generic packed format, AVX-512 VNNI or AVX2 (qmatmul.c); x quantized in
+                  the call per 32, to int8 or two int8 parts (`int8x2`, ~15 bits: 100% top-1 against
+                  the fp32 model on the real Q4_1 file, 97.8-98.2% for int8). From BF16_FROM_ROWS /
+                  FP32_FROM_ROWS rows (prefill, compute-bound) the weight is dequantized per call for
+                  the float kernel this CPU runs faster (kernels/many_rows_choice.py).
+    KQuantLinear  Q4_K / Q5_K / Q6_K in kquant.c's layout (AVX-512 VNNI), one kernel at every row
+                  count; x in one int8 part from MANY_ROWS rows, where a second would double its work.
+    TorchQuantLinear  CUDA and other devices: dequantize per call, then `F.linear`.
+    ConcatLinear  layers over one input side by side (a Q4_K q/k beside a Q6_K v).
 Which layer a weight gets is kvgen.model.linear_choice's decision.
 
 On BlasLinear, by default a step's rows go through one BLAS call: GEMV for one row, GEMM for more, the fastest
 choice (the engine's batches), and a row's low bits then depend on how many rows ran with it. A
-`RowKernels` argument instead fixes each row's kernel by the token's role, so a
-row's bits do not depend on the rows beside it; `kvgen.phases` uses it so that recomputing the
-whole sequence (`none`) gives exactly what the contiguous cache gives:
+`RowKernels` argument instead fixes each row's kernel by the token's role, so a row's bits do not
+depend on the rows beside it; `kvgen.phases` uses it so that recomputing the whole sequence (`none`)
+gives exactly what the contiguous cache gives:
 
     prompt tokens      one GEMM over all of them (padded to 2 rows if alone): OpenBLAS's GEMM gives a
                        row the same bits whatever the row count (2 or more)
     generated tokens   one GEMV each
 
-(That holds on OpenBLAS's SkylakeX kernels, where it was measured; its Haswell GEMM changes a row's
-bits with the row count, but CPUs with AVX2 run F32Linear.)
-
-(MKL changes code paths with the row count: 1-3, 5-7 and 9-11 rows round differently.)
+That holds on OpenBLAS's SkylakeX kernels, where it was measured; its Haswell GEMM changes a row's
+bits with the row count, but CPUs with AVX2 run F32Linear. (MKL rounds 1-3, 5-7 and 9-11 rows apart.)
 """
 
 from __future__ import annotations
@@ -85,6 +75,7 @@ from kvgen.model.formats.packed import PackedWeight, dequantize
 from kvgen.model.kernels.kquant import kquant_kernel
 from kvgen.model.kernels.many_rows_choice import fp32_beats, many_rows_dtype
 from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, kernel_name, qmatmul_kernel
+from kvgen.model.kernels.step import step_kernels
 from kvgen.threads import WORKERS_SLEEP
 
 # From this many rows of x on (prefill), a bf16 layer unpacks its weight to row-major and runs
@@ -413,6 +404,29 @@ class KQuantLinear(QuantLinear):
         if self.bias is not None or x.dtype != torch.float32 or x.shape[0] >= MANY_ROWS:
             return None
         return self._few.call(x, out)
+
+
+class ConcatLinear(Linear):
+    """Several layers over the same input whose outputs are concatenated: y = [l1(x), l2(x), ...]."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.bias = None
+
+    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        return torch.cat([p(x, rows) for p in self.parts], dim=-1)
+
+    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        """The parts' calls, each writing its columns of `out`, as one call: where every part is a
+        K-quant layer (whose kernel writes into a column slice) and the step kernels load."""
+        step = step_kernels()
+        if step is None or not all(isinstance(p, KQuantLinear) for p in self.parts):
+            return None
+        columns = out.split([p.out_features for p in self.parts], dim=1)
+        calls = [p.call(x, c) for p, c in zip(self.parts, columns)]
+        return None if any(c is None for c in calls) else step.calls_as_one(calls)
 
 
 def _onednn_bf16() -> bool:

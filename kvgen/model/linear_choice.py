@@ -41,8 +41,7 @@ from kvgen.model.kernels.build import KernelCall
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.kquant import kquant_kernel
 from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, qmatmul_kernel
-from kvgen.model.kernels.step import step_kernels
-from kvgen.model.linear import (BlasLinear, Bf16Linear, CodedBf16Linear, CodedF32Linear, F32Linear,
+from kvgen.model.linear import (BlasLinear, Bf16Linear, CodedBf16Linear, CodedF32Linear, ConcatLinear, F32Linear,
                                 KernelQuantLinear, KQuantLinear, Linear, ManyRows, OneDnnLinear, QuantLinear,
                                 RowKernels, TorchLinear, TorchQuantLinear, _onednn_bf16)
 
@@ -212,29 +211,6 @@ class LayerBuilder:
             return ConcatLinear([packed_linear(p, b, self.device, self.dtype, self.activations, self._many_rows)
                                  for p, b in zip(packed, biases)])
         return packed_linear(stacked, bias, self.device, self.dtype, self.activations, self._many_rows)
-
-
-class ConcatLinear(Linear):
-    """Several layers over the same input whose outputs are concatenated: y = [l1(x), l2(x), ...]."""
-
-    def __init__(self, parts: list[Linear]) -> None:
-        self.parts = parts
-        self.out_features = sum(p.out_features for p in parts)
-        self.in_features = parts[0].in_features
-        self.bias = None
-
-    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
-        return torch.cat([p(x, rows) for p in self.parts], dim=-1)
-
-    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
-        """The parts' calls, each writing its columns of `out`, as one call: where every part is a
-        K-quant layer (whose kernel writes into a column slice) and the step kernels load."""
-        step = step_kernels()
-        if step is None or not all(isinstance(p, KQuantLinear) for p in self.parts):
-            return None
-        columns = out.split([p.out_features for p in self.parts], dim=1)
-        calls = [p.call(x, c) for p, c in zip(self.parts, columns)]
-        return None if any(c is None for c in calls) else step.calls_as_one(calls)
 
 
 def describe(layer: Linear) -> tuple[str, int]:
