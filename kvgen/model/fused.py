@@ -173,6 +173,12 @@ class ProgramBuilder:
         self._converts: dict[int, tuple[list[KernelCall], list[KernelCall], torch.Tensor, torch.Tensor]] = {}
         hidden = model.config.hidden_size
         self.x, self.h, self.out = (self.buffer(n, (hidden,)) for n in ("x", "h", "proj"))
+        # Each block's buffers next, one after the other before anything else is allocated: where they
+        # fall in memory changed a Gemma 3 step's time by ~5% (measured in CPU time, the same calls).
+        for block in model.layers[0].blocks:
+            block.reserve_buffers(self)
+        if any(branch.out_norm is not None for branch in model.layers[0].branches):
+            self.buffer("normed", (hidden,))
         for i in range(len(model.ropes)):
             self.buffer(f"cos{i}", (1, model.config.head_dim)), self.buffer(f"sin{i}", (1, model.config.head_dim))
         for kind in range(len(attention.kinds)):

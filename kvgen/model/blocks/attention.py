@@ -61,6 +61,12 @@ class AttentionBlock(Block):
         k = self.norm(k.reshape(-1, dim), self.k_norm, self.eps).view(-1, self.kv_heads, dim)
         return torch.cat((q, k), dim=1)
 
+    def reserve_buffers(self, program: FusedProgram) -> None:
+        q_size, kv_size = self.heads * self.dim, self.kv_heads * self.dim
+        program.buffer("qkv", (q_size + 2 * kv_size,)), program.buffer("attn", (q_size,))
+        if self.q_norm is not None:
+            program.buffer("qk", (self.heads + self.kv_heads, self.dim))
+
     def fused_calls(self, program: FusedProgram) -> list[KernelCall | None] | None:
         rows, heads, kv_heads, dim = program.rows, self.heads, self.kv_heads, self.dim
         q_size, kv_size = heads * dim, kv_heads * dim

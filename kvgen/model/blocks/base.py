@@ -93,6 +93,10 @@ class Block(ABC):
         the same bits), or None where it has no fused form: its layer then runs layer by layer."""
         return None
 
+    def reserve_buffers(self, program: FusedProgram) -> None:
+        """Asks `program` for the buffers `fused_calls` will use, before the calls are built, so that
+        the step's buffers lie together in memory (kvgen.model.fused.ProgramBuilder)."""
+
     def projections(self) -> dict[str, Linear]:
         """Its linear layers by role (`qkv`, `o`, `gate_up`, `down`), for reports and tensor parallelism."""
         return {}

@@ -31,8 +31,12 @@ class GatedMLP(Block):
     def forward(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
         return self.down(self.gate_mul(self.gate_up(h, step.rows)), step.rows)
 
-    def fused_calls(self, program: FusedProgram) -> list[KernelCall | None]:
+    def reserve_buffers(self, program: FusedProgram) -> None:
         inner = self.gate_up.out_features  # gate and up, side by side
+        program.buffer("gate_up", (inner,)), program.buffer("act", (inner // 2,))
+
+    def fused_calls(self, program: FusedProgram) -> list[KernelCall | None]:
+        inner = self.gate_up.out_features
         gate_up, act = program.buffer("gate_up", (inner,)), program.buffer("act", (inner // 2,))
         return [self.gate_up.call(program.h, gate_up), program.step.gate_mul_call(self.activation, gate_up, act),
                 self.down.call(act, program.out)]
