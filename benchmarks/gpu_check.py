@@ -552,7 +552,7 @@ def _profile_table(args, fn, reps: int, sorts: list[tuple[str, list[str]]], row_
     try:
         kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
         info["device_events_per_call"] = len(kernels) / reps
-        info["device_us_per_call"] = sum(getattr(e, "device_time", 0.0) or 0.0 for e in kernels) / reps
+        info["device_us_per_call"] = sum(e.time_range.elapsed_us() for e in kernels) / reps
     except Exception as e:
         info["events_error"] = repr(e)[:200]
     return "\n".join(text), info
@@ -598,8 +598,7 @@ def check_profile(args) -> int:
     t = o.metrics.token_times
     data["generate_ms_per_token"] = 1000 * (t[-1] - t[0]) / (len(t) - 1)
     # (b) engine.step() by hand, one long request
-    engine.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=4000 if not args.tiny else 400,
-                                                         ignore_eos=True))
+    engine.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True))
     for _ in range(4):
         engine.step()  # the prompt, then a few decodes
     replays0 = graphs.replays if graphs else 0
@@ -648,57 +647,65 @@ def check_profile(args) -> int:
             data["graph_replay_ms"] = _device_ms(args, graph.replay, reps)
             data["eager_forward_ms"] = _device_ms(args, lambda: graphs._forward(rung), max(reps // 5, 2))
     save()
-    # (c) profiler tables
-    text = [f"# kvgen decode profile, batch 1, prompt {len(prompt)} ({args.model})\n"]
-    table, info = _profile_table(args, engine.step, 20 if not args.tiny else 4, [
-        ("engine.step by CPU total", ["cpu_time_total"]),
-        ("engine.step by self CPU", ["self_cpu_time_total"]),
-        ("engine.step by CUDA total", ["device_time_total", "cuda_time_total"])])
-    text.append(table)
-    data["profile_engine_step"] = info
-    if graphs and graphs.graphs.get(padded_size(1, graphs.sizes)) is not None:
-        graph = graphs.graphs[padded_size(1, graphs.sizes)]
-        table, info = _profile_table(args, graph.replay, 20 if not args.tiny else 4, [
-            ("graph replay alone by self CUDA (kernels)", ["self_device_time_total", "self_cuda_time_total"])], 25)
+    try:  # profiler: an error here must not lose the figures above
+        # (c) profiler tables
+        text = [f"# kvgen decode profile, batch 1, prompt {len(prompt)} ({args.model})\n"]
+        table, info = _profile_table(args, engine.step, 20 if not args.tiny else 4, [
+            ("engine.step by CPU total", ["cpu_time_total"]),
+            ("engine.step by self CPU", ["self_cpu_time_total"]),
+            ("engine.step by CUDA total", ["device_time_total", "cuda_time_total"])])
         text.append(table)
-        data["profile_graph_replay"] = info
-        rung = padded_size(1, graphs.sizes)
-        table, info = _profile_table(args, lambda: graphs._forward(rung), 5 if not args.tiny else 2, [
-            ("the same forward eagerly by CUDA total (ops)", ["device_time_total", "cuda_time_total"]),
-            ("the same forward eagerly by CPU total (ops)", ["cpu_time_total"])], 25)
-        text.append(table)
-        data["profile_eager_forward"] = info
-    import cProfile  # the Python side of a step, by function (what the aten tables do not show)
-    import io
-    import pstats
+        data["profile_engine_step"] = info
+        if graphs and graphs.graphs.get(padded_size(1, graphs.sizes)) is not None:
+            graph = graphs.graphs[padded_size(1, graphs.sizes)]
+            table, info = _profile_table(args, graph.replay, 20 if not args.tiny else 4, [
+                ("graph replay alone by self CUDA (kernels)", ["self_device_time_total", "self_cuda_time_total"])], 25)
+            text.append(table)
+            data["profile_graph_replay"] = info
+            rung = padded_size(1, graphs.sizes)
+            table, info = _profile_table(args, lambda: graphs._forward(rung), 5 if not args.tiny else 2, [
+                ("the same forward eagerly by CUDA total (ops)", ["device_time_total", "cuda_time_total"]),
+                ("the same forward eagerly by CPU total (ops)", ["cpu_time_total"])], 25)
+            text.append(table)
+            data["profile_eager_forward"] = info
+        import cProfile  # the Python side of a step, by function (what the aten tables do not show)
+        import io
+        import pstats
 
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(20 if not args.tiny else 4):
-        engine.step()
-    prof.disable()
-    for order in ("cumulative", "tottime"):
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(30)
-        text.append(f"### cProfile of engine.step by {order} ({20 if not args.tiny else 4} calls)\n{buf.getvalue()}")
-    (Path(args.out) / "profile.txt").write_text("\n".join(text))
-    save()
-    # (d) host syncs a step
-    if args.device.startswith("cuda"):
-        torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(20):
-                engine.step()
-        torch.cuda.set_sync_debug_mode(0)
-        where: dict = {}
-        for w in caught:
-            key = f"{Path(w.filename).name}:{w.lineno}"
-            where[key] = where.get(key, 0) + 1
-        data["syncs_per_step"] = len(caught) / 20
-        data["syncs_by_line"] = {k: v / 20 for k, v in sorted(where.items(), key=lambda kv: -kv[1])}
-    else:
-        data["syncs_per_step"] = None  # sync debug mode is CUDA's
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20 if not args.tiny else 4):
+            engine.step()
+        prof.disable()
+        for order in ("cumulative", "tottime"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(30)
+            text.append(f"### cProfile of engine.step by {order} ({20 if not args.tiny else 4} calls)\n{buf.getvalue()}")
+        (Path(args.out) / "profile.txt").write_text("\n".join(text))
+        save()
+    except Exception as e:
+        data['profiler_error'] = repr(e)[:500]
+        print(f'profiler failed: {e!r}', flush=True)
+    try:  # syncs: an error here must not lose the figures above
+        # (d) host syncs a step
+        if args.device.startswith("cuda"):
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(20):
+                    engine.step()
+            torch.cuda.set_sync_debug_mode(0)
+            where: dict = {}
+            for w in caught:
+                key = f"{Path(w.filename).name}:{w.lineno} {str(w.message)[:60]}"
+                where[key] = where.get(key, 0) + 1
+            data["syncs_per_step"] = len(caught) / 20
+            data["syncs_by_line"] = {k: v / 20 for k, v in sorted(where.items(), key=lambda kv: -kv[1])}
+        else:
+            data["syncs_per_step"] = None  # sync debug mode is CUDA's
+    except Exception as e:
+        data['syncs_error'] = repr(e)[:500]
+        print(f'syncs failed: {e!r}', flush=True)
     engine.abort("profile")
     model = engine.model
     params_bytes, embed = _weight_bytes(Path(args.model))
@@ -714,7 +721,7 @@ def check_profile(args) -> int:
             + (f", graph replay alone {replay:.2f} ms" if replay else "")
             + (f", eager forward {data['eager_forward_ms']:.2f} ms" if data.get("eager_forward_ms") else "")
             + (f", bytes floor {data['bytes_floor_ms']:.2f} ms" if bandwidth else "")
-            + (f", {data['syncs_per_step']:.1f} host syncs a step" if data["syncs_per_step"] is not None else ""))
+            + (f", {data['syncs_per_step']:.1f} host syncs a step" if data.get("syncs_per_step") is not None else ""))
     data.pop("partial", None)
     return report(args, "profile", True, line, data)
 
