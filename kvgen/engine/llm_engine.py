@@ -106,8 +106,14 @@ class LLMEngine(Engine):
             kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks,
             kv_blocks_cached_free=self.kv.num_cached_free_blocks, prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
-            **self._spec_stats(),
+            kv_tiers=self.kv.tiers.readings() if self.config.kv_tiers else (), **self._spec_stats(),
         )
+
+    def pin_prefix(self, token_ids: list[int], pin: bool = True) -> dict[str, int]:
+        """Keeps (pin) or lets go (unpin) a prompt's computed blocks in the KV tiers (kvgen.cache.tiers)."""
+        if not self.config.kv_tiers:
+            raise ValueError("pinning needs KV tiers: start with --kv-offload-memory or --kv-cache-dir")
+        return self.kv.pin(token_ids, None, pin)
 
     def _spec_stats(self) -> dict[str, int]:
         if self.speculator is None:

@@ -87,6 +87,16 @@ class Tiers:
             c.bytes_in += payload.numel()
         c.seconds += time.perf_counter() - started
 
+    def readings(self) -> tuple[tuple[str, dict[str, float]], ...]:
+        """Per tier present: blocks and bytes held, and its counters (EngineStats.kv_tiers)."""
+        out = []
+        for name, tier in (("host", self.host), ("disk", self.disk)):
+            if tier is not None:
+                c = self.counters[name]
+                out.append((name, {"blocks": len(tier), "bytes": tier.nbytes, "hits": c.hits, "bytes_in": c.bytes_in,
+                                   "bytes_out": c.bytes_out, "seconds": c.seconds, "stored": c.stored}))
+        return tuple(out)
+
     def get(self, digest: bytes, token_ids: tuple[int, ...]):
         """The block's payload from the nearest tier that has it intact, or None."""
         for name, tier in (("host", self.host), ("disk", self.disk)):
@@ -227,6 +237,25 @@ class TieredKVManager(KVCacheManager):
         return loaded
 
     # -- pins -----------------------------------------------------------------------------------
+
+    def pin(self, token_ids: Sequence[int], extra_key: Hashable = None, pin: bool = True) -> dict[str, int]:
+        """Pins (or unpins) the prompt's full blocks in the tiers: pinned blocks are never pushed out of
+        the host tier or the disk tier. Blocks the pool holds are copied to the tiers now. Returns the
+        blocks pinned and how many of them a tier holds."""
+        digests = self.digests(token_ids, extra_key)
+        if not pin:
+            self.tiers.pinned.difference_update(digests)
+            return {"blocks": len(digests), "stored": 0}
+        self.tiers.pinned.update(digests)
+        pooled = super().find_cached_prefix(list(token_ids) + [0], extra_key)  # every full block, the last too
+        for block, digest in zip(pooled, digests):
+            if self.io is None:
+                break
+            if self.tiers.host is not None and digest not in self.tiers.host:
+                self.tiers.put(digest, block.token_ids, self.io.read(block.block_id))
+            elif self.tiers.host is None:
+                self.tiers.write_disk(digest, block.token_ids, self.io.read(block.block_id))
+        return {"blocks": len(digests), "stored": sum(1 for d in digests if d in self.tiers)}
 
     def digests(self, token_ids: Sequence[int], extra_key: Hashable = None) -> list[bytes]:
         """The chain digests of a prompt's full blocks."""
