@@ -274,6 +274,8 @@ class EngineConfig:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self._check_speculative()
+        if self.kv_tiers and self.kv_cache != "paged":
+            raise ValueError("KV tiers (kv_offload_memory, kv_cache_dir) need the paged KV cache (--kv-cache paged)")
 
     def _check_speculative(self) -> None:
         if self.speculative_method is None:

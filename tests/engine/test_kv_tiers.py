@@ -202,3 +202,31 @@ def test_smollm2_real_file_host_tier_equals_the_plain_cache(smollm_gguf):
     tiered, computed, llm = run(prompts, **kw, kv_offload_memory=256 << 20)
     assert tiered == plain
     assert llm.engine.kv.tiers.counters["host"].hits > 0 and computed < computed_plain
+
+
+@pytest.mark.parametrize("options, params", [
+    ({"max_num_batched_tokens": 16}, {}),  # chunked prefill around restored blocks
+    ({"speculative_method": "ngram", "num_speculative_tokens": 3, "adaptive_speculation": False}, {}),
+    ({}, {"kv_policy": "window:32"}),  # blocks hashed under the window's key: their own chain
+    ({}, {"n": 2}),
+    ({"max_num_seqs": 4}, {}),  # the prompts in one batch
+])
+def test_tiers_with_other_engine_features_keep_the_tokens(options, params):
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **params)
+
+    def outs(**kw):
+        llm = LLM(**{"num_kv_blocks": 14, "block_size": 16, "max_num_seqs": 1, **options, **kw})
+        got = [[c.token_ids for c in llm.generate([p], sp)[0].outputs] for p in PROMPTS]
+        got += [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[::-1], sp)]
+        llm.engine.kv.check_invariants()
+        assert llm.engine.kv.num_used_blocks == 0
+        return got, llm
+
+    plain, _ = outs()
+    tiered, llm = outs(kv_offload_memory=64 << 20)
+    assert tiered == plain
+
+
+def test_tiers_need_the_paged_cache():
+    with pytest.raises(ValueError, match="paged"):
+        LLM(kv_cache="contiguous", kv_offload_memory=1 << 20)
