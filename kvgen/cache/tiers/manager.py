@@ -215,6 +215,7 @@ class TieredKVManager(KVCacheManager):
         for block in chain:  # held while fresh blocks are taken, so that none of them is evicted
             self.pool.touch(block)
         loaded: list[Block] = []
+        payloads = []
         parent = chain[-1].block_hash if chain else None
         try:
             room = self.pool.num_free - 1  # one block left for the prompt's last tokens
@@ -222,14 +223,15 @@ class TieredKVManager(KVCacheManager):
                 payload = self.tiers.get(digest, chunk)
                 if payload is None:
                     break
-                block = self.pool.allocate()
-                self.io.write(block.block_id, payload)
+                block = self.pool.allocate()  # an eviction here copies the evicted block out first
                 parent = hash_block(parent, chunk, extra_key)
                 if not self.pool.cache(block, parent, chunk):
                     self.pool.release(block)
                     break
                 self._digest_of[block.block_id] = digest
                 loaded.append(block)
+                payloads.append(payload)
+            self.io.write_many([b.block_id for b in loaded], payloads)  # after every eviction's copy
         finally:
             for block in reversed(chain + loaded):
                 self.pool.release(block)

@@ -43,6 +43,26 @@ class PoolIO:
             at += size
         return out
 
+    def write_many(self, block_ids: list[int], payloads: list[torch.Tensor]) -> None:
+        """Stores payloads of `read` into many blocks: one indexed copy per pool tensor (whole block rows,
+        as 8-byte words where a row allows)."""
+        if not block_ids:
+            return
+        if any(p.numel() != self.block_bytes for p in payloads):
+            raise ValueError(f"a block payload is not the pools' {self.block_bytes} bytes a block")
+        device = self.rows[0].device
+        stacked = torch.stack(payloads).to(device)  # [n, block_bytes]
+        n, bs = len(block_ids), self.block_size
+        ids = torch.tensor(block_ids, device=device)
+        at = 0
+        for rows, size in zip(self.rows, self.parts):
+            heads, width = rows.shape[0], rows.shape[2]
+            word = torch.int64 if (bs * width) % 8 == 0 else torch.uint8
+            blocks = rows.view(heads, -1, bs * width).view(word)  # [H, num_blocks + 1, block row]
+            part = stacked[:, at:at + size].view(n, heads, bs * width).view(word)
+            blocks[:, ids] = part.transpose(0, 1)
+            at += size
+
     def write(self, block_id: int, payload: torch.Tensor) -> None:
         """Stores a payload of `read` into the block's slots in every pool."""
         if payload.numel() != self.block_bytes:
