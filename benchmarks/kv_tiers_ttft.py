@@ -43,6 +43,34 @@ def ask(llm: LLM, prompt: str, max_tokens: int) -> tuple[float, list[int], int]:
     return ttft, out.token_ids, computed
 
 
+def pressure(model: str, prefix_tokens: int, max_tokens: int) -> dict:
+    """32 requests over 8 shared prefixes of `prefix_tokens` tokens, round-robin, with a pool that holds 2
+    of them: prompt tokens computed and output tok/s with tiers off and with a host tier."""
+    texts = [(DATA / name).read_text() for name in ("gpl-3.0.txt", "python-textwrap.txt", "chat.txt", "tinystory.txt")]
+    probe = LLM(model, num_kv_blocks=4)
+    prefixes = [document(probe, prefix_tokens, texts[i % 4][i * 997:]) for i in range(8)]
+    del probe
+    prompts = [prefixes[i % 8] + f"\n\nQuestion {i}: summarise the above.\nAnswer:" for i in range(32)]
+    blocks = 2 * (-(-(prefix_tokens + 64) // 16)) + 8
+    out = {}
+    for name, extra in (("tiers off", {}), ("host tier", {"kv_offload_memory": 8 << 30})):
+        llm = LLM(model, num_kv_blocks=blocks, max_num_seqs=2, max_num_batched_tokens=512, **extra)
+        ask(llm, "Hello", 1)
+        before = llm.engine.stats()
+        started = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        seconds = time.perf_counter() - started
+        after = llm.engine.stats()
+        computed = (after.prefix_cache_queries - before.prefix_cache_queries) - (after.prefix_cache_hits - before.prefix_cache_hits)
+        out[name] = {"computed": computed, "seconds": seconds, "output_tok_s": 32 * max_tokens / seconds,
+                     "tokens": [o.token_ids for o in outs]}
+        print(f"{name:<10} prompt tokens computed {computed:>8,}  {seconds:7.1f} s  "
+              f"{32 * max_tokens / seconds:6.2f} output tok/s", flush=True)
+    print(f"computed fell {out['tiers off']['computed'] / out['host tier']['computed']:.1f}x; outputs equal: "
+          f"{out['tiers off']['tokens'] == out['host tier']['tokens']}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -50,7 +78,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-cache-dir", help="the disk tier's directory (default: a fresh temporary one)")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--pressure", action="store_true",
+                        help="instead: 32 requests over 8 shared prefixes of --tokens tokens, a pool holding 2")
     args = parser.parse_args()
+    if args.pressure:
+        pressure(args.model, args.tokens, args.max_tokens)
+        return
     directory = args.kv_cache_dir or tempfile.mkdtemp(prefix="kvgen-tiers-")
     options = dict(max_num_seqs=1, max_num_batched_tokens=512, max_model_len=args.tokens + 256)
     question = "\n\nQuestion: in one sentence, what is this text about?\nAnswer:"
