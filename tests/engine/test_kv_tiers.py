@@ -230,3 +230,14 @@ def test_tiers_with_other_engine_features_keep_the_tokens(options, params):
 def test_tiers_need_the_paged_cache():
     with pytest.raises(ValueError, match="paged"):
         LLM(kv_cache="contiguous", kv_offload_memory=1 << 20)
+
+
+def test_a_second_model_on_the_same_directory_never_reads_the_firsts_blocks(tmp_path, caplog, smollm_gguf):
+    _fill(tmp_path)  # stories260K's blocks
+    kw = dict(model=smollm_gguf, quantization="none", dtype="float32", num_kv_blocks=40)
+    plain, computed_plain, _ = run([DOC + " Q2"], **kw)
+    with caplog.at_level(logging.WARNING):
+        out, computed, llm = run([DOC + " Q2"], **kw, kv_cache_dir=str(tmp_path))
+    assert out == plain and computed == computed_plain
+    assert len(tier_warnings(caplog)) == 1 and "another model" in tier_warnings(caplog)[0]
+    assert llm.engine.kv.tiers.counters["disk"].hits == 0
