@@ -18,11 +18,13 @@ from kvgen.cache.sizing import KV_ELEMENT_BYTES, format_bytes, kv_bytes_per_toke
 from kvgen.cache.shared_kv import SharedKVShape, shared_kv_shape_of
 from kvgen.cache.shared_kv import describe as describe_shared
 from kvgen.cache.state_sizing import HybridShape, describe, hybrid_shape_of
+from kvgen.cache.tiers.sizing import tier_tokens
 from kvgen.commands import SUBSYSTEM_COMMANDS
 from kvgen.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from kvgen.engine.base import Engine
 from kvgen.errors import KVGenError
-from kvgen.options import add_engine_options, add_sampling_options, build_engine_from_args, config_only, sampling_params
+from kvgen.options import (_byte_size, add_engine_options, add_sampling_options, build_engine_from_args, config_only,
+                           sampling_params)
 from kvgen.sampling_params import SamplingParams
 from kvgen.scheduling.sequence import RequestOutput
 
@@ -155,6 +157,7 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
               "bytes_per_token_per_layer": per_layer,
               "bytes_per_token": per_token, "tokens": args.tokens, "bytes_per_layer": per_layer * args.tokens,
               "bytes_total": total}
+    report["tiers"] = tier_tokens(per_token, args.block_size, args.kv_offload_memory, args.kv_cache_disk)
     if config.is_hybrid:
         report["kinds"] = _hybrid_kinds(config, per_layer, args.tokens)
         report["bytes_total_hybrid"] = sum(kind["bytes"] for kind in report["kinds"])
@@ -175,6 +178,9 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
         what = "global" if kind["window"] is None else f"window {kind['window']}"
         print(f"hybrid cache, {kind['layers']} {what} layers: {kind['bytes_per_token']:,} bytes per token, "
               f"{kind['tokens_held']:,} tokens held = {kind['bytes']:,} bytes ({format_bytes(kind['bytes'])})")
+    for tier, row in report["tiers"].items():
+        print(f"{tier} tier of {format_bytes(row['bytes'], binary=True)}: {row['tokens']:,} tokens "
+              f"({row['blocks']:,} blocks of {args.block_size})")
     if "kinds" in report:
         hybrid = report["bytes_total_hybrid"]
         print(f"hybrid cache in all: {hybrid:,} bytes ({format_bytes(hybrid)}), {hybrid / total:.1%} of every "
@@ -238,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="the pools' dtype, int8 / fp8 with "
                       "their scales (default: --dtype)")
     size.add_argument("--json", action="store_true")
+    size.add_argument("--block-size", type=int, default=16, help="tokens per block (the tiers' unit)")
+    size.add_argument("--kv-offload-memory", type=_byte_size, help="a host tier of this size: tokens it holds")
+    size.add_argument("--kv-cache-disk", type=_byte_size, help="a disk tier of this size: tokens it holds")
     size.set_defaults(func=cmd_kv_size)
 
     for register in SUBSYSTEM_COMMANDS:

@@ -178,6 +178,14 @@ class EngineConfig:
     adaptive_speculation: bool = True  # skip speculating a step where it measures slower (docs/speculative.md)
     fused_decode: bool = True  # decode steps as one list of C kernel calls where they can (kvgen.model.fused)
     enforce_eager: bool = False  # CUDA: no decode graphs (kvgen.gpu.graphs)
+    kv_offload_memory: int | None = None  # bytes of RAM for evicted prefix blocks (kvgen.cache.tiers)
+    kv_cache_dir: str | None = None  # the disk tier's directory (kvgen.cache.tiers.disk)
+    kv_cache_disk: int = 20 * 1024**3  # the disk tier's budget in bytes
+
+    @property
+    def kv_tiers(self) -> bool:
+        """Whether evicted prefix blocks go to a host or disk tier (kvgen.cache.tiers)."""
+        return bool(self.kv_offload_memory) or self.kv_cache_dir is not None
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
@@ -204,6 +212,8 @@ class EngineConfig:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self._check_speculative()
+        if self.kv_tiers and self.kv_cache != "paged":
+            raise ValueError("KV tiers (kv_offload_memory, kv_cache_dir) need the paged KV cache (--kv-cache paged)")
 
     def _check_speculative(self) -> None:
         if self.speculative_method is None:

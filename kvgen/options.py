@@ -38,6 +38,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two, 1..256)")
     g.add_argument("--num-kv-blocks", type=int, help="KV capacity in blocks")
     g.add_argument("--kv-cache-memory", type=_byte_size, help="KV capacity in bytes, e.g. 2GiB or 512MB")
+    g.add_argument("--kv-offload-memory", type=_byte_size,
+                   help="a host-RAM tier for evicted prefix blocks, e.g. 2GiB (docs/kv-cache.md, tiers)")
+    g.add_argument("--kv-cache-dir", help="a disk tier for prefix blocks in this directory, kept across restarts")
+    g.add_argument("--kv-cache-disk", type=_byte_size, default=20 * 1024**3,
+                   help="the disk tier's budget (default: 20GiB)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
@@ -97,6 +102,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         draft_quantization=args.draft_quantization, prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max, adaptive_speculation=not args.no_adaptive_speculation,
         fused_decode=not args.no_fused_decode, enforce_eager=getattr(args, "enforce_eager", False),
+        kv_offload_memory=getattr(args, "kv_offload_memory", None), kv_cache_dir=getattr(args, "kv_cache_dir", None),
+        kv_cache_disk=getattr(args, "kv_cache_disk", 20 * 1024**3),
     )
 
 

@@ -37,6 +37,9 @@ class EngineStats:
     spec_proposed: int = 0  # speculative tokens verified
     spec_accepted: int = 0  # of which kept
     spec_verify_steps: int = 0  # sequence-steps that verified a draft
+    # KV tiers below the pool (kvgen.cache.tiers): per tier, a dict of blocks and bytes held, hits,
+    # bytes in and out and seconds spent; () without tiers
+    kv_tiers: tuple[tuple[str, dict[str, float]], ...] = ()
 
 
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:

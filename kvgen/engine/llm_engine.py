@@ -20,6 +20,8 @@ import torch
 from kvgen.cache.heavy_hitters import HeavyHitters
 from kvgen.cache.kv_manager import NULL_BLOCK
 from kvgen.cache.sizing import plan_kv
+from kvgen.cache.tiers.build import build_tiered_manager
+from kvgen.cache.tiers.pool_io import PoolIO
 from kvgen.config import EngineConfig
 from kvgen.engine.admission import Admission, KVLimits
 from kvgen.engine.base import Engine, EngineStats, finite_rows
@@ -47,10 +49,16 @@ class LLMEngine(Engine):
         self.executor = executor or Executor(loaded, config)
         self.model = self.executor.model
         self.kv_plan = plan_kv(loaded.config, config, self.max_model_len)
-        self.kv = self.kv_plan.manager(config.enable_prefix_caching, config.max_num_batched_tokens)
+        if config.kv_tiers:  # host / disk tiers below the pool (kvgen.cache.tiers)
+            self.kv = build_tiered_manager(config, self.kv_plan, loaded.config,
+                                           {**loaded.weights, **loaded.quantized}, config.dtype)
+        else:
+            self.kv = self.kv_plan.manager(config.enable_prefix_caching, config.max_num_batched_tokens)
         self.heavy_hitters = HeavyHitters(self.model.device, config.block_size)
         self.executor.init_kv(self.kv_plan, self.kv, self.heavy_hitters)
         self.runner = self.executor.runner
+        if config.kv_tiers:
+            self.kv.attach(PoolIO(self.runner.cache))
         self.speculator: Speculator | None = build_speculator(config, loaded.config, self.kv, draft)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv,
                                    self.speculator.lookahead if self.speculator is not None else None)
@@ -98,8 +106,14 @@ class LLMEngine(Engine):
             kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks,
             kv_blocks_cached_free=self.kv.num_cached_free_blocks, prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
-            **self._spec_stats(),
+            kv_tiers=self.kv.tiers.readings() if self.config.kv_tiers else (), **self._spec_stats(),
         )
+
+    def pin_prefix(self, token_ids: list[int], pin: bool = True) -> dict[str, int]:
+        """Keeps (pin) or lets go (unpin) a prompt's computed blocks in the KV tiers (kvgen.cache.tiers)."""
+        if not self.config.kv_tiers:
+            raise ValueError("pinning needs KV tiers: start with --kv-offload-memory or --kv-cache-dir")
+        return self.kv.pin(token_ids, None, pin)
 
     def _spec_stats(self) -> dict[str, int]:
         if self.speculator is None:

@@ -21,7 +21,7 @@ from kvgen.async_llm import AsyncLLM
 from kvgen.engine.base import Engine
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.replicas.frontend import ReplicaSet
-from kvgen.server import chat_completions, completions, info
+from kvgen.server import cache, chat_completions, completions, info
 from kvgen.server.chat import ChatTemplate
 from kvgen.server.dashboard import routes as dashboard_routes
 from kvgen.server.dashboard.source import DashboardSource
@@ -56,6 +56,7 @@ def create_app(engine: Engine | AsyncLLM | ReplicaSet, *, model_name: str, api_k
     app.include_router(info.v1_router)
     app.include_router(completions.router)
     app.include_router(chat_completions.router)
+    app.include_router(cache.router)
     if dashboard and (isinstance(llm, ReplicaSet) or isinstance(llm.engine, LLMEngine)):
         metrics = app.state.kvgen.metrics
         app.state.dashboard = (DashboardSource(llm, metrics) if isinstance(llm, AsyncLLM) else

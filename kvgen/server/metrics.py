@@ -45,9 +45,32 @@ def stats_families(stats: EngineStats) -> Iterator[Metric]:
                               stats.spec_accepted)
     yield CounterMetricFamily("kvgen_spec_decode_num_verify_steps",
                               "Sequence-steps that verified speculative tokens.", stats.spec_verify_steps)
+    yield from tier_families(stats)
     mean = (stats.spec_accepted + stats.spec_verify_steps) / stats.spec_verify_steps if stats.spec_verify_steps else 0.0
     yield GaugeMetricFamily("kvgen_spec_decode_mean_accepted_length",
                             "Tokens emitted per verifying sequence-step (accepted + the target's own).", mean)
+
+
+def tier_families(stats: EngineStats) -> Iterator[Metric]:
+    """Per KV tier below the pool (label `tier`: host, disk): what it holds, hits, bytes, seconds."""
+    if not stats.kv_tiers:
+        return
+    held = GaugeMetricFamily("kvgen_kv_tier_blocks", "KV blocks held by a tier below the pool.", labels=["tier"])
+    held_bytes = GaugeMetricFamily("kvgen_kv_tier_bytes_held", "Bytes held by a KV tier.", labels=["tier"])
+    hits = CounterMetricFamily("kvgen_kv_tier_hits", "Prefix blocks loaded back into the pool from a tier.",
+                               labels=["tier"])
+    moved = CounterMetricFamily("kvgen_kv_tier_bytes", "Bytes written to (in) and read from (out) a tier.",
+                                labels=["tier", "direction"])
+    seconds = CounterMetricFamily("kvgen_kv_tier_seconds", "Seconds spent storing and loading a tier's blocks.",
+                                  labels=["tier"])
+    for tier, r in stats.kv_tiers:
+        held.add_metric([tier], r["blocks"])
+        held_bytes.add_metric([tier], r["bytes"])
+        hits.add_metric([tier], r["hits"])
+        moved.add_metric([tier, "in"], r["bytes_in"])
+        moved.add_metric([tier, "out"], r["bytes_out"])
+        seconds.add_metric([tier], r["seconds"])
+    yield from (held, held_bytes, hits, moved, seconds)
 
 
 def labelled_families(readings: list[tuple[dict[str, str], EngineStats]]) -> Iterator[Metric]:
