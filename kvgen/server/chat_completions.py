@@ -26,7 +26,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state = serving_state(request, body.model)
     state.admit(body, 1)
     tools = body.tools or []
-    job = prepare_job(state, "chatcmpl", [state.chat_template.prompt_ids(body.messages, tools)], body)
+    prompt = state.chat_template.render(body.messages, tools, body.chat_template_kwargs)
+    job = prepare_job(state, "chatcmpl", [state.chat_template.encode(prompt)], body)
+    if state.reasoning_parser is not None or state.tool_parser != "json":  # the model's own format
+        from kvgen.server.chat_parsed import ParsedChatFormat
+
+        return await respond(request, state, job, ParsedChatFormat(job, state, body, prompt), body)
     return await respond(request, state, job, ChatFormat(job, state.model_name, tools, body.effective_tool_choice),
                          body)
 

@@ -48,6 +48,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                    help=f"sequences waiting for the engine past which new requests get 429 "
                         f"(default: {DEFAULT_MAX_QUEUED_REQUESTS})")
+    g.add_argument("--reasoning-parser", default="auto", metavar="auto|none|NAME",
+                   help="how a reply's reasoning is read apart from its content: think (<think>...</think>: "
+                        "Qwen3, Qwen3.5, DeepSeek-R1), harmony (gpt-oss), none (default: auto, from the chat template)")
+    g.add_argument("--tool-call-parser", default="auto", metavar="auto|NAME",
+                   help="the format tool calls are read in: hermes, qwen3-xml, llama3-json, harmony, json "
+                        "(default: auto, from the chat template)")
     dp = serve.add_argument_group("data-parallel replicas (docs/serving.md)")
     dp.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                     help="engine processes on this machine, each with its own KV pool and cores (default: 1, "
@@ -93,7 +99,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = RequestLimits(**{name: getattr(args, name) for name in LIMIT_HELP})
     app = create_app(engine, model_name=args.served_model_name or _model_name(args.model),
                      api_key=args.api_key, max_request_bytes=args.max_request_bytes, limits=limits,
-                     max_queued_requests=args.max_queued_requests, dashboard=not args.no_dashboard)
+                     max_queued_requests=args.max_queued_requests, dashboard=not args.no_dashboard,
+                     reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
     tensor_parallel = isinstance(engine, TensorParallelEngine)
     if tensor_parallel:  # a broken group ends the server, gracefully: the failed requests' answers go out first
