@@ -30,7 +30,9 @@ class TaggedCallParser:
                 stripped = self.buf.lstrip()
                 if not stripped:
                     return out
-                self.state = "bare" if stripped[0] in "{[" else "text"
+                if FENCE.startswith(stripped):
+                    return out  # not yet telling a fenced call from a fenced answer
+                self.state = "bare" if stripped[0] in "{[" or stripped.startswith(FENCE) else "text"
             if self.state == "bare":
                 return out  # held to the end: read as a whole
             if self.state == "after":
@@ -74,8 +76,15 @@ class TaggedCallParser:
         return [] if self.state == "after" else [Text("content", rest)]
 
 
+FENCE = "```"
+
+
 def bare_json_calls(text: str, tools: ToolSet) -> list[Call] | None:
-    """A reply that is one JSON call object, or an array of them, naming offered tools."""
+    """A reply that is one JSON call object, or an array of them, naming offered tools; also inside a
+    ```json fence (as Qwen2.5-Coder-1.5B writes its calls)."""
+    text = text.strip()
+    if text.startswith(FENCE) and text.endswith(FENCE) and len(text) > 2 * len(FENCE):
+        text = text[len(FENCE):-len(FENCE)].removeprefix("json").strip()
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
