@@ -147,6 +147,7 @@ class MessagesRequest(_Strictish):
     seed: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
@@ -187,6 +188,7 @@ class MessagesRequest(_Strictish):
             "messages": messages, "max_tokens": self.max_tokens, "stream": self.stream,
             "stop": self.stop_sequences, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "seed": self.seed, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "logit_bias": self.logit_bias,
             "chat_template_kwargs": kwargs or None,
         }
         if self.tools:

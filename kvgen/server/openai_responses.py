@@ -130,6 +130,7 @@ class ResponsesRequest(_Lenient):
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    logit_bias: dict[str, float] | None = None  # a vLLM extra, in the client's extra_body
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = Field(default=None, max_length=MAX_ID_LENGTH)
@@ -161,6 +162,7 @@ class ResponsesRequest(_Lenient):
         fields: dict[str, Any] = {
             "messages": messages, "max_tokens": self.max_output_tokens, "stream": self.stream,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+            "logit_bias": self.logit_bias,
             "chat_template_kwargs": kwargs or None, "parallel_tool_calls": self.parallel_tool_calls,
         }
         if self.tools:
