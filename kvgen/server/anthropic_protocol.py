@@ -197,7 +197,13 @@ class MessagesRequest(_Strictish):
             fields["tool_choice"], fields["parallel_tool_calls"] = self._tool_choice(names)
         elif self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
             raise InvalidRequestError(f"tool_choice {self.tool_choice.type!r} needs tools")
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+        try:
+            return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+        except ValidationError as e:
+            first = e.errors()[0]
+            field = {"max_tokens": "max_tokens", "stop": "stop_sequences"}.get(str(first["loc"][0]), ".".join(
+                map(str, first["loc"])))
+            raise InvalidRequestError(f"{field}: {first['msg']}") from None
 
     def _tool_choice(self, names: set[str]) -> tuple[Any, bool]:
         choice = self.tool_choice or ToolChoice(type="auto")
