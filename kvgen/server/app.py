@@ -36,6 +36,21 @@ from kvgen.server.state import ServerState, check_api_key
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
 
+def make_state(llm: AsyncLLM | ReplicaSet, *, model_name: str, api_key: str | None = None,
+               limits: RequestLimits | None = None, max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+               reasoning_parser: str = "auto", tool_call_parser: str = "auto",
+               responses: ResponseStore | None = None) -> ServerState:
+    """What the routes read for one served model (several models: one each, kvgen.server.model_router)."""
+    template = llm.tokenizer.chat_template  # the parsers read replies in the format it teaches (auto)
+    return ServerState(llm=llm, model_name=model_name, api_key=api_key,
+                       metrics=ServerMetrics(llm.engine, getattr(llm, "metrics_collector", None)),
+                       chat_template=ChatTemplate(llm.tokenizer), limits=limits or RequestLimits(),
+                       max_queued_requests=max_queued_requests,
+                       reasoning_parser=resolve_reasoning_parser(reasoning_parser, template),
+                       tool_parser=resolve_tool_parser(tool_call_parser, template),
+                       responses=responses if responses is not None else ResponseStore())
+
+
 def create_app(engine: Engine | AsyncLLM | ReplicaSet, *, model_name: str, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: RequestLimits | None = None,
                max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, dashboard: bool = True,
@@ -51,13 +66,9 @@ def create_app(engine: Engine | AsyncLLM | ReplicaSet, *, model_name: str, api_k
         await llm.shutdown()
 
     app = FastAPI(title="kvgen", summary="OpenAI-compatible API over the kvgen engine", lifespan=lifespan)
-    template = llm.tokenizer.chat_template  # the parsers read replies in the format it teaches (auto)
-    app.state.kvgen = ServerState(llm=llm, model_name=model_name, api_key=api_key,
-                                  metrics=ServerMetrics(llm.engine, getattr(llm, "metrics_collector", None)), chat_template=ChatTemplate(llm.tokenizer),
-                                  limits=limits or RequestLimits(), max_queued_requests=max_queued_requests,
-                                  reasoning_parser=resolve_reasoning_parser(reasoning_parser, template),
-                                  tool_parser=resolve_tool_parser(tool_call_parser, template),
-                                  responses=ResponseStore())
+    app.state.kvgen = make_state(llm, model_name=model_name, api_key=api_key, limits=limits,
+                                 max_queued_requests=max_queued_requests, reasoning_parser=reasoning_parser,
+                                 tool_call_parser=tool_call_parser)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     add_error_handlers(app)
     app.include_router(info.router)

@@ -67,7 +67,8 @@ def json_response(model: BaseModel, status: int = 200, headers: dict[str, str] |
 
 
 def server_state(request: Request) -> ServerState:
-    return request.app.state.kvgen
+    """The state of the model the request was routed to (several models), else the app's one."""
+    return getattr(request.state, "kvgen", None) or request.app.state.kvgen
 
 
 def serving_state(request: Request, model: str | None) -> ServerState:
