@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from kvgen.server.chat_parsed import ParsedChatFormat
 from kvgen.server.jobs import Choice, ChoiceDelta, Job, TokenLogprob, prepare_job
 from kvgen.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
@@ -28,12 +29,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     tools = body.tools or []
     prompt = state.chat_template.render(body.messages, tools, body.chat_template_kwargs)
     job = prepare_job(state, "chatcmpl", [state.chat_template.encode(prompt)], body)
+    fmt = ChatFormat(job, state.model_name, tools, body.effective_tool_choice)
     if state.reasoning_parser is not None or state.tool_parser != "json":  # the model's own format
-        from kvgen.server.chat_parsed import ParsedChatFormat
-
-        return await respond(request, state, job, ParsedChatFormat(job, state, body, prompt), body)
-    return await respond(request, state, job, ChatFormat(job, state.model_name, tools, body.effective_tool_choice),
-                         body)
+        fmt = ParsedChatFormat(fmt, job, state, body, prompt)
+    return await respond(request, state, job, fmt, body)
 
 
 class ChatFormat:

@@ -6,10 +6,10 @@ or a tool-call format other than the generic JSON one (chat_completions.ChatForm
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import BaseModel
 
-from kvgen.server.chat_completions import ChatFormat
 from kvgen.server.jobs import Choice, ChoiceDelta, Job
 from kvgen.server.parsers import Call, Event, ReplyParser, Text
 from kvgen.server.parsers.base import merge
@@ -22,12 +22,22 @@ from kvgen.server.state import ServerState
 from kvgen.server.tools import FunctionCall, ToolCall, ToolCallDelta
 
 
-class ParsedChatFormat(ChatFormat):
-    def __init__(self, job: Job, state: ServerState, body: ChatCompletionRequest, prompt: str) -> None:
-        super().__init__(job, state.model_name, body.tools or [], body.effective_tool_choice)
+class ParsedChatFormat:
+    """Spells chunks through `base` (chat_completions.ChatFormat: openings, logprobs, usage), reading
+    the text with a ReplyParser per choice."""
+
+    def __init__(self, base: Any, job: Job, state: ServerState, body: ChatCompletionRequest, prompt: str) -> None:
+        self.base, self.job, self.model = base, job, state.model_name
+        self._chunk, self._logprobs = base._chunk, base._logprobs
         self.new_parser = lambda: reply_parser(state, body, prompt)
         self.parsers: list[ReplyParser] = [self.new_parser() for _ in range(job.num_choices)]
         self.num_calls = [0] * job.num_choices
+
+    def opening(self, index: int) -> BaseModel | None:
+        return self.base.opening(index)
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self.base.usage_chunk(usage)
 
     def chunk(self, delta: ChoiceDelta) -> BaseModel | None:
         parser = self.parsers[delta.index]
