@@ -34,10 +34,17 @@ class PreparedReply:
         return reply_parser(state, self.body, self.prompt)
 
 
-def prepare_reply(state: ServerState, id_prefix: str, body: ChatCompletionRequest) -> PreparedReply:
+def prepare_reply(state: ServerState, id_prefix: str, body: ChatCompletionRequest,
+                  clamp_max_tokens: bool = True) -> PreparedReply:
+    """Admits, renders and validates the request. With `clamp_max_tokens` a max_tokens past the
+    context is cut to what the prompt leaves (agents send 32000 whatever the model's context; the
+    reply then ends with max_tokens / incomplete, as Anthropic's and OpenAI's own servers do)."""
     state.admit(body, 1)
     prompt = state.chat_template.render(body.messages, body.tools or [], body.chat_template_kwargs)
-    return PreparedReply(prepare_job(state, id_prefix, [state.chat_template.encode(prompt)], body), prompt, body)
+    ids = state.chat_template.encode(prompt)
+    if clamp_max_tokens and body.max_tokens is not None:
+        body.max_tokens = max(1, min(body.max_tokens, state.engine.max_model_len - len(ids)))
+    return PreparedReply(prepare_job(state, id_prefix, [ids], body), prompt, body)
 
 
 def reply_parser(state: ServerState, body: ChatCompletionRequest, prompt: str) -> ReplyParser:

@@ -169,3 +169,12 @@ def test_the_response_store_is_bounded():
     assert "r2" in store.entries and "r3" not in store.entries and store.size <= 10_000
     store.put("huge", {}, [{"role": "user", "content": "z" * 20_000}])  # over the whole budget: not kept
     assert "huge" not in store.entries
+
+
+def test_max_tokens_past_the_context_is_cut_to_what_is_left(server):
+    """Agents send max_tokens 32000 whatever the model: the reply ends at the context instead of a 400."""
+    with server.client() as http:
+        reply = http.post("/v1/messages", json=_m(max_tokens=60000)).json()
+        assert reply["stop_reason"] in ("max_tokens", "end_turn")
+        assert reply["usage"]["input_tokens"] + reply["usage"]["output_tokens"] <= 512  # stories260K's context
+    assert _settled(server) == 0
