@@ -130,6 +130,7 @@ def _serve_several(args: argparse.Namespace, models: list[str]) -> int:
     from kvgen.options import engine_config
     from kvgen.server.app import make_state
     from kvgen.server.model_router import ModelRouter, create_router_app
+    from kvgen.server.openai_responses import ResponseStore
 
     if args.data_parallel_size != 1 or args.served_model_name:
         raise KVGenError("several --model: name each as NAME=PATH (not --served-model-name); no --data-parallel-size")
@@ -140,10 +141,12 @@ def _serve_several(args: argparse.Namespace, models: list[str]) -> int:
     def build(path: str):  # noqa: ANN202 - an Engine
         return open_engine(path, config, args.tokenizer, args.gguf_file)[0]
 
+    responses = ResponseStore()  # one store for all models: it outlives a model's unloading
+
     def state(llm, name: str):  # noqa: ANN202 - a ServerState
         return make_state(llm, model_name=name, api_key=args.api_key, limits=limits,
                           max_queued_requests=args.max_queued_requests, reasoning_parser=args.reasoning_parser,
-                          tool_call_parser=args.tool_call_parser)
+                          tool_call_parser=args.tool_call_parser, responses=responses)
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     router = ModelRouter([(n, p) for n, p in named], build, state, budget=args.model_memory,
