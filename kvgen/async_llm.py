@@ -14,14 +14,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
-from kvgen.config import EngineConfig
+from kvgen.engine.admission import AdmittedRequest
 from kvgen.engine.base import Engine, Prompt
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import RequestOutput
-from kvgen.llm import build_engine, load
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import RequestOutput
 
 T = TypeVar("T")
 
@@ -76,30 +74,29 @@ class AsyncLLM:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._queues: dict[str, asyncio.Queue] = {}
-        self._adds: list[tuple[str, Prompt, SamplingParams]] = []
+        self._adds: list[tuple[str, AdmittedRequest]] = []
         self._aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._stepping = False
         self._observers: list[tuple[Callable[[Engine], object], asyncio.Future]] = []
 
-    @classmethod
-    def from_options(cls, model: str | Path | None = None, **engine_options) -> "AsyncLLM":
-        config = EngineConfig(**engine_options)
-        return cls(build_engine(load(model, config), config))
-
     def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Adds the request now and returns its outputs, one after every step that changed it; the
         last one is finished. Close the stream (or iterate it to the end) to release the request.
 
-        Raises InvalidRequestError at once for a request that can never be served.
+        Raises InvalidRequestError at once for a request that can never be served (the engine's
+        admission checks it here, once: kvgen.engine.admission).
         """
+        return self.submit(self.engine.admission.admit(prompt, params), request_id)
+
+    def submit(self, admitted: AdmittedRequest, request_id: str | None = None) -> RequestStream:
+        """`generate` for a request its caller admitted already (the server admits a job's prompts
+        before it opens any stream)."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
-        token_ids = self.engine.encode_prompt(prompt)
-        self.engine.check_fits(len(token_ids), params)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._adds.append((request_id, prompt, params))
+        self._adds.append((request_id, admitted))
         self._ensure_loop().set()
 
         def done(finished: bool) -> None:
@@ -181,9 +178,9 @@ class AsyncLLM:
 
     def _apply_queued(self) -> None:
         adds, self._adds = self._adds, []
-        for request_id, prompt, params in adds:
+        for request_id, admitted in adds:
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_admitted(request_id, admitted)
             except Exception as error:
                 self._deliver(request_id, error)
         aborts, self._aborts = self._aborts, []

@@ -15,13 +15,16 @@ from pathlib import Path
 
 from kvgen.cache.hybrid import layer_kinds
 from kvgen.cache.sizing import KV_ELEMENT_BYTES, format_bytes, kv_bytes_per_token, kv_scale_bytes
+from kvgen.cache.shared_kv import SharedKVShape, shared_kv_shape_of
+from kvgen.cache.shared_kv import describe as describe_shared
+from kvgen.cache.state_sizing import HybridShape, describe, hybrid_shape_of
 from kvgen.commands import SUBSYSTEM_COMMANDS
 from kvgen.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from kvgen.engine.base import Engine
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import RequestOutput
 from kvgen.errors import KVGenError
 from kvgen.options import add_engine_options, add_sampling_options, build_engine_from_args, config_only, sampling_params
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import RequestOutput
 
 EXIT_USER_ERROR = 2
 
@@ -137,6 +140,10 @@ def _read_batch(path: Path) -> list[tuple[int, str | list[int], SamplingParams]]
 def cmd_kv_size(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise KVGenError(f"--tokens must be a positive number of tokens, got {args.tokens}")
+    if args.model and (hybrid := hybrid_shape_of(args.model)) is not None:
+        return _print_hybrid(hybrid, args)
+    if args.model and (shared := shared_kv_shape_of(args.model)) is not None:
+        return _print_hybrid(shared, args)
     config = config_only(Path(args.model)) if args.model else _default_config()
     dtype = DTYPES[args.dtype] if args.kv_cache_dtype in (None, "auto") else args.kv_cache_dtype
     element, scale = KV_ELEMENT_BYTES[dtype], kv_scale_bytes(dtype, config.head_dim)
@@ -172,6 +179,18 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
         hybrid = report["bytes_total_hybrid"]
         print(f"hybrid cache in all: {hybrid:,} bytes ({format_bytes(hybrid)}), {hybrid / total:.1%} of every "
               "layer holding every token")
+    return 0
+
+
+def _print_hybrid(shape: HybridShape | SharedKVShape, args: argparse.Namespace) -> int:
+    """kv-size for a model with recurrent layers (Qwen3.5: KV bytes per token and state bytes per
+    sequence apart, the state fp32 whatever --dtype) or layers sharing K/V (Gemma 4: the holders only)."""
+    dtype = DTYPES[args.dtype] if args.kv_cache_dtype in (None, "auto") else args.kv_cache_dtype
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise KVGenError(f"kv-size: {dtype} KV pools for a model with recurrent layers are not sized yet")
+    report = shape.report(args.tokens, KV_ELEMENT_BYTES[dtype]) | {"dtype": dtype}
+    lines = describe(report) if isinstance(shape, HybridShape) else describe_shared(report)
+    print(json.dumps(report) if args.json else "\n".join(lines))
     return 0
 
 

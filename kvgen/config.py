@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from kvgen.errors import ModelLoadError
 from kvgen.model.architectures import ARCHITECTURES, BY_HF_MODEL_TYPE, Architecture, known_names
 
@@ -199,7 +201,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 # torch.distributed backends for tensor parallelism: "auto" is gloo on the CPU, NCCL on CUDA.
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
-# Speculative decoding (kvgen.engine.spec): "ngram" looks the next tokens up in the prompt and output
+# Speculative decoding (kvgen.engine.speculative): "ngram" looks the next tokens up in the prompt and output
 # so far, "draft" asks a smaller model sharing the tokenizer; K tokens are verified per target pass.
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 32
@@ -237,6 +239,7 @@ class EngineConfig:
     prompt_lookup_max: int = 3
     adaptive_speculation: bool = True  # skip speculating a step where it measures slower (docs/speculative.md)
     fused_decode: bool = True  # decode steps as one list of C kernel calls where they can (kvgen.model.fused)
+    enforce_eager: bool = False  # CUDA: no decode graphs (kvgen.gpu.graphs)
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
@@ -289,9 +292,7 @@ class EngineConfig:
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
 
     @property
-    def torch_dtype(self):  # -> torch.dtype (imported lazily: this module stays torch-free)
-        import torch
-
+    def torch_dtype(self) -> torch.dtype:
         return getattr(torch, DTYPES[self.dtype])
 
     @property
@@ -301,3 +302,37 @@ class EngineConfig:
 
 
 DEFAULT_KV_MEMORY = 1 << 30
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    """One Gated DeltaNet layer's state, per sequence."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int = 4
+
+    def __post_init__(self) -> None:
+        if min(self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.conv_kernel) <= 0:
+            raise ValueError(f"a recurrent layer's sizes must be positive: {self}")
+        if self.v_heads % self.k_heads:
+            raise ValueError(f"{self.v_heads} value heads cannot share {self.k_heads} key heads evenly")
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    @property
+    def conv_window(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def state(self) -> tuple[int, int, int]:
+        return (self.v_heads, self.k_dim, self.v_dim)
+
+    def bytes(self, state_bytes: int = 4, conv_bytes: int = 4) -> int:
+        """One sequence's bytes in this layer: its conv window and recurrent state (fp32 by default)."""
+        conv, heads = self.conv_window, self.state
+        return conv[0] * conv[1] * conv_bytes + heads[0] * heads[1] * heads[2] * state_bytes

@@ -20,16 +20,16 @@ import torch
 from tqdm import tqdm
 
 from kvgen.cache.sizing import format_bytes
-from kvgen.config import EngineConfig
+from kvgen.config import DTYPES, EngineConfig
 from kvgen.engine.base import Engine, Prompt
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import RequestOutput
 from kvgen.engine.sequential import SequentialEngine
 from kvgen.loaders import LoadedModel, load_model
 from kvgen.loaders.hub import resolve_model
 from kvgen.loaders.progress import loading
 from kvgen.loaders.residency import peak_rss_bytes, rss_bytes, trim_heap
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import RequestOutput
 
 # stories260K ships inside the package (MIT licence; see its README), so the default works anywhere.
 DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "stories260K" / "stories260K.bin"
@@ -66,8 +66,12 @@ def load(model: str | Path | None, config: EngineConfig, tokenizer: str | Path |
     them; 'int8' / 'int4' load floats, which the model then packs.
     """
     path = resolve_model(str(model), gguf_file) if model is not None else default_model_path()
-    reload = partial(load_model, path, tokenizer_path=tokenizer, device=config.device, dtype=torch.float32,
-                     keep_quantized=config.quantization == "auto")
+    # On CUDA a GGUF's matrices are dequantized at load, one tensor at a time, straight to the
+    # model's dtype on the device (docs/gpu.md): its matmuls are torch's, which read floats.
+    on_gpu = torch.device(config.device).type == "cuda"
+    reload = partial(load_model, path, tokenizer_path=tokenizer, device=config.device,
+                     dtype=getattr(torch, DTYPES[config.dtype]) if on_gpu else torch.float32,
+                     keep_quantized=config.quantization == "auto" and not on_gpu)
     if config.tensor_parallel_size == 1:
         return reload()
     from kvgen.distributed.launch import local_rank_of

@@ -17,11 +17,11 @@ from kvgen.config import (
     QUANTIZATION_MODES, SPECULATIVE_METHODS, EngineConfig, ModelConfig,
 )
 from kvgen.engine.base import Engine
-from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import ModelLoadError
 from kvgen.llm import open_engine
-from kvgen.option_space import KV_POLICY_FORMS, refused_pairs_text
 from kvgen.loaders import load_model
+from kvgen.option_space import KV_POLICY_FORMS, refused_pairs_text
+from kvgen.sampling_params import SamplingParams
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +60,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-fused-decode", action="store_true",
                    help="run decode steps layer by layer from Python (default: one list of C kernel calls where "
                         "every piece of the step has a kernel; the same results)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs (docs/gpu.md)")
     s = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     s.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
                    help="ngram: prompt lookup; draft: a smaller model sharing the tokenizer (--draft-model)")
@@ -94,7 +96,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
         draft_quantization=args.draft_quantization, prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max, adaptive_speculation=not args.no_adaptive_speculation,
-        fused_decode=not args.no_fused_decode,
+        fused_decode=not args.no_fused_decode, enforce_eager=getattr(args, "enforce_eager", False),
     )
 
 

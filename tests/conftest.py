@@ -137,8 +137,8 @@ def smollm_requantized(smollm_gguf):
     makes a `mix` (Q4_K_M, Q6_K, ...) of it, built once into the test model cache (KVGEN_TEST_MODELS,
     default ~/.cache/kvgen-test-models). A file not built yet where this machine has no llama-quantize
     skips the test, saying why."""
-    from kvgen.bench import llama_tools
-    from kvgen.bench.random_models import build_atomically
+    from benchmarks import llama_tools
+    from benchmarks.random_models import build_atomically
     from tests.loaders.arch_fixtures import cache_root
 
     def build(mix: str, out: Path) -> None:
@@ -267,6 +267,34 @@ def gemma_llm(gemma_gguf):
 
     return LLM(gemma_gguf, quantization="none", dtype="float32", max_num_seqs=8, kv_cache_memory=1 << 30)
 
+
+# Admission's rules, each called once per request by Admission.admit (kvgen.engine.admission).
+ADMISSION_RULES = ("encode", "resolve_policy", "_check_token_fields", "_check_speculative", "_check_context",
+                   "compile_grammar")
+
+
+@pytest.fixture
+def admissions(monkeypatch):
+    """Counts, in this process, the calls of Admission.admit ("admit"), of each of its rules (by name)
+    and of CachePolicy.parse ("parse")."""
+    from collections import Counter
+
+    from kvgen.cache.policies import CachePolicy
+    from kvgen.engine.admission import Admission
+
+    calls = Counter()
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("admit", *ADMISSION_RULES):
+        monkeypatch.setattr(Admission, name, counted(name, getattr(Admission, name)))
+    parse = CachePolicy.parse.__func__
+    monkeypatch.setattr(CachePolicy, "parse", classmethod(counted("parse", parse)))
+    return calls
 
 # -- the real Qwen2.5-Coder-Instruct GGUFs (0.5B: 398 MB, 1.5B): fetched once into a cache ----------
 

@@ -1,5 +1,5 @@
 """`kvgen bench MODE`: latency, throughput, scaling, serve, replicas (and plot, to redraw figures from JSON; report,
-to write BENCHMARKS.md from it: kvgen.bench.page).
+to write BENCHMARKS.md from it: benchmarks.page, in the peer harness of a checkout, as are the peers).
 
 Every mode prints a table, writes `<output-dir>/<mode>.json` and, where it has a figure, `<mode>.png`.
 Engine options are the same as for `generate` / `serve`; peers (`--compare hf|llama.cpp|ct2`) run on
@@ -19,11 +19,10 @@ from pathlib import Path
 import torch
 
 from kvgen.bench import latency, memory, scaling, throughput
-from kvgen.bench.models import BenchModel, resolve
-from kvgen.bench.page import write_page
-from kvgen.bench.peers import PEERS, KvgenSystem, load_peer
+from kvgen.bench.bench_model import BenchModel, resolve
+from kvgen.bench.harness import available, harness
 from kvgen.bench.report import PLOTS, Report, emit
-from kvgen.bench.system import PeerUnavailable, System
+from kvgen.bench.system import KvgenSystem, PeerUnavailable, System
 from kvgen.bench.tasks import MIN_PASSAGE_TOKENS, TASKS
 from kvgen.cache.sizing import parse_bytes
 from kvgen.config import DTYPES
@@ -125,7 +124,8 @@ def _add_workload(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_compare(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compare", action="append", default=[], choices=PEERS,
+    peers = harness("peers", "--compare").PEERS if available() else None  # None: --compare says why when given
+    parser.add_argument("--compare", action="append", default=[], choices=peers,
                         help="also run this peer on the same model and requests (repeatable)")
     parser.add_argument("--compare-speculation", action="store_true",
                         help="with --speculative-method: also run kvgen without speculation (kvgen-plain)")
@@ -266,6 +266,7 @@ def _noting(report: Report, unavailable: list[str]) -> Report:
 def _peers(args: argparse.Namespace, model: BenchModel, dtype: str, max_len: int) -> tuple[list[System], list[str]]:
     """The peers of --compare that load, and one line for each that does not."""
     peers, unavailable = [], []
+    load_peer = harness("peers", "--compare").load_peer if args.compare else None
     for name in dict.fromkeys(args.compare):
         try:
             started = time.perf_counter()
@@ -294,7 +295,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    page = write_page(args.paths, args.output, args.plots_dir)
+    page = harness("page", "kvgen bench report").write_page(args.paths, args.output, args.plots_dir)
     if args.output is None:
         print(page, end="")
     else:

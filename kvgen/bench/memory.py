@@ -14,7 +14,7 @@ from kvgen.bench.report import Report, Table, fmt
 from kvgen.bench.system import BenchRequest
 from kvgen.bench.workload import make_requests
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.sampling_params import SamplingParams
+from kvgen.sampling_params import SamplingParams
 
 
 def measure(engine: LLMEngine, requests: list[BenchRequest]) -> dict:

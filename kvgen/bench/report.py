@@ -2,7 +2,9 @@
 
 A mode returns a `Report`; `emit` prints its tables and notes, writes `<mode>.json` (every raw number
 plus the machine) and draws `<mode>.png` when the mode has a figure (PLOTS). Plots are drawn from the
-JSON data alone, so `kvgen bench plot` can redraw them without measuring again.
+JSON data alone, so `kvgen bench plot` can redraw them without measuring again. matplotlib is the
+`[bench]` extra, not a dependency of the engine: without it a mode still prints and writes its JSON,
+and says which figure it did not draw.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvgen.errors import KVGenError
 from kvgen.threads import foreign_environment
 
 PERCENTILES = (50, 90, 99)
@@ -219,8 +222,11 @@ def emit(report: Report, output_dir: Path, argv: Sequence[str] = ()) -> list[Pat
     written = [output_dir / f"{report.mode}.json"]
     written[0].write_text(json.dumps(data, indent=2) + "\n")
     if report.mode in PLOTS:
-        written.append(output_dir / f"{report.mode}.png")
-        PLOTS[report.mode](data, written[-1])
+        try:
+            PLOTS[report.mode](data, output_dir / f"{report.mode}.png")
+            written.append(output_dir / f"{report.mode}.png")
+        except PlotsUnavailable as e:
+            print(f"no {report.mode}.png: {e}", file=sys.stderr)
     print("wrote " + ", ".join(map(str, written)))
     return written
 
@@ -228,9 +234,18 @@ def emit(report: Report, output_dir: Path, argv: Sequence[str] = ()) -> list[Pat
 # -- plots (from the JSON data) -----------------------------------------------------------------
 
 
+class PlotsUnavailable(KVGenError):
+    """matplotlib is not installed (it is the `[bench]` extra)."""
+
+
 def pyplot():
-    """matplotlib's pyplot on a backend that needs no display."""
-    import matplotlib
+    """matplotlib's pyplot on a backend that needs no display; PlotsUnavailable without matplotlib."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        if e.name != "matplotlib":
+            raise
+        raise PlotsUnavailable("matplotlib is not installed (pip install 'kvgen[bench]')") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

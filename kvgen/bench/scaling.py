@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvgen.bench.peers import KvgenSystem
 from kvgen.bench.report import Report, Table, fmt, loglog_slope, median, timed
+from kvgen.bench.system import KvgenSystem
 from kvgen.bench.workload import random_prompt
 from kvgen.model.llama import LlamaModel
 from kvgen.phases import DecodeState, decode, prefill

@@ -1,6 +1,7 @@
-"""What the bench asks of every system it runs, kvgen's engine and its peers alike (kvgen.bench.peers,
-kvgen.bench.llama_server). Every system generates greedily from token ids and never stops early (EOS
-ignored), so each produces exactly the tokens asked for. Two operations:
+"""What the bench asks of every system it runs, kvgen's engine (KvgenSystem, here) and its peers alike
+(benchmarks.peers, benchmarks.llama_server: the peer harness, outside the package). Every system
+generates greedily from token ids and never stops early (EOS ignored), so each produces exactly the
+tokens asked for. Two operations:
 
     generate_timed(prompt, n)  one request alone -> when each output token became available
     run_batch(requests)        requests run together (kvgen: all submitted at once, continuous
@@ -10,10 +11,15 @@ ignored), so each produces exactly the tokens asked for. Two operations:
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from kvgen.engine.base import Engine
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import Request
 
 
 class BenchRequest(NamedTuple):
@@ -71,3 +77,34 @@ class System(ABC):
             requests = sorted(requests, key=lambda r: len(r.prompt))
         for i in range(0, len(requests), size):
             self.run_batch(requests[i:i + size])
+
+
+class KvgenSystem(System):
+    """kvgen's engine, driven through its public add_request / step loop."""
+
+    name = "kvgen"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._ids = itertools.count()
+
+    def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
+        request = self._add(BenchRequest(prompt, output_len))
+        self._drain()
+        return TokenTimes(request.metrics.arrival, list(request.metrics.token_times))
+
+    def run_batch(self, requests: Sequence[BenchRequest]) -> None:
+        added = [self._add(r) for r in requests]
+        self._drain()
+        short = [(r.request_id, len(r.sequences[0].output_token_ids)) for r in added
+                 if len(r.sequences[0].output_token_ids) != r.params.max_tokens]
+        if short:
+            raise RuntimeError(f"requests stopped before max_tokens (id, tokens): {short[:3]}")
+
+    def _add(self, request: BenchRequest) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
+        return self.engine.add_request(f"bench-{next(self._ids)}", request.prompt, params)
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished():
+            self.engine.step()

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvgen.bench.peers import KvgenSystem
 from kvgen.bench.report import Metric, Report, comparison_table, timed
+from kvgen.bench.system import KvgenSystem
 from kvgen.bench.system import BenchRequest, System
 from kvgen.bench.workload import make_requests
 

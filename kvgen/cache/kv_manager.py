@@ -192,6 +192,7 @@ class KVCacheManager:
         """Nothing: every layer keeps every token (kvgen.cache.hybrid's manager slides its windows)."""
 
     def can_allocate(self, num_blocks: int) -> bool:
+        """Whether the pool can hand out `num_blocks` blocks now (what `allocate` and `can_extend` ask)."""
         return num_blocks <= self.pool.num_free
 
     def find_cached_prefix(self, token_ids: Sequence[int], extra_key: Hashable = None) -> list[Block]:
@@ -240,7 +241,7 @@ class KVCacheManager:
         end = state.num_slots + len(prefix) * self.block_size + num_new_tokens
         num_fresh = self.num_blocks_needed(end) - state.num_entries - len(prefix)
         cow = num_new_tokens > 0 and self._shares_partial_block(state)
-        if self._blocks_to_take(state, num_new_tokens, prefix) > self.pool.num_free:
+        if not self.can_allocate(self._blocks_to_take(state, num_new_tokens, prefix)):
             return False
         self._add_prefix(state, prefix)
         if cow:
@@ -256,7 +257,7 @@ class KVCacheManager:
     def can_extend(self, seq_id: int, num_new_tokens: int, cached_prefix: list[Block] | None = None) -> bool:
         """Whether `allocate` with these arguments would find its blocks (it changes nothing)."""
         state = self._seqs.get(seq_id) or _SeqState()
-        return self._blocks_to_take(state, num_new_tokens, cached_prefix or []) <= self.pool.num_free
+        return self.can_allocate(self._blocks_to_take(state, num_new_tokens, cached_prefix or []))
 
     def _blocks_to_take(self, state: _SeqState, num_new_tokens: int, prefix: list[Block]) -> int:
         """Free blocks an allocation takes: fresh ones, a copy-on-write copy, and revived prefix blocks

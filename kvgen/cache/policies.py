@@ -81,9 +81,16 @@ class CachePolicy:
         so window blocks may only be shared with requests of the same window."""
         return None if self.kind == "full" else self.spec
 
+    @property
+    def rope_cap(self) -> int | None:
+        """The largest position RoPE gives a token (None: its index, unbounded). Sinks rotate a token
+        by its rank in the cache, and the cache never holds more than S + W tokens. The runner caps a
+        batch's positions with it; `rope_position` is the same rule for one token."""
+        return self.sinks + self.window - 1 if self.uses_cache_positions else None
+
     def rope_position(self, index: int) -> int:
         """The position RoPE uses for token `index` when it is computed."""
-        return min(index, self.sinks + self.window - 1) if self.uses_cache_positions else index
+        return index if self.rope_cap is None else min(index, self.rope_cap)
 
     def max_chunk(self, start: int) -> int | None:
         """Most tokens that may be computed together from `start` (None: no limit).

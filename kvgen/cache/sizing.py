@@ -1,4 +1,5 @@
-"""KV-cache memory arithmetic: bytes per token, parsing and printing sizes, blocks per budget.
+"""KV-cache memory arithmetic: bytes per token, parsing and printing sizes, blocks per budget, and
+the engine's KV plan (how many blocks each pool gets: `plan_kv`).
 
 Size units (case-insensitive, optional "B", optional space):
   binary   Ki Mi Gi Ti Pi  (KiB, MiB, ...) = 1024^k
@@ -9,7 +10,12 @@ So "2GiB" = 2 * 1024**3 and "1.5G" = 1_500_000_000.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from fractions import Fraction
+
+from kvgen.cache.hybrid import HybridKVManager, LayerKind, layer_kinds, sequence_bytes, split_budget
+from kvgen.cache.kv_manager import KVCacheManager
+from kvgen.config import DEFAULT_KV_MEMORY, EngineConfig, ModelConfig
 
 _PREFIXES = "KMGTP"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([kmgtp]i?)?b?\s*$", re.IGNORECASE)
@@ -95,3 +101,79 @@ def format_bytes(n: int, binary: bool = False) -> str:
             return f"{value:.1f} {prefix}{suffix}"
         value /= base
     return f"{value:.1f} {_PREFIXES[-1]}{suffix}"
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The KV cache an engine allocates: one pool of `blocks[0]` blocks, or on a hybrid model one per
+    kind of layer (`kinds`, the global kind first; kvgen.cache.hybrid). Sizes only, no tensors."""
+
+    block_size: int
+    kv_dtype: str
+    layer_bytes_per_token: int  # one layer's K and V of one token
+    num_layers: int
+    blocks: tuple[int, ...]  # per kind; one entry for a model whose layers are all alike
+    kinds: tuple[LayerKind, ...] = ()  # () unless the model is hybrid
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Every layer's K and V of one token."""
+        return self.num_layers * self.layer_bytes_per_token
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the global pool (a replica's admission view is sized by it: kvgen.replicas)."""
+        return self.blocks[0]
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the pools hold: of a hybrid model, those of its global layers' pool."""
+        return self.blocks[0] * self.block_size
+
+    def manager(self, enable_prefix_caching: bool, chunk: int) -> KVCacheManager | HybridKVManager:
+        """The block tables over these pools (bookkeeping only); `chunk`: most tokens a step computes."""
+        if not self.kinds:
+            return KVCacheManager(self.blocks[0], self.block_size, enable_prefix_caching)
+        return HybridKVManager([KVCacheManager(n, self.block_size, enable_prefix_caching) for n in self.blocks],
+                               list(self.kinds), chunk)
+
+    def report(self) -> str:
+        """One line of what the pools hold, for the start-up log."""
+        if self.kinds:
+            return "hybrid KV cache: " + "; ".join(self._kind_report(k, n) for k, n in zip(self.kinds, self.blocks))
+        return (f"KV cache: {self.blocks[0]} blocks x {self.block_size} tokens = {self.capacity_tokens} "
+                f"tokens, {format_bytes(self.capacity_tokens * self.bytes_per_token)} "
+                f"({self.bytes_per_token} bytes/token, {self.kv_dtype})")
+
+    def _kind_report(self, kind: LayerKind, num_blocks: int) -> str:
+        per_token = len(kind.layers) * self.layer_bytes_per_token
+        tokens = num_blocks * self.block_size
+        what = "global" if kind.window is None else f"window {kind.window}"
+        return (f"{len(kind.layers)} {what} layers, {num_blocks} blocks x {self.block_size} = {tokens} tokens, "
+                f"{format_bytes(tokens * per_token)} ({per_token} bytes/token, {self.kv_dtype})")
+
+
+def plan_kv(model: ModelConfig, config: EngineConfig, max_model_len: int) -> KVPlan:
+    """Blocks per pool: `num_kv_blocks` each, else the budget (`kv_cache_memory`, or enough for
+    `max_num_seqs` sequences of `max_model_len` tokens up to DEFAULT_KV_MEMORY) in whole blocks. A
+    hybrid model's budget is split between its kinds in proportion to what a full-length sequence
+    holds in each (kvgen.cache.hybrid.split_budget), so that they run out together."""
+    per_layer = kv_bytes_per_token_of(1, model.num_kv_heads, model.head_dim, config.kv_dtype)
+    kinds = layer_kinds([model.window(i) for i in range(model.num_layers)]) if model.is_hybrid else []
+    needs = (sequence_bytes(kinds, per_layer, max_model_len, config.max_num_batched_tokens, config.block_size)
+             if kinds else [model.num_layers * per_layer * max_model_len])
+    budget = config.kv_cache_memory
+    if budget is None:
+        budget = min(config.max_num_seqs * sum(needs), DEFAULT_KV_MEMORY)
+    if config.num_kv_blocks is not None:
+        blocks = [config.num_kv_blocks] * len(needs)
+    elif kinds:
+        blocks = [num_blocks_for_budget(share, config.block_size, per_layer * len(k.layers))
+                  for share, k in zip(split_budget(budget, needs), kinds)]
+    else:
+        blocks = [num_blocks_for_budget(budget, config.block_size, model.num_layers * per_layer)]
+    if min(blocks) < 1:
+        raise ValueError(f"the KV budget holds no block of {config.block_size} tokens in every kind of layer"
+                         if kinds else f"the KV budget holds no block of {config.block_size} tokens "
+                         f"({model.num_layers * per_layer} bytes per token)")
+    return KVPlan(config.block_size, config.kv_dtype, per_layer, model.num_layers, tuple(blocks), tuple(kinds))

@@ -16,10 +16,11 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvgen.engine.admission import AdmittedRequest
 from kvgen.engine.base import Engine
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import RequestOutput
 from kvgen.errors import InvalidRequestError, KVGenError
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import RequestOutput
 from kvgen.server.chat import ChatTemplate
 from kvgen.server.protocol import ChatMessage
 
@@ -76,13 +77,13 @@ class ChatSession:
         alone does not fit); closing the stream early stops the reply, which keeps what it said."""
         self.messages.append(ChatMessage(role="user", content=text))
         try:
-            prompt_ids = self._fitting_prompt()
+            admitted = self._fitting_prompt()
             request_id = f"chat-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt_ids, self.params)
+            self.engine.add_admitted(request_id, admitted)
         except KVGenError:
             self.messages.pop()
             raise
-        return self._stream(request_id, len(prompt_ids))
+        return self._stream(request_id, len(admitted.token_ids))
 
     def _stream(self, request_id: str, prompt_tokens: int) -> Iterator[str]:
         text, final, peak = "", None, 0
@@ -111,15 +112,14 @@ class ChatSession:
                           decode_tokens_per_s=1 / per_token if per_token else None,
                           kv_blocks_used=peak, kv_blocks_total=self.engine.stats().kv_blocks_total, stopped=stopped)
 
-    def _fitting_prompt(self) -> list[int]:
-        """The prompt's token ids, the oldest turns dropped until the engine takes it with the reply's
-        max_tokens; the newest turn alone that does not fit raises InvalidRequestError."""
+    def _fitting_prompt(self) -> AdmittedRequest:
+        """The prompt admitted (kvgen.engine.admission), the oldest turns dropped until the engine takes
+        it with the reply's max_tokens; the newest turn alone that does not fit raises InvalidRequestError."""
         while True:
             self.last_prompt = self.template.render(self._with_system(self.messages[self.first_kept:]))
             prompt_ids = self.template.encode(self.last_prompt)
             try:
-                self.engine.check_fits(len(prompt_ids), self.params)
-                return prompt_ids
+                return self.engine.admission.admit(prompt_ids, self.params)
             except InvalidRequestError as e:
                 if self.first_kept == len(self.messages) - 1:
                     raise InvalidRequestError(f"the message does not fit the context: {e}") from None

@@ -20,7 +20,7 @@ import os
 import torch
 
 from kvgen.config import EngineConfig
-from kvgen.distributed.engine import TensorParallelEngine
+from kvgen.distributed.executor import TensorParallelExecutor
 from kvgen.distributed.group import (
     DistributedError,
     Rendezvous,
@@ -33,6 +33,7 @@ from kvgen.distributed.group import (
 from kvgen.distributed.liveness import WorkerWatch
 from kvgen.distributed.process import WorkerProcess, worker_environment
 from kvgen.distributed.worker import exit_now, serve_worker, worker_main
+from kvgen.engine.llm_engine import LLMEngine
 from kvgen.errors import KVGenError
 from kvgen.loaders import LoadedModel
 
@@ -49,9 +50,9 @@ def local_rank_of(config: EngineConfig) -> int:
     return rank
 
 
-def build_tensor_parallel_engine(loaded: LoadedModel, config: EngineConfig) -> TensorParallelEngine:
-    """Rank 0's engine, once every rank has joined. Under torchrun, a worker rank serves here and
-    exits the process when rank 0 stops."""
+def build_tensor_parallel_engine(loaded: LoadedModel, config: EngineConfig) -> LLMEngine:
+    """Rank 0's engine, over the executor that drives the group, once every rank has joined. Under
+    torchrun, a worker rank serves here and exits the process when rank 0 stops."""
     world = config.tensor_parallel_size
     backend = default_backend(config.device) if config.distributed_backend == "auto" else config.distributed_backend
     rank = torchrun_rank()
@@ -67,7 +68,7 @@ def build_tensor_parallel_engine(loaded: LoadedModel, config: EngineConfig) -> T
                 raise SystemExit(f"kvgen: error: {error}") from None
             group.destroy()
             exit_now()
-        return TensorParallelEngine(loaded, config, group)
+        return LLMEngine(loaded, config, executor=TensorParallelExecutor(loaded, config, group))
     if loaded.reload is None:
         raise ValueError("spawning tensor-parallel workers needs LoadedModel.reload (kvgen.llm.load sets it)")
     check_no_group()  # before spawning anyone
@@ -81,11 +82,16 @@ def build_tensor_parallel_engine(loaded: LoadedModel, config: EngineConfig) -> T
             process.kill()
         raise DistributedError("; ".join([str(error), *dead])) from None
     watch = WorkerWatch(workers, group, grace=config.distributed_timeout)
+    executor = None
     try:
-        return TensorParallelEngine(loaded, config, group, watch)
+        executor = TensorParallelExecutor(loaded, config, group, watch)
+        return LLMEngine(loaded, config, executor=executor)
     except BaseException:
-        watch.stop(join_seconds=0)
-        group.destroy()
+        if executor is not None:
+            executor.abandon()
+        else:
+            watch.stop(join_seconds=0)
+            group.destroy()
         raise
 
 

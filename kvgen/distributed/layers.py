@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.distributed.group import TensorParallelGroup
-from kvgen.distributed.shard import ShardPlan
+from kvgen.loaders.shard import ShardPlan
 from kvgen.model.linear import Linear, RowKernels
 from kvgen.model.llama import LlamaModel
 from kvgen.model.projections import Embedding

@@ -19,11 +19,12 @@ from kvgen.distributed.group import DistributedError, Rendezvous, TensorParallel
 from kvgen.distributed.layers import parallelize
 from kvgen.distributed.liveness import exit_with_parent
 from kvgen.distributed.messages import Op, StepChannel, decode_copies, decode_step
-from kvgen.distributed.shard import ShardPlan
 from kvgen.errors import KVGenError
 from kvgen.loaders import LoadedModel
+from kvgen.loaders.shard import ShardPlan
 from kvgen.model.attention import PagedKVCache
 from kvgen.model.llama import LlamaModel
+from kvgen.runner.model_runner import build_runner
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,6 @@ def memory_report(group: TensorParallelGroup, model: LlamaModel, cache: PagedKVC
 def serve_worker(loaded: LoadedModel, config: EngineConfig, group: TensorParallelGroup) -> None:
     """Runs this rank's part of every step until rank 0 sends STOP (raises DistributedError if the
     group breaks)."""
-    from kvgen.engine.llm_engine import build_runner
-
     model = shard_model(loaded, config, loaded.shard, group)
     head_dim = model.config.head_dim
     channel = StepChannel(group, model.device, model.dtype, head_dim)
@@ -86,8 +85,8 @@ def worker_main(reload: Callable[..., LoadedModel], config: EngineConfig, meetin
 def exit_now() -> None:
     """Ends a worker rank's process with status 0 once its output is flushed, skipping interpreter
     teardown: tearing down gloo's threads there sometimes aborts the process ("terminate called
-    without an active exception", SIGABRT), which under torchrun failed the whole job after the
-    work was done (seen about once in ten runs on a loaded machine)."""
+    without an active exception", SIGABRT), which under torchrun fails the whole job after its work
+    is done (about once in ten runs on a loaded machine)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

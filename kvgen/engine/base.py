@@ -1,27 +1,26 @@
-"""What every engine shares: model set-up, admission of requests, recording sampled tokens, aborts."""
+"""What every engine shares: queueing admitted requests, recording sampled tokens, failures, aborts."""
 
 from __future__ import annotations
 
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from kvgen.cache.policies import CachePolicy
-from kvgen.cache.sizing import format_bytes
 from kvgen.config import EngineConfig
-from kvgen.engine.grammar import Grammar, GrammarCompiler
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import Request, RequestOutput, Sequence, snapshot
+from kvgen.engine.admission import Admission, AdmittedRequest, Prompt, max_model_len_of
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
 from kvgen.model.llama import LlamaModel
-from kvgen.sampler import Sampler, SamplerOutput
+from kvgen.sample.grammar import Grammar, GrammarCompiler
+from kvgen.sample.sampler import Sampler, SamplerOutput
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import Request, RequestOutput, Sequence, snapshot
 
-Prompt = str | list[int]
 log = logging.getLogger(__name__)
 
 
@@ -48,24 +47,23 @@ def finite_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Engine(ABC):
-    """add_request -> step ... step -> finished outputs. Subclasses decide who runs each step."""
+    """add_request -> step ... step -> finished outputs. Subclasses decide how each step runs and set
+    `model` and `admission` (the rules every request meets once: kvgen.engine.admission)."""
+
+    model: LlamaModel
+    admission: Admission
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
-        self.model = self._build_model(loaded, config)
-        log.info("weights: %s", "; ".join(f"{role} {kernel} ({format_bytes(size)})"
-                                          for role, (kernel, size) in self.model.kernels().items()))
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
+        self.max_model_len = max_model_len_of(loaded.config, config)
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size)
         self.requests: dict[str, Request] = {}
-
-    def _build_model(self, loaded: LoadedModel, config: EngineConfig) -> LlamaModel:
-        return LlamaModel(loaded.config, {**loaded.weights, **loaded.quantized}, config.device,
-                          config.torch_dtype, config.quantization, config.fused_decode)
+        self.failure: str | None = None  # why the engine can run no more steps, once it cannot
+        # Called with `failure` once that happened and every request failed (`kvgen serve` stops).
+        self.on_failure: Callable[[str], None] = lambda _: None
 
     def close(self) -> None:
         """Releases what the engine holds beyond memory (tensor-parallel workers); idempotent."""
@@ -74,18 +72,25 @@ class Engine(ABC):
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     arrival: float | None = None) -> Request:
-        """Queues a request; raises InvalidRequestError if it is malformed or could never be served."""
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        token_ids = self.encode_prompt(prompt)
-        policy = self.resolve_policy(params)
-        self.check_fits(len(token_ids), params)
-        request = Request(request_id, token_ids, params, self.tokenizer,
-                          prompt=prompt if isinstance(prompt, str) else None, arrival=arrival, policy=policy,
-                          grammar=self.compile_grammar(params))
+        """Admits a request and queues it; raises InvalidRequestError if it is malformed or could never
+        be served."""
+        self._check_request_id(request_id)
+        return self.add_admitted(request_id, self.admission.admit(prompt, params), arrival)
+
+    def add_admitted(self, request_id: str, admitted: AdmittedRequest, arrival: float | None = None) -> Request:
+        """Queues a request that passed admission (this engine's, or a front end's under the same
+        rules: kvgen.replicas), without checking it again."""
+        self._check_request_id(request_id)
+        admitted = self.admission.restore(admitted)
+        request = Request(request_id, admitted.token_ids, admitted.params, self.tokenizer, prompt=admitted.prompt,
+                          arrival=arrival, policy=admitted.policy, grammar=admitted.grammar)
         self.requests[request_id] = request
         self._enqueue(request)
         return request
+
+    def _check_request_id(self, request_id: str) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
 
     @abstractmethod
     def step(self) -> list[RequestOutput]:
@@ -109,76 +114,16 @@ class Engine(ABC):
     def stats(self) -> "EngineStats":
         """A snapshot of queue lengths and KV usage, for logs and /metrics."""
 
-    # -- admission ------------------------------------------------------------------------------
+    # -- admission's rules, as the engine's callers have read them ------------------------------
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """Text -> ids (BOS first when the model wants it); an empty prompt means "start from BOS"."""
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt) if prompt else []
-        else:
-            token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"token ids must be integers in [0, {vocab}), got {bad[:5]}")
-        if not token_ids:
-            bos = self.tokenizer.bos_token_id
-            if bos is None:
-                raise InvalidRequestError("the prompt is empty and the model has no BOS token to start from")
-            token_ids = [bos]
-        return token_ids
+        return self.admission.encode_prompt(prompt)
 
     def compile_grammar(self, params: SamplingParams) -> Grammar | None:
-        """The request's compiled grammar, if it has one; raises InvalidRequestError for a schema or
-        regex that does not compile (compiled grammars are cached, so a second call is cheap)."""
-        return None if params.grammar is None else self.grammars.compile(params.grammar)
+        return self.admission.compile_grammar(params)
 
     def resolve_policy(self, params: SamplingParams) -> CachePolicy:
-        """The request's cache policy; models with a sliding window get it unless told otherwise. On a
-        hybrid model (Gemma 3) `window:W` bounds every layer by W (windowed layers by the smaller
-        window); sinks re-rotate keys by cache rank and h2o ranks keys over every layer, neither of
-        which a hybrid cache's kinds share, so they are refused."""
-        policy = CachePolicy.parse(params.kv_policy)
-        window = self.model_config.sliding_window
-        if policy.kind == "full" and window is not None:
-            return CachePolicy("window", window=window)
-        if self.model_config.is_hybrid and policy.kind in ("sinks", "h2o"):
-            raise InvalidRequestError(f"kv_policy {policy.spec} does not combine with this model's own sliding-window "
-                                      "layers (full and window:W do)")
-        return policy
-
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Refuses a request that could never be served (raises InvalidRequestError)."""
-        self._check_token_ids(params)
-        self.check_speculative(params)
-        policy = self.resolve_policy(params)
-        total = num_prompt_tokens + params.max_tokens
-        if policy.uses_cache_positions:
-            if policy.max_kept > self.max_model_len:
-                raise InvalidRequestError(f"kv_policy {policy.spec} keeps {policy.max_kept} tokens, more than "
-                                          f"the model's context of {self.max_model_len} tokens")
-        elif total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                f"exceeds the model's context of {self.max_model_len} tokens"
-                + ("" if policy.kind != "full" else "; a bounded kv_policy such as sinks:4,508 can run longer"))
-
-    def check_speculative(self, params: SamplingParams) -> None:
-        """Refuses a request that insists on speculative decoding where the engine has none."""
-        if params.speculative:
-            raise InvalidRequestError("speculative is set, but this engine runs without speculative decoding "
-                                      "(start it with --speculative-method ngram or draft)")
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        """Fields that name tokens, or count them, stay inside the vocabulary."""
-        vocab = self.model_config.vocab_size
-        if params.top_k > vocab:
-            raise InvalidRequestError(f"top_k is {params.top_k}, more than the vocabulary of {vocab} tokens "
-                                      "(0 or -1 turns top-k off)")
-        for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise InvalidRequestError(f"{field} names token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return self.admission.resolve_policy(params)
 
     # -- shared bookkeeping ---------------------------------------------------------------------
 

@@ -1,36 +1,37 @@
-"""The continuous-batching engine over the paged KV cache.
+"""The continuous-batching engine over the paged KV cache. Its step reads as one sentence:
 
-    step = schedule -> propose (speculative decoding) -> run the model on the batch
-           -> verify / sample -> record tokens, free finished -> take back rejected tokens' slots
+    schedule  -> who runs this step (chunks of prompts, decodes, speculative drafts); preempt if short
+    run       -> copy-on-write copies and drafts proposed, then the model on the batch, on the executor
+                 (this process, or rank 0 of a tensor-parallel group: kvgen.engine.executor)
+    postprocess -> prompt logprobs, verify drafts / sample, record tokens, free finished sequences and
+                 the blocks a cache policy let go, take back rejected tokens' slots
+
+Requests come in through one admission (kvgen.engine.admission); the KV pools are sized by the KV
+plan (kvgen.cache.sizing.plan_kv).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
-from kvgen.cache.hybrid import HybridKVManager, LayerKind, layer_kinds, sequence_bytes, split_budget
-from kvgen.cache.kv_manager import NULL_BLOCK, KVCacheManager
-from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of, num_blocks_for_budget
-from kvgen.config import DEFAULT_KV_MEMORY, EngineConfig
+from kvgen.cache.heavy_hitters import HeavyHitters
+from kvgen.cache.kv_manager import NULL_BLOCK
+from kvgen.cache.sizing import plan_kv
+from kvgen.config import EngineConfig
+from kvgen.engine.admission import Admission, KVLimits
 from kvgen.engine.base import Engine, EngineStats, finite_rows
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvgen.engine.sequence import Request, RequestOutput, Sequence
-from kvgen.engine.spec.speculator import Speculator, build_speculator
+from kvgen.engine.executor import Executor
+from kvgen.engine.speculative.speculator import Speculator, build_speculator
 from kvgen.engine.step_log import StepLog, split_tokens
-from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
-from kvgen.model.attention import PagedKVCache
-from kvgen.model.kernels import paged_decode_for
-from kvgen.model.kv_quant import STORAGE_DTYPES
-from kvgen.model.llama import LlamaModel
-from kvgen.rejection_sampler import Verdict
-from kvgen.runner.model_runner import BlockTables, KVKind, ModelRunner
-from kvgen.sampler import SamplerOutput, logprobs_of
+from kvgen.sample.rejection import Verdict
+from kvgen.sample.sampler import SamplerOutput, logprobs_of
+from kvgen.scheduling.output import SchedulerOutput
+from kvgen.scheduling.scheduler import Scheduler, SchedulerConfig
+from kvgen.scheduling.sequence import Request, RequestOutput, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -38,105 +39,58 @@ log = logging.getLogger(__name__)
 class LLMEngine(Engine):
     """Many requests at once: one forward pass per step over every scheduled sequence."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None = None) -> None:
-        """`draft`: the draft model of speculative_method 'draft' (loaded by kvgen.llm.build_engine)."""
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None = None,
+                 executor: Executor | None = None) -> None:
+        """`draft`: the draft model of speculative_method 'draft' (loaded by kvgen.llm.build_engine);
+        `executor`: where the model runs (this process unless given: kvgen.distributed builds rank 0's)."""
         super().__init__(loaded, config)
-        num_blocks = self._build_kv_manager()
-        self.runner = self._build_runner(num_blocks)
+        self.executor = executor or Executor(loaded, config)
+        self.model = self.executor.model
+        self.kv_plan = plan_kv(loaded.config, config, self.max_model_len)
+        self.kv = self.kv_plan.manager(config.enable_prefix_caching, config.max_num_batched_tokens)
+        self.heavy_hitters = HeavyHitters(self.model.device, config.block_size)
+        self.executor.init_kv(self.kv_plan, self.kv, self.heavy_hitters)
+        self.runner = self.executor.runner
         self.speculator: Speculator | None = build_speculator(config, loaded.config, self.kv, draft)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv,
                                    self.speculator.lookahead if self.speculator is not None else None)
+        self.admission = Admission(self.tokenizer, loaded.config, self.max_model_len,
+                                   KVLimits(self.kv, self.capacity_tokens, config.max_num_batched_tokens),
+                                   speculative=self.speculator is not None,
+                                   policy_refusal=self.executor.policy_refusal, grammars=self.grammars)
         self.step_log = StepLog()
         log.info("%s", self.capacity_report())
 
-    def _build_kv_manager(self) -> int:
-        """Sizes the pools and sets `self.kv` (block bookkeeping only, no tensors); returns the blocks of
-        the global pool. The data-parallel front end sizes its admission view by it (kvgen.replicas)."""
-        cfg, config = self.model_config, self.config
-        self.bytes_per_token = kv_bytes_per_token_of(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_dtype)
-        self.layer_kinds = layer_kinds([cfg.window(i) for i in range(cfg.num_layers)]) if cfg.is_hybrid else []
-        if self.layer_kinds:
-            self.kind_blocks = self._kind_blocks()
-            self.kv = HybridKVManager([KVCacheManager(n, config.block_size, config.enable_prefix_caching)
-                                       for n in self.kind_blocks], self.layer_kinds, config.max_num_batched_tokens)
-            return self.kind_blocks[0]
-        num_blocks = self._num_blocks()
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        return num_blocks
+    def __getattr__(self, name: str) -> object:
+        """What the engine lacks, its executor may have (a tensor-parallel group's `workers`, `shard_plans`)."""
+        executor = self.__dict__.get("executor")
+        if executor is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(executor, name)
 
-    def _build_runner(self, num_blocks: int) -> ModelRunner:
-        if not self.layer_kinds:
-            return build_runner(self.model, self.config, num_blocks, self.kv)
-        return build_hybrid_runner(self.model, self.config, self.layer_kinds, self.kind_blocks, self.kv.kinds)
+    def close(self) -> None:
+        self.executor.close()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_plan.bytes_per_token
+
+    @property
+    def layer_kinds(self) -> list:
+        """A hybrid model's kinds of layers, the global kind first (kvgen.cache.hybrid); else []."""
+        return list(self.kv_plan.kinds)
 
     @property
     def capacity_tokens(self) -> int:
         """Tokens the pools hold: of a hybrid model, those of its global layers' pool."""
-        return (self.kind_blocks[0] if self.layer_kinds else self.kv.num_blocks) * self.kv.block_size
+        return self.kv_plan.capacity_tokens
 
     def capacity_report(self) -> str:
-        report = (f"KV cache: {self.kv.num_blocks} blocks x {self.kv.block_size} tokens = {self.capacity_tokens} "
-                  f"tokens, {format_bytes(self.capacity_tokens * self.bytes_per_token)} "
-                  f"({self.bytes_per_token} bytes/token, {self.config.kv_dtype})")
-        if self.layer_kinds:
-            report = "hybrid KV cache: " + "; ".join(self._kind_report(kind, n)
-                                                     for kind, n in zip(self.layer_kinds, self.kind_blocks))
+        report = self.kv_plan.report()
         extra = self.speculator.capacity_report() if self.speculator is not None else None
-        return report if extra is None else f"{report}; {extra}"
-
-    def _kind_report(self, kind: LayerKind, num_blocks: int) -> str:
-        cfg = self.model_config
-        per_token = kv_bytes_per_token_of(len(kind.layers), cfg.num_kv_heads, cfg.head_dim, self.config.kv_dtype)
-        tokens = num_blocks * self.kv.block_size
-        what = "global" if kind.window is None else f"window {kind.window}"
-        return (f"{len(kind.layers)} {what} layers, {num_blocks} blocks x {self.kv.block_size} = {tokens} tokens, "
-                f"{format_bytes(tokens * per_token)} ({per_token} bytes/token, {self.config.kv_dtype})")
-
-    def _kind_blocks(self) -> list[int]:
-        """Blocks per kind of a hybrid model: `num_kv_blocks` each, or the budget split in proportion
-        to what a full-length sequence holds in each kind (kvgen.cache.hybrid.split_budget)."""
-        cfg, model = self.config, self.model_config
-        if cfg.num_kv_blocks is not None:
-            return [cfg.num_kv_blocks] * len(self.layer_kinds)
-        per_layer = kv_bytes_per_token_of(1, model.num_kv_heads, model.head_dim, cfg.kv_dtype)
-        needs = sequence_bytes(self.layer_kinds, per_layer, self.max_model_len, cfg.max_num_batched_tokens,
-                               cfg.block_size)
-        wanted = cfg.max_num_seqs * sum(needs)
-        budget = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else min(wanted, DEFAULT_KV_MEMORY)
-        shares = split_budget(budget, needs)
-        blocks = [num_blocks_for_budget(share, cfg.block_size, per_layer * len(k.layers))
-                  for share, k in zip(shares, self.layer_kinds)]
-        if min(blocks) < 1:
-            raise ValueError(f"the KV budget holds no block of {cfg.block_size} tokens in every kind of layer")
-        return blocks
-
-    def _num_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            num_blocks = cfg.num_kv_blocks
-        else:
-            wanted = cfg.max_num_seqs * self.max_model_len * self.bytes_per_token
-            budget = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else min(wanted, DEFAULT_KV_MEMORY)
-            num_blocks = num_blocks_for_budget(budget, cfg.block_size, self.bytes_per_token)
-        if num_blocks < 1:
-            raise ValueError(f"the KV budget holds no block of {cfg.block_size} tokens "
-                             f"({self.bytes_per_token} bytes per token)")
-        return num_blocks
-
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        super().check_fits(num_prompt_tokens, params)
-        total = num_prompt_tokens + params.max_tokens
-        peak = self._peak_tokens(total, params)
-        if not self.kv.fits(peak):
-            need = (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} tokens"
-                    if peak == total else f"kv_policy {params.kv_policy} holds up to {peak} tokens at once, which")
-            raise InvalidRequestError(f"{need} exceeds the KV cache capacity of {self.capacity_tokens} tokens")
-
-    def check_speculative(self, params: SamplingParams) -> None:
-        if self.speculator is None:
-            super().check_speculative(params)
-        else:
-            self.speculator.check_request(params, self.resolve_policy(params))
+        report = report if extra is None else f"{report}; {extra}"
+        where = self.executor.report()
+        return report if where is None else f"{report}\n{where}"
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -153,56 +107,87 @@ class LLMEngine(Engine):
         c = self.speculator.counters
         return {"spec_proposed": c.proposed, "spec_accepted": c.accepted, "spec_verify_steps": c.verify_steps}
 
-    def _peak_tokens(self, total: int, params: SamplingParams) -> int:
-        """Most KV slots one sequence can hold at once: all its tokens, or what its policy keeps plus
-        one step's chunk and a block of slack on each side of a gap. Heavy hitters may lie in as
-        many blocks as there are of them, each held for the one token."""
-        policy = self.resolve_policy(params)
-        if policy.max_kept is None:
-            return total
-        kept = policy.max_kept + policy.heavy * (self.kv.block_size - 1)
-        return min(total, kept + self.config.max_num_batched_tokens + 2 * self.kv.block_size)
-
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """schedule -> run -> postprocess. An executor that can run no more steps (a broken
+        tensor-parallel group) ends the engine, before the step or after it."""
+        self._stop_if_broken()
         started = time.perf_counter()
+        schedule = self._schedule()
+        outputs = self._run_step(schedule, started) if schedule.chunks else []
+        self._stop_if_broken()
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """Who runs this step, and whether it speculates; preempted sequences drop their state."""
         if self.speculator is not None:
             self.speculator.begin_step(len(self.scheduler.running), prompts_waiting=bool(self.scheduler.waiting))
         schedule = self.scheduler.schedule()
         for seq in schedule.preempted:
             self._forget(seq.seq_id)
-        if not schedule.chunks:
-            return []
+        return schedule
+
+    def _run_step(self, schedule: SchedulerOutput, started: float) -> list[RequestOutput]:
+        """propose -> run -> postprocess over a schedule with chunks, then the step's log line."""
         tokens, released = split_tokens(schedule.chunks), []
         try:
             tokens = self._propose(schedule)
-            outputs = self._run(schedule, released)
+            logits = self._run(schedule)
+            outputs = self._postprocess(schedule, logits, released)
         except Exception as error:  # noqa: BLE001 - a fault fails the step's requests, not the engine
-            log.exception("engine step failed")
-            outputs = self.fail({chunk.seq.request for chunk in schedule.chunks}, f"internal error: {error!r}")
-        seconds = time.perf_counter() - started
+            outputs = self.fail({chunk.seq.request for chunk in schedule.chunks}, self._failure_message(error))
+        self._log_step(schedule, tokens, outputs, released, time.perf_counter() - started)
+        return outputs
+
+    def _log_step(self, schedule: SchedulerOutput, tokens: tuple[int, int], outputs: list[RequestOutput],
+                  released: list[int], seconds: float) -> None:
         self.step_log.add(tokens, len(schedule.chunks), len(schedule.preempted), seconds, released)
         if self.speculator is not None:
             emitted = sum(len(c.new_token_ids) for out in outputs for c in out.outputs)
             self.speculator.end_step(tokens[0] == 0, emitted, seconds)
-        return outputs
+
+    def _failure_message(self, error: Exception) -> str:
+        """Called while `error` is handled: an expected failure of the executor as it describes it, else
+        an internal error, logged with its traceback."""
+        message = self.executor.describe_failure(error)
+        if message is None:
+            log.exception("engine step failed")
+            message = f"internal error: {error!r}"
+        return message
+
+    def _stop_if_broken(self) -> None:
+        """An executor that can run no more steps ends the engine: every request fails with the reason,
+        the executor closes, `on_failure` hears it, and the error is raised (at every later step too)."""
+        error = self.executor.broken()
+        if error is None:
+            return
+        self.failure = str(error)
+        self.fail(list(self.requests.values()), self.failure)
+        self.close()
+        self.on_failure(self.failure)
+        raise error
 
     def _propose(self, schedule: SchedulerOutput) -> tuple[int, int]:
         """Applies pending copy-on-write copies (to the draft's pools too), fills the drafts; returns
         the step's (prefill, decode) tokens, read before the step advances the sequences."""
         copies = self.kv.take_pending_copies()
-        self.runner.copy_blocks(copies)
+        self.executor.copy_blocks(copies)
         if self.speculator is not None:  # the draft's pools follow the global layers' block ids
-            self.speculator.copy_blocks(copies[0] if self.layer_kinds else copies)
+            self.speculator.copy_blocks(copies[0] if self.kv_plan.kinds else copies)
             self.speculator.propose(schedule.chunks)
         return split_tokens(schedule.chunks)
 
-    def _run(self, schedule: SchedulerOutput, released: list[int]) -> list[RequestOutput]:
-        scoring = self._scoring_prompts(schedule)
+    def _run(self, schedule: SchedulerOutput) -> torch.Tensor:
+        """The forward pass on the executor: every row of a prompt chunk whose log-probabilities are
+        scored and of a speculative chunk, one row per other chunk that completes its sequence."""
         verifying = {chunk.seq.seq_id for chunk in schedule.chunks if chunk.draft}
-        logits = self.runner.execute(schedule.chunks, scoring | verifying)
-        logits = self._record_prompt_logprobs(schedule, scoring, logits)
+        return self.executor.execute(schedule.chunks, self._scoring_prompts(schedule) | verifying)
+
+    def _postprocess(self, schedule: SchedulerOutput, logits: torch.Tensor, released: list[int]) -> list[RequestOutput]:
+        """Records prompt log-probabilities, verifies drafts, advances every sequence (freeing the
+        blocks its policy let go into `released`), samples and records the new tokens."""
+        logits = self._record_prompt_logprobs(schedule, self._scoring_prompts(schedule), logits)
         logits, verdicts = self._verify(schedule, logits)
         sampling = [chunk.seq for chunk in schedule.chunks if chunk.completes_sequence and not chunk.draft]
         self._mark_computed(schedule, released, verdicts)
@@ -259,7 +244,7 @@ class LLMEngine(Engine):
     def _dead_blocks(self, seq: Sequence) -> range | list[int]:
         """Blocks that no later query of `seq` reads under its cache policy and that it still holds."""
         if seq.policy.kind == "h2o":
-            return self.runner.evict_heavy_hitters(seq.seq_id, seq.num_computed_tokens, seq.policy)
+            return self.heavy_hitters.evict(seq.seq_id, seq.num_computed_tokens, seq.policy)
         start, end = seq.policy.dead_range(seq.num_computed_tokens)
         first = max(-(-start // self.kv.block_size), seq.num_dead_blocks)
         seq.num_dead_blocks = max(first, end // self.kv.block_size)
@@ -317,7 +302,7 @@ class LLMEngine(Engine):
             if child.status.value != "waiting" or child.is_finished:
                 continue
             self.kv.fork(parent.seq_id, child.seq_id)
-            self.runner.fork_state(parent.seq_id, child.seq_id)
+            self.heavy_hitters.fork(parent.seq_id, child.seq_id)
             child.num_computed_tokens = parent.num_computed_tokens
             self.scheduler.add_running(child)
         return [c for c in children if not c.is_finished]
@@ -331,31 +316,6 @@ class LLMEngine(Engine):
 
     def _forget(self, seq_id: int) -> None:
         """Drops the tensor state of a sequence that gave its blocks back (finished or preempted)."""
-        self.runner.forget(seq_id)
+        self.heavy_hitters.forget(seq_id)
         if self.speculator is not None:
             self.speculator.forget(seq_id)
-
-
-def build_hybrid_runner(model: LlamaModel, config: EngineConfig, kinds: list[LayerKind], kind_blocks: list[int],
-                        tables: list[KVCacheManager]) -> ModelRunner:
-    """The runner over one pool per kind of layer (kvgen.cache.hybrid), the global kind first."""
-    cfg = model.config
-    pool_dtype = STORAGE_DTYPES[config.kv_dtype]
-    caches = [PagedKVCache(len(kind.layers), n, config.block_size, cfg.num_kv_heads, cfg.head_dim, model.device,
-                           pool_dtype, compute_dtype=model.dtype) for kind, n in zip(kinds, kind_blocks)]
-    decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
-    more = [KVKind(cache, table, kind.window, list(kind.layers))
-            for cache, table, kind in zip(caches[1:], tables[1:], kinds[1:])]
-    return ModelRunner(model, caches[0], tables[0], decode_kernel, more)
-
-
-def build_runner(model: LlamaModel, config: EngineConfig, num_blocks: int, block_tables: BlockTables | None,
-                 cache_type: Callable[..., PagedKVCache] = PagedKVCache,
-                 runner_type: Callable[..., ModelRunner] = ModelRunner) -> ModelRunner:
-    """The runner over KV pools of `num_blocks` blocks for the model's (local) KV heads."""
-    cfg = model.config
-    pool_dtype = STORAGE_DTYPES[config.kv_dtype]
-    cache = cache_type(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                       model.device, pool_dtype, compute_dtype=model.dtype)
-    decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
-    return runner_type(model, cache, block_tables, decode_kernel)

@@ -12,11 +12,11 @@ from collections import deque
 
 import torch
 
+from kvgen.engine.admission import Admission
 from kvgen.engine.base import Engine, EngineStats
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.errors import InvalidRequestError
-from kvgen.engine.sequence import Request, RequestOutput, Sequence, Status
+from kvgen.engine.executor import load_model, log_weights
 from kvgen.phases import DecodeState, decode, prefill
+from kvgen.scheduling.sequence import Request, RequestOutput, Sequence, Status
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +26,12 @@ class SequentialEngine(Engine):
 
     def __init__(self, loaded, config) -> None:
         super().__init__(loaded, config)
+        self.model = load_model(loaded, config)
+        log_weights(self.model)
+        # No block pool: any prompt that fits the context runs, under the model's own cache policy.
+        self.admission = Admission(self.tokenizer, loaded.config, self.max_model_len, grammars=self.grammars)
         self.queue: deque[Sequence] = deque()
         self.states: dict[int, DecodeState] = {}
-
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        super().check_fits(num_prompt_tokens, params)
-        if self.resolve_policy(params) != self.resolve_policy(SamplingParams()):  # only the model's own
-            raise InvalidRequestError(f"kv_policy {params.kv_policy} needs the paged KV cache (--kv-cache paged)")
 
     def step(self) -> list[RequestOutput]:
         if not self.queue:

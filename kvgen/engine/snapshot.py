@@ -16,8 +16,8 @@ import numpy as np
 from kvgen.cache.kv_manager import BlockStates
 from kvgen.engine.base import EngineStats
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.sequence import Sequence, Status
 from kvgen.engine.step_log import StepRecord
+from kvgen.scheduling.sequence import Sequence, Status
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvgen.engine.scheduler import ScheduledChunk
+from kvgen.scheduling.output import ScheduledChunk
 
 DEFAULT_STEP_LOG_LEN = 256
 

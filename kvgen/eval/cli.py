@@ -7,6 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from kvgen.bench.report import pyplot
 from kvgen.cache.policies import CachePolicy
 from kvgen.config import KV_CACHE_DTYPES, QUANTIZATION_MODES
 from kvgen.errors import KVGenError
@@ -63,6 +64,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         raise KVGenError("eval-ppl: give at least one --policy (or a KV dtype sweep: --text-set, --tokens)")
     args.text = args.text[0] if args.text else None
     policies = [CachePolicy.parse(spec) for spec in args.policy]  # bad input is reported before loading
+    if args.plot:
+        pyplot()  # so is a --plot that cannot be drawn (no matplotlib)
     if args.max_tokens is not None and args.max_tokens < 2:
         raise KVGenError(f"--max-tokens must be at least 2 (BOS and one token to score), got {args.max_tokens}")
     if args.kv_cache != "paged":

@@ -15,13 +15,13 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
-from kvgen.bench.report import Table, machine_info, run_info
+from kvgen.bench.report import Table, machine_info, pyplot, run_info
 from kvgen.cache.policies import CachePolicy
 from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import KVGenError
-from kvgen.sampler import TokenLogprobs
+from kvgen.sample.sampler import TokenLogprobs
+from kvgen.sampling_params import SamplingParams
 from kvgen.tokenizer import Tokenizer
 
 BUNDLED_TEXT = "tinystory.txt"
@@ -186,10 +186,7 @@ def write_json(path: Path, results: list[PolicyResult], settings: dict) -> None:
 
 def plot(path: Path, results: list[PolicyResult], title: str) -> None:
     """Cumulative perplexity against position, one line per policy, a dotted line at each KV budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in results:

@@ -7,7 +7,8 @@ Nothing is unpickled.
 
 What the format modules share (the expected-shapes table every loader validates against,
 `LoadedModel`) is in `kvgen.loaders.weights`; the q/k row permutation from interleaved-pair RoPE
-(llama2.c, GGUF) to rotate-half in `kvgen.loaders.rope_layout`.
+(llama2.c, GGUF) to rotate-half in `kvgen.loaders.rope_layout`; which slice of each weight a
+tensor-parallel rank loads in `kvgen.loaders.shard`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def load_model(
     `tokenizer_path` overrides the tokenizer the format implies: a HF directory, a `tokenizer.json`,
     a SentencePiece `.model` or a llama2.c `tok*.bin`. `keep_quantized` leaves a GGUF's
     block-quantized matrices raw in `LoadedModel.quantized` instead of dequantizing them. `shard`
-    (rank, world) loads one tensor-parallel rank's slices (see kvgen.distributed.shard).
+    (rank, world) loads one tensor-parallel rank's slices (see kvgen.loaders.shard).
     """
     path = Path(path)
     if not path.exists():

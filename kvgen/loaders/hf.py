@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import sentencepiece
 import tokenizers
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,7 +22,9 @@ from kvgen.loaders.tokenizers import HFTokenizer, SentencePieceTokenizer
 from kvgen.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from kvgen.distributed.shard import ShardPlan, Slice
+    import sentencepiece
+
+    from kvgen.loaders.shard import ShardPlan, Slice
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -154,6 +155,8 @@ def _open_tokenizer_json(file: Path) -> tokenizers.Tokenizer:
 
 
 def _open_sentencepiece(file: Path) -> sentencepiece.SentencePieceProcessor:
+    import sentencepiece  # only for a .model tokenizer: `import kvgen` runs without the library
+
     try:
         return sentencepiece.SentencePieceProcessor(model_file=str(file))
     except (RuntimeError, OSError) as e:

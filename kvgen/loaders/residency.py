@@ -52,8 +52,8 @@ def trim_heap() -> None:
 def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros whose pages nothing has written yet: an anonymous private map, which the
     kernel fills with zero pages as they are first written. A KV pool sized for thousands of tokens
-    then costs memory as tokens arrive, not at load (torch.zeros writes every page: a 1 GB pool took
-    0.3 s on warm pages and 2-4 s on pages the VM had to back afresh, measured on the 1B bench)."""
+    then costs memory as tokens arrive, not at load (torch.zeros writes every page: a 1 GB pool costs
+    0.3 s on warm pages and 2-4 s on pages the VM must back afresh, measured on the 1B bench)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)

@@ -12,12 +12,15 @@ from __future__ import annotations
 import heapq
 import re
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-import sentencepiece
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from kvgen.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # imported where a .model file is opened (kvgen.loaders.hf): optional elsewhere
+    import sentencepiece
 
 SPM_SPACE = "\u2581"  # '▁', SentencePiece's visible space
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -13,10 +13,10 @@ import torch
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
+from kvgen.loaders.shard import ShardingError, ShardPlan
 from kvgen.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from kvgen.distributed.shard import ShardPlan
     from kvgen.loaders.gguf_tensors import GGUFWeight
 
 # Tensors older HF checkpoints carry that hold nothing the model needs (RoPE tables it recomputes).
@@ -32,7 +32,7 @@ class LoadedModel:
     has every tensor.
 
     `shard` is the tensor-parallel rank's plan when `load_model(shard=(rank, world))` asked for one
-    rank's part: `weights` and `quantized` then hold that rank's slices only (kvgen.distributed.shard).
+    rank's part: `weights` and `quantized` then hold that rank's slices only (kvgen.loaders.shard).
     `reload` loads the same files again for another rank (set by kvgen.llm.load; picklable).
     """
 
@@ -113,8 +113,6 @@ def shard_plan(config: ModelConfig, shard: tuple[int, int] | None, source: objec
     does not split so raises ModelLoadError naming `source`."""
     if shard is None:
         return None
-    from kvgen.distributed.shard import ShardingError, ShardPlan
-
     try:
         return ShardPlan(config, *shard)
     except ShardingError as e:

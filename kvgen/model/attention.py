@@ -50,9 +50,10 @@ def sdpa_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     kv_heads = k.shape[1]
     if num_queries == 1 and heads != kv_heads and not causal:
         # One query (decode): the heads sharing a KV head become that head's query rows, so K/V are
-        # read once per KV head. Same result; in bf16 about 5x faster than `enable_gqa`.
+        # read once per KV head. Same result; in bf16 about 5x faster than `enable_gqa`. CUDA's
+        # memory-efficient kernel may return the rows strided, hence reshape rather than view.
         grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-        return F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask).view(batch, heads, 1, head_dim)
+        return F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask).reshape(batch, heads, 1, head_dim)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=heads != kv_heads)
 
 

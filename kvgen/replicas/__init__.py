@@ -7,5 +7,5 @@ own KV pool and cores, behind the one OpenAI-compatible front end; on this machi
     ray_replica.py  the Ray launcher: replicas as actors in a placement group spread over the nodes
     router.py       which replica serves a request (prefix-aware, or round-robin)
     admission.py    what the front end checks a request against before routing it
-    frontend.py     ReplicaSet: AsyncLLM's interface over the replicas, restarts, per-replica /metrics
+    frontend.py     ReplicaSet: AsyncLLM's interface over the replicas, restarts, the readings /metrics reports
 """

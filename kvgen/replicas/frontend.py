@@ -5,9 +5,9 @@ object with AsyncLLM's interface, so the server's routes run on it unchanged. Wh
     replicas = ReplicaSet(model=..., config=EngineConfig(...), num_replicas=2)
     app = create_app(replicas, model_name=...)
 
-What the routes read of `llm.engine` (tokenizer, encode_prompt, check_fits, compile_grammar,
-max_model_len) is an AdmissionEngine (kvgen.replicas.admission), so a request is refused (400) before
-it is routed exactly as one engine would refuse it. `generate` routes the request
+What the routes read of `llm.engine` (tokenizer, admission, max_model_len, stats) is an AdmissionView
+(kvgen.replicas.admission), so a request is admitted once, here, and refused (400) before it is
+routed exactly as one engine would refuse it. `generate` routes the admitted request
 (kvgen.replicas.router), sends it to the replica, and yields the RequestOutputs the replica sends
 back after each step; closing the iteration early (a client that went away) sends an abort, which
 the replica applies before its next step.
@@ -29,24 +29,19 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
 from kvgen.async_llm import RequestStream
 from kvgen.config import EngineConfig
+from kvgen.engine.admission import AdmittedRequest
 from kvgen.engine.base import EngineStats, Prompt
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import RequestOutput
 from kvgen.engine.snapshot import EngineSnapshot
 from kvgen.errors import InvalidRequestError, KVGenError
-from kvgen.replicas.admission import AdmissionEngine
+from kvgen.replicas.admission import AdmissionView
 from kvgen.replicas.launch import Launcher, LocalLauncher, ReplicaProcess
 from kvgen.replicas.router import PrefixRouter, RoundRobinRouter
-from kvgen.server.metrics import labelled_families
+from kvgen.sampling_params import SamplingParams
 
 log = logging.getLogger("kvgen.replicas")
 ROUTERS = ("prefix", "round-robin")
@@ -55,6 +50,18 @@ START_TIMEOUT_S = 600.0
 # kvgen.replicas.replica.HEARTBEAT_S from a thread of its own, even in the middle of a long step.
 SILENCE_LIMIT_S = 3.0
 _EMPTY = EngineStats(num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaReadings:
+    """The replicas as /metrics shows them, read at one moment: each replica's engine stats, whether it
+    serves (up) and its restarts, by replica index, and the router's decisions by reason. Plain data:
+    the server formats it (kvgen.server.metrics.ReplicaCollector)."""
+
+    stats: list[EngineStats]
+    up: list[bool]
+    restarts: list[int]
+    routed: dict[str, int]
 
 
 class ReplicaFailedError(Exception):
@@ -117,7 +124,7 @@ class ReplicaSet:
         self._closing = False
         self._tokens = itertools.count()
         try:
-            self.engine = AdmissionEngine(load(model, config, tokenizer, gguf_file), config, self._total_stats)
+            self.engine = AdmissionView(load(model, config, tokenizer, gguf_file), config, self._total_stats)
         except BaseException:
             self.launcher.close()
             raise
@@ -136,7 +143,6 @@ class ReplicaSet:
         except BaseException:
             self.close()
             raise
-        self.metrics_collector = ReplicaCollector(self)
 
     # -- AsyncLLM's interface -------------------------------------------------------------------
 
@@ -144,20 +150,22 @@ class ReplicaSet:
         """Routes and sends the request now and returns its outputs, one after every step of its replica
         that changed it; the last one is finished. Raises InvalidRequestError at once for a request that
         can never be served; the stream raises ReplicaFailedError when its replica dies."""
+        return self.submit(self.engine.admission.admit(prompt, params), request_id)
+
+    def submit(self, admitted: AdmittedRequest, request_id: str | None = None) -> RequestStream:
+        """`generate` for a request admitted already (by `self.engine.admission`)."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
-        token_ids = self.engine.encode_prompt(prompt)
-        self.engine.check_fits(len(token_ids), params)
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             live = [r.up for r in self.replicas]
             if not any(live):
                 raise ReplicaFailedError("no replica is up (they are restarting); retry later")
-            index, reason = self.router.choose(token_ids, [len(r.inflight) for r in self.replicas], live)
+            index, reason = self.router.choose(admitted.token_ids, [len(r.inflight) for r in self.replicas], live)
             self.routed[reason] += 1
             replica = self.replicas[index]
             replica.inflight[request_id] = (asyncio.get_running_loop(), queue)
             replica.adds_sent += 1
-        replica.send(("add", request_id, token_ids, params))
+        replica.send(("add", request_id, admitted))
 
         def done(finished: bool) -> None:
             with self._lock:
@@ -215,13 +223,11 @@ class ReplicaSet:
 
     # -- replicas -------------------------------------------------------------------------------
 
-    def live(self) -> list[bool]:
+    def readings(self) -> ReplicaReadings:
+        """What /metrics reports of the replicas, read together under one lock."""
         with self._lock:
-            return [r.up for r in self.replicas]
-
-    def pids(self) -> list[int | None]:
-        with self._lock:
-            return [r.pid if r.up else None for r in self.replicas]
+            return ReplicaReadings(stats=[r.stats for r in self.replicas], up=[r.up for r in self.replicas],
+                                   restarts=list(self.restarts), routed=dict(self.routed))
 
     def _total_stats(self) -> EngineStats:
         with self._lock:
@@ -350,33 +356,3 @@ def _settle(future: asyncio.Future, snap: EngineSnapshot | str) -> None:
         future.set_exception(ReplicaFailedError(snap))
     else:
         future.set_result(snap)
-
-
-class ReplicaCollector(Collector):
-    """/metrics of the replicas: the engine's gauges and counters per replica (label `replica`), each
-    replica's state, and the router's decisions."""
-
-    def __init__(self, replicas: ReplicaSet) -> None:
-        self.replicas = replicas
-
-    def collect(self) -> Iterator[Metric]:
-        rs = self.replicas
-        with rs._lock:
-            readings = [({"replica": str(r.index)}, r.stats) for r in rs.replicas]
-            up = [(str(r.index), float(r.up)) for r in rs.replicas]
-            restarts = list(rs.restarts)
-            routed = dict(rs.routed)
-        yield from labelled_families(readings)
-        live = GaugeMetricFamily("kvgen_replica_up", "1 while the replica serves requests.", labels=["replica"])
-        restarted = CounterMetricFamily("kvgen_replica_restarts", "Times the replica was restarted after dying.",
-                                        labels=["replica"])
-        for (index, value), n in zip(up, restarts):
-            live.add_metric([index], value)
-            restarted.add_metric([index], n)
-        yield live
-        yield restarted
-        decisions = CounterMetricFamily("kvgen_router_requests", "Requests routed: by prefix match, by load "
-                                        "(least loaded), or round_robin.", labels=["reason"])
-        for reason, n in routed.items():
-            decisions.add_metric([reason], n)
-        yield decisions

@@ -6,11 +6,11 @@ there) running `replica_main`, which pins itself to its cores; on a Ray cluster 
 end (multiprocessing.connection, with an auth key: a local socket, or TCP from a Ray actor) and
 serves a small loop:
 
-    front end -> replica    ("add", request_id, token_ids, params)   ("abort", request_id)   ("close",)
+    front end -> replica    ("add", request_id, AdmittedRequest)     ("abort", request_id)   ("close",)
                             ("snapshot", token, released_since)     the dashboard asks for the engine's state
     replica -> front end    ("ready", index, host, pid, stats)
                             ("outputs", [RequestOutput, ...], stats, adds)  after every step
-                            ("rejected", request_id, message)           add_request refused it (a 400)
+                            ("rejected", request_id, message)           add_admitted refused it (a 400)
                             ("stats", stats, adds)                      after adds / aborts with no step
                             (adds: how many adds it has applied, so the front end knows which of
                             those it sent are not in `stats` yet)
@@ -106,11 +106,11 @@ def _serve(engine, channel: Channel) -> None:  # noqa: ANN001 - the engine's typ
             kind = message[0]
             if kind == "close":
                 return
-            if kind == "add":
-                _, request_id, token_ids, params = message
+            if kind == "add":  # admitted by the front end, under this engine's rules
+                _, request_id, admitted = message
                 adds += 1
                 try:
-                    engine.add_request(request_id, token_ids, params)
+                    engine.add_admitted(request_id, admitted)
                 except InvalidRequestError as error:
                     channel.send(("rejected", request_id, str(error)))
             elif kind == "abort":

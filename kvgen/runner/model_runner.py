@@ -26,14 +26,17 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from kvgen.cache.policies import CachePolicy
-from kvgen.engine.scheduler import ScheduledChunk
+from kvgen.cache.heavy_hitters import HeavyHitters
+from kvgen.cache.hybrid import LayerKind
+from kvgen.config import EngineConfig
 from kvgen.model.attention import PagedAttention, PagedGroup, PagedKVCache, PagedMetadata
-from kvgen.model.kernels import PagedDecode
+from kvgen.model.kernels import PagedDecode, paged_decode_for
+from kvgen.model.kv_quant import STORAGE_DTYPES
 from kvgen.model.linear import blas_owns_the_cores
 from kvgen.model.llama import LlamaModel
+from kvgen.runner.policy_tensors import FAR, PolicyTensors, ScoreTarget
+from kvgen.scheduling.output import ScheduledChunk
 
-FAR = 1 << 40  # logical position of padding keys: later than any query, so always masked
 T = TypeVar("T")
 
 
@@ -49,31 +52,8 @@ class StepInputs:
     positions: torch.Tensor  # [T] RoPE positions
     meta: PagedMetadata
     logit_rows: torch.Tensor  # [S] rows whose hidden states give logits, in the chunks' order
-    score_targets: list["ScoreTarget"]
+    score_targets: list[ScoreTarget]
     more_metas: list[PagedMetadata] = field(default_factory=list)  # the other kinds' (ModelRunner.kinds[1:])
-
-
-@dataclass
-class ScoreTarget:
-    """Where a group's accumulated attention weights go: row r of `group.scores` -> seq_ids[r]."""
-
-    group: PagedGroup
-    seq_ids: list[int]
-    positions: torch.Tensor  # [b, L] token index of each key
-
-
-@dataclass
-class HeavyHitters:
-    """Accumulated attention per token of an h2o sequence, and which tokens it has evicted."""
-
-    scores: torch.Tensor  # [capacity] fp32, by token index
-    evicted: torch.Tensor  # [capacity] bool
-
-    def grow(self, length: int) -> None:
-        if length > self.scores.numel():
-            extra = max(length, 2 * self.scores.numel()) - self.scores.numel()
-            self.scores = torch.cat((self.scores, self.scores.new_zeros(extra)))
-            self.evicted = torch.cat((self.evicted, self.evicted.new_zeros(extra)))
 
 
 @dataclass
@@ -88,17 +68,24 @@ class KVKind:
 
 
 class ModelRunner:
-    """Owns the model, the KV pools and per-sequence tensor state; knows tensors, not queues.
-    `more_kinds`: a hybrid model's windowed layers, beside the global ones in `cache`."""
+    """Owns the model and the KV pools; lays out a step's batch and runs it; knows tensors, not queues.
+    `more_kinds`: a hybrid model's windowed layers, beside the global ones in `cache`. `heavy_hitters`:
+    the cache layer's h2o scores, which the runner masks by and adds each step's attention to (its
+    own when not given: a runner that never sees h2o, the draft model's)."""
+
+    attention_type = PagedAttention  # on CUDA kvgen.gpu.graphs.gpu_runner sets the Triton backend
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache, block_tables: BlockTables,
-                 decode_kernel: PagedDecode | None = None, more_kinds: list[KVKind] = ()) -> None:
+                 decode_kernel: PagedDecode | None = None, more_kinds: list[KVKind] = (),
+                 heavy_hitters: HeavyHitters | None = None) -> None:
         self.model = model
         self.cache = cache
         self.decode_kernel = decode_kernel
         self.block_tables = block_tables
         self.device = model.device
-        self.heavy_hitters: dict[int, HeavyHitters] = {}
+        if heavy_hitters is None:
+            heavy_hitters = HeavyHitters(self.device, cache.block_size)
+        self.policy_tensors = PolicyTensors(self.device, model.rope.tables, model.max_positions, heavy_hitters)
         first_layers = [i for i in range(model.config.num_layers)
                         if all(i not in kind.layers for kind in more_kinds)]
         self.kinds = [KVKind(cache, block_tables, None, first_layers), *more_kinds]
@@ -121,12 +108,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass over a prepared step (tensor-parallel workers get theirs from rank 0)."""
-        attention = PagedAttention(self.cache, inputs.meta, self.decode_kernel,
+        attention = self.attention_type(self.cache, inputs.meta, self.decode_kernel,
                                    [(kind.cache, meta) for kind, meta in zip(self.kinds[1:], inputs.more_metas)],
                                    self.layer_kinds if len(self.kinds) > 1 else ())
         with blas_owns_the_cores(self.model.device, self.model.dtype, gemv_only=len(inputs.token_ids) == 1):
             hidden = self.model.forward(inputs.token_ids, inputs.positions, attention)
-            self._accumulate_scores(inputs.score_targets)
+            self.policy_tensors.collect_scores(inputs.score_targets)
             return self.model.logits(hidden[inputs.logit_rows])
 
     def prepare(self, chunks: list[ScheduledChunk], all_logits: set[int] = frozenset()) -> StepInputs:
@@ -194,14 +181,15 @@ class ModelRunner:
         start = torch.tensor([c.start for c in chunks], device=device)  # [B]
         q_pos = start[:, None] + torch.arange(num_queries, device=device)[None, :]  # [B, Q] token indices
         kv_blocks, k_pos = self._live_keys([reads[c.seq.seq_id] for c in chunks])  # [B, N], [B, L]
-        policies = [c.seq.policy for c in chunks]
-        mask = self._policy_mask(policies, q_pos, k_pos, window)  # [B, Q, L]
+        policies, tensors = [c.seq.policy for c in chunks], self.policy_tensors
+        mask = tensors.mask(policies, q_pos, k_pos, window)  # [B, Q, L]
         unbounded = window is None or chunks[0].start + num_queries <= window
         one_whole_sequence = len(chunks) == 1 and num_queries > 1 and policies[0].kind == "full" and unbounded
         group = PagedGroup(first_row, kv_blocks, mask[:, None], chunks[0].start if one_whole_sequence else None)
-        self._add_sink_rotation(group, policies, q_pos[:, -1], k_pos)
-        target = self._add_heavy_hitters(group, chunks, k_pos)
-        return group, self._rope_positions(policies, q_pos).flatten(), target
+        tensors.add_sink_rotation(group, policies, q_pos[:, -1], k_pos)
+        target = tensors.add_heavy_hitters(group, [c.seq.seq_id for c in chunks], policies,
+                                           [c.start + c.num_tokens for c in chunks], k_pos)
+        return group, tensors.rope_positions(policies, q_pos).flatten(), target
 
     def _blocks_read(self, c: ScheduledChunk, kind: KVKind) -> list[tuple[int, int]]:
         """(block index, block id) of every block the chunk's queries read in one kind's tables: those
@@ -219,95 +207,6 @@ class ModelRunner:
         idx_t = torch.tensor([[i for i, _ in r] + [far_block] * (width - len(r)) for r in reads], device=self.device)
         offsets = torch.arange(block_size, device=self.device)
         return ids_t, (idx_t[:, :, None] * block_size + offsets).flatten(1)
-
-    def _policy_mask(self, policies: list[CachePolicy], q_pos: torch.Tensor, k_pos: torch.Tensor,
-                     layer_window: int | None = None) -> torch.Tensor:
-        """[B, Qmax, L]: causal, and inside each sequence's sinks + window and the layers' own window.
-        (h2o: heavy hitters lie outside the window, so its keys are limited by eviction, in
-        `_add_heavy_hitters`, instead.)"""
-        mask = k_pos[:, None, :] <= q_pos[:, :, None]
-        windows = [min(FAR if p.window is None or p.kind == "h2o" else p.window, layer_window or FAR)
-                   for p in policies]
-        if all(w == FAR for w in windows):
-            return mask
-        sinks = torch.tensor([p.sinks for p in policies], device=self.device)[:, None, None]
-        window = torch.tensor(windows, device=self.device)[:, None, None]
-        recent = k_pos[:, None, :] > q_pos[:, :, None] - window
-        return mask & ((k_pos[:, None, :] < sinks) | recent)
-
-    def _rope_positions(self, policies: list[CachePolicy], q_pos: torch.Tensor) -> torch.Tensor:
-        if not any(p.uses_cache_positions for p in policies):
-            return q_pos
-        cap = torch.tensor([p.sinks + p.window - 1 if p.uses_cache_positions else FAR for p in policies],
-                           device=self.device)
-        return torch.minimum(q_pos, cap[:, None])
-
-    def _add_sink_rotation(self, group: PagedGroup, policies: list[CachePolicy], last_q: torch.Tensor,
-                           k_pos: torch.Tensor) -> None:
-        """Keys of a sinks sequence were rotated by their rank when written; ranks shift as the window
-        slides, so rotate each gathered key by (rank now - rank then), a position <= S + W."""
-        if not any(p.uses_cache_positions and last_q[b] >= p.sinks + p.window for b, p in enumerate(policies)):
-            return
-        is_sinks = torch.tensor([p.uses_cache_positions for p in policies], device=self.device)[:, None]
-        sinks = torch.tensor([p.sinks for p in policies], device=self.device)[:, None]
-        window = torch.tensor([p.window or 1 for p in policies], device=self.device)[:, None]
-        rank_then = torch.minimum(k_pos, sinks + window - 1)
-        first_recent = torch.maximum(sinks, last_q[:, None] - window + 1)
-        rank_now = torch.where(k_pos < sinks, k_pos, sinks + k_pos - first_recent)
-        delta = torch.where(is_sinks, rank_now - rank_then, 0).clamp(-(self.model.max_positions - 1), 0)
-        cos, sin = self.model.rope.tables(-delta)  # [B, L, 1, D]; rotating by -x flips sin
-        group.key_rotation = (cos.transpose(1, 2), -sin.transpose(1, 2))  # [B, 1, L, D]: keys are heads-first
-
-    def _add_heavy_hitters(self, group: PagedGroup, chunks: list[ScheduledChunk],
-                           k_pos: torch.Tensor) -> ScoreTarget | None:
-        """h2o sequences: mask evicted tokens and collect this step's attention weights."""
-        rows = [b for b, c in enumerate(chunks) if c.seq.policy.kind == "h2o"]
-        if not rows:
-            return None
-        for b in rows:
-            c = chunks[b]
-            state = self.heavy_hitters.setdefault(c.seq.seq_id, HeavyHitters(
-                torch.zeros(0, device=self.device), torch.zeros(0, dtype=torch.bool, device=self.device)))
-            state.grow(c.start + c.num_tokens)
-            positions = k_pos[b].clamp(max=state.evicted.numel() - 1)
-            group.mask[b] &= ~(state.evicted[positions] & (k_pos[b] < state.evicted.numel()))
-        group.score_rows = torch.tensor(rows, device=self.device)
-        group.scores = torch.zeros(len(rows), k_pos.shape[1], device=self.device)
-        return ScoreTarget(group, [chunks[b].seq.seq_id for b in rows], k_pos[group.score_rows])
-
-    def _accumulate_scores(self, targets: list[ScoreTarget]) -> None:
-        for target in targets:
-            for scores, positions, seq_id in zip(target.group.scores, target.positions, target.seq_ids):
-                state = self.heavy_hitters[seq_id]
-                real = positions < state.scores.numel()
-                state.scores.index_add_(0, positions[real], scores[real])
-
-    @torch.inference_mode()
-    def evict_heavy_hitters(self, seq_id: int, num_computed: int, policy: CachePolicy) -> list[int]:
-        """Keeps the `heavy` highest-scoring tokens outside the window; returns the indices of blocks
-        whose every token is now evicted (the caller gives them back to the pool)."""
-        state = self.heavy_hitters[seq_id]
-        first_recent = num_computed - policy.window + 1
-        candidates = (~state.evicted[:num_computed]).nonzero().flatten()
-        candidates = candidates[candidates < first_recent]
-        excess = candidates.numel() - policy.heavy
-        if excess <= 0:
-            return []
-        order = torch.sort(state.scores[candidates], stable=True).indices
-        state.evicted[candidates[order[:excess]]] = True
-        block_size = self.cache.block_size
-        full_blocks = num_computed // block_size
-        dead = state.evicted[: full_blocks * block_size].view(full_blocks, block_size).all(dim=1)
-        return dead.nonzero().flatten().tolist()
-
-    @torch.inference_mode()
-    def fork_state(self, parent_id: int, child_id: int) -> None:
-        state = self.heavy_hitters.get(parent_id)
-        if state is not None:
-            self.heavy_hitters[child_id] = HeavyHitters(state.scores.clone(), state.evicted.clone())
-
-    def forget(self, seq_id: int) -> None:
-        self.heavy_hitters.pop(seq_id, None)
 
     def _write_slots(self, c: ScheduledChunk, tables: BlockTables) -> list[int]:
         block_size, block_id = self.cache.block_size, tables.block_id
@@ -344,3 +243,37 @@ def _logit_rows(chunks: list[ScheduledChunk], ordered: list[ScheduledChunk], all
         elif c.completes_sequence:
             rows.append(end - 1)
     return rows
+
+
+def build_hybrid_runner(model: LlamaModel, config: EngineConfig, kinds: list[LayerKind], kind_blocks: list[int],
+                        tables: list[BlockTables], heavy_hitters: HeavyHitters | None = None) -> ModelRunner:
+    """The runner over one pool per kind of layer (kvgen.cache.hybrid), the global kind first."""
+    cfg = model.config
+    pool_dtype = STORAGE_DTYPES[config.kv_dtype]
+    caches = [PagedKVCache(len(kind.layers), n, config.block_size, cfg.num_kv_heads, cfg.head_dim, model.device,
+                           pool_dtype, compute_dtype=model.dtype) for kind, n in zip(kinds, kind_blocks)]
+    decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
+    more = [KVKind(cache, table, kind.window, list(kind.layers))
+            for cache, table, kind in zip(caches[1:], tables[1:], kinds[1:])]
+    return _on_device(ModelRunner(model, caches[0], tables[0], decode_kernel, more, heavy_hitters), config)
+
+
+def build_runner(model: LlamaModel, config: EngineConfig, num_blocks: int, block_tables: BlockTables | None,
+                 cache_type: Callable[..., PagedKVCache] = PagedKVCache,
+                 runner_type: Callable[..., ModelRunner] = ModelRunner,
+                 heavy_hitters: HeavyHitters | None = None) -> ModelRunner:
+    """The runner over KV pools of `num_blocks` blocks for the model's (local) KV heads."""
+    cfg = model.config
+    pool_dtype = STORAGE_DTYPES[config.kv_dtype]
+    cache = cache_type(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                       model.device, pool_dtype, compute_dtype=model.dtype)
+    decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
+    return _on_device(runner_type(model, cache, block_tables, decode_kernel, heavy_hitters=heavy_hitters), config)
+
+
+def _on_device(runner: ModelRunner, config: EngineConfig) -> ModelRunner:
+    """A runner on CUDA takes the Triton backend and decode graphs (imported only there)."""
+    if runner.device.type != "cuda" or config.attention_backend == "sdpa":
+        return runner
+    from kvgen.gpu.graphs import gpu_runner
+    return gpu_runner(runner, config)

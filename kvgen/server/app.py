@@ -28,7 +28,7 @@ from kvgen.server.dashboard import routes as dashboard_routes
 from kvgen.server.dashboard.source import DashboardSource
 from kvgen.server.http import BodySizeLimit, add_error_handlers
 from kvgen.server.limits import DEFAULT_MAX_QUEUED_REQUESTS, RequestLimits
-from kvgen.server.metrics import ServerMetrics
+from kvgen.server.metrics import ReplicaCollector, ServerMetrics
 from kvgen.server.openai_responses import ResponseStore
 from kvgen.server.parsers import resolve_reasoning_parser, resolve_tool_parser
 from kvgen.server.state import ServerState, check_api_key
@@ -43,7 +43,7 @@ def make_state(llm: AsyncLLM | ReplicaSet, *, model_name: str, api_key: str | No
     """What the routes read for one served model (several models: one each, kvgen.server.model_router)."""
     template = llm.tokenizer.chat_template  # the parsers read replies in the format it teaches (auto)
     return ServerState(llm=llm, model_name=model_name, api_key=api_key,
-                       metrics=ServerMetrics(llm.engine, getattr(llm, "metrics_collector", None)),
+                       metrics=ServerMetrics(llm.engine, ReplicaCollector(llm) if isinstance(llm, ReplicaSet) else None),
                        chat_template=ChatTemplate(llm.tokenizer), limits=limits or RequestLimits(),
                        max_queued_requests=max_queued_requests,
                        reasoning_parser=resolve_reasoning_parser(reasoning_parser, template),
@@ -77,7 +77,7 @@ def create_app(engine: Engine | AsyncLLM | ReplicaSet, *, model_name: str, api_k
     app.include_router(chat_completions.router)
     app.include_router(anthropic_messages.router)
     app.include_router(openai_responses.router)
-    if dashboard and isinstance(llm.engine, LLMEngine):
+    if dashboard and (isinstance(llm, ReplicaSet) or isinstance(llm.engine, LLMEngine)):
         metrics = app.state.kvgen.metrics
         app.state.dashboard = (DashboardSource(llm, metrics) if isinstance(llm, AsyncLLM) else
                                [DashboardSource(llm, metrics, replica=i) for i in range(llm.num_replicas)])

@@ -88,7 +88,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvgen.distributed.engine import TensorParallelEngine
     from kvgen.server.app import create_app
 
     models = ([args.model_arg] if args.model_arg else []) + [m for m in args.model or [] if m != args.model_arg]
@@ -109,15 +108,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      max_queued_requests=args.max_queued_requests, dashboard=not args.no_dashboard,
                      reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
-    tensor_parallel = isinstance(engine, TensorParallelEngine)
-    if tensor_parallel:  # a broken group ends the server, gracefully: the failed requests' answers go out first
-        engine.on_failure = lambda _: setattr(server, "should_exit", True)
+    one_engine = args.data_parallel_size == 1
+    if one_engine:  # an engine that breaks (its tensor-parallel group did) ends the server, gracefully:
+        engine.on_failure = lambda _: setattr(server, "should_exit", True)  # the failed answers go out first
     try:
         server.run()  # SIGTERM / ^C: uvicorn shuts down, and the app's shutdown stops the replicas
     finally:
         if args.data_parallel_size != 1:
             engine.close()
-    if tensor_parallel and engine.failure:
+    if one_engine and engine.failure:
         raise KVGenError(engine.failure)
     return 0
 

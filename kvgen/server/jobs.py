@@ -16,10 +16,11 @@ from dataclasses import dataclass, field, replace
 from fastapi import Request
 
 from kvgen.async_llm import RequestStream
+from kvgen.engine.admission import AdmittedRequest
 from kvgen.engine.base import Prompt
-from kvgen.engine.sampling_params import SamplingParams
-from kvgen.engine.sequence import CompletionOutput, RequestOutput
-from kvgen.sampler import TokenLogprobs
+from kvgen.sample.sampler import TokenLogprobs
+from kvgen.sampling_params import SamplingParams
+from kvgen.scheduling.sequence import CompletionOutput, RequestOutput
 from kvgen.server.protocol import SamplingRequest, Usage
 from kvgen.server.state import ServerState
 from kvgen.tokenizer import Tokenizer
@@ -93,6 +94,7 @@ class Job:
     request_id: str
     prompts: list[list[int]]
     params: SamplingParams
+    admitted: list[AdmittedRequest] = field(default_factory=list)  # one per prompt (kvgen.engine.admission)
     echo: list[str] | None = None
     echo_only: bool = False
     prompt_logprobs: int | None = None
@@ -117,18 +119,17 @@ class Job:
 
 
 def prepare_job(state: ServerState, id_prefix: str, prompts: Sequence[Prompt], body: SamplingRequest) -> Job:
-    """Encodes the prompts (of an admitted request) and checks they fit with the parameters; raises
-    InvalidRequestError."""
-    engine = state.engine
-    token_ids = [engine.encode_prompt(p) for p in prompts]
-    for ids in token_ids:
-        state.limits.check_prompt_tokens(len(ids), engine.max_model_len)
-    longest = max(len(ids) for ids in token_ids)
-    params = body.sampling_params(max_tokens_left=max(engine.max_model_len - longest, 1))
-    for ids in token_ids:
-        engine.check_fits(len(ids), params)
-    engine.compile_grammar(params)  # a schema or regex that does not compile is a 400 before anything runs
-    return Job(f"{id_prefix}-{uuid.uuid4().hex}", token_ids, params)
+    """Encodes the prompts (of a request within the server's limits), sizes max_tokens by the longest,
+    and admits each prompt with the parameters, once (kvgen.engine.admission: a schema or regex that
+    does not compile is a 400 too, before anything runs); raises InvalidRequestError."""
+    admission, max_model_len = state.engine.admission, state.engine.max_model_len
+    encoded = [admission.encode(p) for p in prompts]
+    for prompt in encoded:
+        state.limits.check_prompt_tokens(len(prompt.token_ids), max_model_len)
+    longest = max(len(prompt.token_ids) for prompt in encoded)
+    params = body.sampling_params(max_tokens_left=max(max_model_len - longest, 1))
+    admitted = [admission.admit(prompt, params) for prompt in encoded]
+    return Job(f"{id_prefix}-{uuid.uuid4().hex}", [a.token_ids for a in admitted], params, admitted)
 
 
 class TokenTexts:
@@ -248,8 +249,8 @@ def open_streams(state: ServerState, job: Job) -> list[RequestStream]:
     if one cannot be added, those already added are aborted."""
     streams: list[RequestStream] = []
     try:
-        for i, ids in enumerate(job.prompts):
-            streams.append(state.llm.generate(ids, job.params, f"{job.request_id}-{i}"))
+        for i, admitted in enumerate(job.admitted):
+            streams.append(state.llm.submit(admitted, f"{job.request_id}-{i}"))
     except BaseException:
         close_streams(streams)
         raise

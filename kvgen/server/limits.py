@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvgen.engine.grammar import GrammarSpec
-from kvgen.engine.sampling_params import INT64_MAX, INT64_MIN
 from kvgen.errors import InvalidRequestError
+from kvgen.sample.grammar import GrammarSpec
+from kvgen.sampling_params import INT64_MAX, INT64_MIN
 
 
 # Sequences waiting for the engine past which a new request gets 429 (backpressure; see ServerState.admit).

@@ -1,5 +1,7 @@
 """Prometheus metrics of one server: request latencies and token counts as requests finish, and the
-engine's queues, KV usage and cumulative cache counters read from `engine.stats()` at scrape time.
+engine's queues, KV usage and cumulative cache counters read from `engine.stats()` at scrape time (or,
+behind data-parallel replicas, from the readings the ReplicaSet hands up: the Prometheus formatting
+stays here, so the replica layer knows nothing of the server).
 
 Every app has its own CollectorRegistry, so several apps (tests) can live in one process.
 """
@@ -13,7 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvgen.engine.base import Engine, EngineStats
-from kvgen.engine.sequence import RequestOutput
+from kvgen.replicas.frontend import ReplicaSet
+from kvgen.scheduling.sequence import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -66,6 +69,31 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         return stats_families(self.engine.stats())
+
+
+class ReplicaCollector(Collector):
+    """/metrics of data-parallel replicas: the engine's gauges and counters per replica (label `replica`),
+    each replica's state, and the router's decisions, from one reading of the ReplicaSet."""
+
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self.replicas = replicas
+
+    def collect(self) -> Iterator[Metric]:
+        readings = self.replicas.readings()
+        yield from labelled_families([({"replica": str(i)}, stats) for i, stats in enumerate(readings.stats)])
+        live = GaugeMetricFamily("kvgen_replica_up", "1 while the replica serves requests.", labels=["replica"])
+        restarted = CounterMetricFamily("kvgen_replica_restarts", "Times the replica was restarted after dying.",
+                                        labels=["replica"])
+        for index, (up, n) in enumerate(zip(readings.up, readings.restarts)):
+            live.add_metric([str(index)], float(up))
+            restarted.add_metric([str(index)], n)
+        yield live
+        yield restarted
+        decisions = CounterMetricFamily("kvgen_router_requests", "Requests routed: by prefix match, by load "
+                                        "(least loaded), or round_robin.", labels=["reason"])
+        for reason, n in readings.routed.items():
+            decisions.add_metric([reason], n)
+        yield decisions
 
 
 class ServerMetrics:

@@ -14,9 +14,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvgen.engine.base import Prompt
-from kvgen.engine.grammar import GrammarSpec
-from kvgen.engine.sampling_params import SamplingParams
 from kvgen.errors import InvalidRequestError
+from kvgen.sample.grammar import GrammarSpec
+from kvgen.sampling_params import SamplingParams
 from kvgen.server.limits import RequestLimits, check_64_bit_integers
 from kvgen.server.tools import Tool, ToolCall, ToolCallDelta, ToolChoice, tool_grammar
 

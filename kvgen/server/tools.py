@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvgen.engine.grammar import GrammarSpec
 from kvgen.errors import InvalidRequestError
+from kvgen.sample.grammar import GrammarSpec
 
 
 class FunctionDefinition(BaseModel):

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvgen.bench import models
-from kvgen.bench.peers import llama_cpp_build_note, load_peer
+from benchmarks import models
+from benchmarks.peers import llama_cpp_build_note, load_peer
 from kvgen.bench.report import Metric, comparison_table, distribution, loglog_slope
 from kvgen.bench.scaling import SPEEDUP_AT, positions, total_times
 from kvgen.bench.serve import arrival_offsets
 from kvgen.bench.system import BenchRequest, PeerUnavailable, System
 from kvgen.bench.workload import make_requests
 from kvgen.cli import main
-from tests.servers import wait_healthy
+from tests.support.servers import wait_healthy
 
 TINY = ["--model", "stories260k", "--threads", "1"]
 TINY_ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -181,9 +181,9 @@ def test_missing_llama_server_says_how_to_build_it(monkeypatch, tmp_path):
 
 
 def test_throughput_against_llama_server_at_each_slot_count(tmp_path, capsys):
-    """The real llama-server (where one is built here: see kvgen/bench/llama_server.py), started per
+    """The real llama-server (where one is built here: see benchmarks/llama_server.py), started per
     slot count on the stories260K GGUF, answering every request with its tokens."""
-    from kvgen.bench.llama_server import find_binary
+    from benchmarks.llama_server import find_binary
 
     try:
         find_binary()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgen.bench.page import INTRO, PLOT_NAME
+from benchmarks.page import INTRO, PLOT_NAME
 from kvgen.bench.report import ENV_PREFIXES, ISA_FLAGS, REPO
 from kvgen.cli import main
 from kvgen.threads import foreign_environment

@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from kvgen.bench import llama_tools, models, random_models
+from benchmarks import llama_tools, models, random_models
 from kvgen.loaders import load_model
 from kvgen.loaders.gguf_reader import read_gguf
 from kvgen.model.llama import LlamaModel

@@ -66,3 +66,41 @@ def test_kv_bytes_per_token_rejects_non_positive():
 ])
 def test_format_bytes(n, binary, expected):
     assert format_bytes(n, binary) == expected
+
+
+def _model(**overrides):
+    from kvgen.config import ModelConfig
+
+    return ModelConfig(**({"vocab_size": 32, "hidden_size": 64, "intermediate_size": 128, "num_layers": 6,
+                           "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "max_position_embeddings": 1024}
+                          | overrides))
+
+
+def test_kv_plan_of_one_pool():
+    from kvgen.cache.sizing import plan_kv
+    from kvgen.config import EngineConfig
+
+    model = _model()
+    per_token = kv_bytes_per_token(6, 2, 16, 4)  # float32 pools
+    plan = plan_kv(model, EngineConfig(max_num_seqs=2, block_size=16), max_model_len=1024)
+    assert plan.bytes_per_token == per_token and plan.kinds == ()
+    assert plan.blocks == (2 * 1024 // 16,)  # two full-length sequences, under the default budget
+    assert plan.capacity_tokens == 2048 and plan.manager(True, 512).num_blocks == 128
+    budget = plan_kv(model, EngineConfig(kv_cache_memory=100 * 16 * per_token + 1), max_model_len=1024)
+    assert budget.blocks == (100,) and plan_kv(model, EngineConfig(num_kv_blocks=7), 1024).blocks == (7,)
+    assert "128 blocks x 16 tokens = 2048 tokens" in plan.report()
+    with pytest.raises(ValueError, match="holds no block"):
+        plan_kv(model, EngineConfig(kv_cache_memory=16 * per_token - 1), max_model_len=1024)
+
+
+def test_kv_plan_of_a_hybrid_model_splits_the_budget_so_the_kinds_run_out_together():
+    from kvgen.cache.hybrid import HybridKVManager
+    from kvgen.cache.sizing import plan_kv
+    from kvgen.config import EngineConfig
+
+    model = _model(layer_windows=(64, 64, None, 64, 64, None))
+    plan = plan_kv(model, EngineConfig(max_num_seqs=4, block_size=16, max_num_batched_tokens=64), 1024)
+    assert [k.window for k in plan.kinds] == [None, 64] and plan.kinds[1].layers == (0, 1, 3, 4)
+    # a 1024-token sequence holds 1024 tokens in the global pool, 64 + 64 + 2 * 16 in the windowed one
+    assert plan.blocks == (4 * 1024 // 16, 4 * 160 // 16)
+    assert isinstance(plan.manager(True, 64), HybridKVManager) and plan.report().startswith("hybrid KV cache: ")

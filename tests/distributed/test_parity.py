@@ -1,5 +1,5 @@
 """Tensor parallelism against one process: greedy fp32 on the CPU over gloo gives the same tokens,
-and log-probabilities within the fp32 bound of a changed summation order (tests/tolerances.py: the
+and log-probabilities within the fp32 bound of a changed summation order (tests/support/tolerances.py: the
 row-parallel all-reduce splits each o_proj / down_proj dot product into per-rank partial sums, the
 same kind of reordering a different BLAS blocking makes).
 
@@ -18,7 +18,7 @@ from kvgen import LLM, SamplingParams
 from kvgen.distributed.group import DistributedError
 from kvgen.errors import InvalidRequestError
 from tests.conftest import SMALL, _word_tokenizer, build_hf_model
-from tests.tolerances import assert_same_logprobs
+from tests.support.tolerances import assert_same_logprobs
 
 ENGINE = {"num_kv_blocks": 384, "max_num_seqs": 32, "block_size": 8}
 MAX_TOKENS = 12

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvgen import LLM, SamplingParams
-from tests.tolerances import KV_ROUNDING, Trace, agreeing_prefix, trace
+from tests.support.tolerances import KV_ROUNDING, Trace, agreeing_prefix, trace
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Once upon a time", "Lily had a red ball", "Tom"]

@@ -17,10 +17,10 @@ import pytest
 from kvgen import SamplingParams
 from kvgen.config import EngineConfig, ModelConfig
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.sequence import RequestOutput
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import load_model
-from tests.tolerances import assert_same_logprobs, logprob_gap
+from kvgen.scheduling.sequence import RequestOutput
+from tests.support.tolerances import assert_same_logprobs, logprob_gap
 
 _ids = itertools.count()
 WORDS = "the a cat dog Lily Tom park ball happy sad big little ran jumped saw played with and sun tree".split()
@@ -67,7 +67,7 @@ def completions(outputs: list[RequestOutput]) -> list[list[list[int]]]:
 
 
 def assert_same(got: list[RequestOutput], want: list[RequestOutput], config: ModelConfig) -> None:
-    """Same tokens; logprobs to fp32 rounding (see tests/tolerances.py)."""
+    """Same tokens; logprobs to fp32 rounding (see tests/support/tolerances.py)."""
     assert completions(got) == completions(want)
     for g, w in zip(got, want, strict=True):
         assert_same_logprobs(g, w, config)

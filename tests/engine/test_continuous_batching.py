@@ -9,10 +9,10 @@ from kvgen import LLM, SamplingParams
 from kvgen.async_llm import AsyncLLM
 from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.sequence import RequestOutput
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import load_model
-from tests.tolerances import assert_same_logprobs
+from kvgen.scheduling.sequence import RequestOutput
+from tests.support.tolerances import assert_same_logprobs
 
 WORDS = "the a cat dog Lily Tom park ball happy sad big little ran jumped saw played with and sun tree".split()
 

@@ -2,7 +2,7 @@
 fp32 model, float32 under a bf16 one), through the real engine on real models: every path that
 writes or reads the pools converts (issue 34: every request used to fail in index_copy_).
 
-What the bounds rest on (tests/tolerances.py, KV_ROUNDING and KV_GAIN). A pool of `kv_dtype`
+What the bounds rest on (tests/support/tolerances.py, KV_ROUNDING and KV_GAIN). A pool of `kv_dtype`
 rounds each K/V element to nearest once, a relative error of at most its unit roundoff u (bf16: 8
 significand bits, u = 2**-8; fp16: 11 bits, u = 2**-11), and reads widen exactly
 (tests/model/test_kernels.py). So:
@@ -31,7 +31,7 @@ from kvgen.llm import DEFAULT_MODEL
 from kvgen.model.kernels import paged_decode_for
 from kvgen.model.kernels.bf16 import bf16_kernel
 from kvgen.model.kernels.f32 import f32_kernel
-from tests.tolerances import KV_ROUNDING, agreeing_prefix, kv_bound, trace
+from tests.support.tolerances import KV_ROUNDING, agreeing_prefix, kv_bound, trace
 
 CPU = torch.device("cpu")
 
@@ -171,7 +171,7 @@ def test_a_draft_model_over_half_pools_changes_no_bit(kv_dtype):
     """Self-speculation (the model's int4 copy drafts) with the target's and the draft's pools in
     `kv_dtype`: a verify chunk's rows get the bits their decodes would (kvgen's fp32 matmul, the
     in-place kernel), so they round to the same pool values, and speculation changes no bit of a
-    logprob, as over fp32 pools (tests/engine/spec/test_speculative.py)."""
+    logprob, as over fp32 pools (tests/engine/speculative/test_speculative.py)."""
     params = greedy(48)
     plain = LLM(enable_prefix_caching=False, kv_cache_dtype=kv_dtype).generate(TEXTS, params)
     llm = LLM(enable_prefix_caching=False, kv_cache_dtype=kv_dtype, speculative_method="draft",

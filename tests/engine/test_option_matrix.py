@@ -1,6 +1,6 @@
 """The numerics options against each other, pairwise, on stories260K: model dtype x kv_cache_dtype x
 attention_backend x fused decode. Every pair of values of two options meets in at least one case
-(tests.pairwise.all_pairs, generated from the options' declared values: kvgen.config's for the KV and
+(tests.support.pairwise.all_pairs, generated from the options' declared values: kvgen.config's for the KV and
 attention options), so a combination that breaks shows up without running the whole product (72 cases; run
 once by hand: all passed, the native backend refused for fp16 models).
 
@@ -8,7 +8,7 @@ Each case runs a few greedy requests against the plain path of its model dtype (
 and checks:
 - the output: bit for bit where nothing lossy differs (same attention path, a pool holding every
   value of the model's dtype: `auto`, the model's own dtype, or float32); else within the declared
-  bound of the lossiest difference (tests/tolerances.py, KV_ROUNDING, KV_GAIN): the pool's rounding,
+  bound of the lossiest difference (tests/support/tolerances.py, KV_ROUNDING, KV_GAIN): the pool's rounding,
   or a half-precision model's other attention path (its rounding), or an fp32 model's (fp32's);
 - that every KV block went back, and that the engine then serves the next request;
 - a combination the engine refuses raises the error kvgen.option_space declares for it, never an
@@ -26,8 +26,8 @@ import pytest
 from kvgen import LLM, SamplingParams
 from kvgen.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 from kvgen.option_space import refusal_of
-from tests.pairwise import all_pairs
-from tests.tolerances import KV_ROUNDING, agreeing_prefix, logprob_gap, trace
+from tests.support.pairwise import all_pairs
+from tests.support.tolerances import KV_ROUNDING, agreeing_prefix, logprob_gap, trace
 
 OPTIONS = {
     "dtype": ("float32", "bfloat16", "float16"),

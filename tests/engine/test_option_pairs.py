@@ -1,11 +1,11 @@
 """Every engine and sampling option against every other, pairwise (kvgen.option_space declares them,
-their tested values and the pairs refused by design; tests/pairwise.py generates the cases).
+their tested values and the pairs refused by design; tests/support/pairwise.py generates the cases).
 
 Each allowed case runs three greedy prompts (logprobs on) and checks:
 - each completion against the plain engine options (kvgen.option_space.PLAIN) run with the case's
   numerics (dtype, quantization) and its request (kv_policy, grammar): a bounded policy legitimately
   changes the output, so it is compared with itself. Equal tokens and logprobs within fp32 rounding
-  (logprob_gap) where nothing lossy differs; else within the stated bound (tests/tolerances.py): the
+  (logprob_gap) where nothing lossy differs; else within the stated bound (tests/support/tolerances.py): the
   pool's rounding, a bf16 model's other path, or a quantized model's activation rounding;
 - that every KV block went back, and that the engine then serves a plain request;
 - never an internal error: a finish_reason "error" or an exception fails the case.
@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 
 from kvgen import LLM, SamplingParams
-from kvgen.engine.grammar import GrammarSpec
 from kvgen.option_space import BY_NAME, OPTIONS, PLAIN, REFUSED, kind, refusal_of, refused, refused_pairs_markdown
-from tests.pairwise import all_pairs, allowed_pairs, pairs_of
-from tests.tolerances import (
+from kvgen.sample.grammar import GrammarSpec
+from tests.support.pairwise import all_pairs, allowed_pairs, pairs_of
+from tests.support.tolerances import (
     ACTIVATION_ROUNDING, KV_ROUNDING, WEIGHT_ROUNDING, agreeing_prefix_within, kv_bound, logprob_gap, trace,
 )
 
@@ -99,7 +99,7 @@ def test_every_refusal_names_tested_or_declared_values():
 
 
 def test_the_refusals_follow_the_engines_constants():
-    from kvgen.engine.spec.speculator import UNSPECULATED_POLICIES
+    from kvgen.engine.speculative.speculator import UNSPECULATED_POLICIES
 
     (spec,) = [r for r in REFUSED if (r.first[0], r.second[0]) == ("speculative_method", "kv_policy")]
     assert spec.second[1] == UNSPECULATED_POLICIES

@@ -7,7 +7,7 @@ from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.loaders import load_model
 from tests.conftest import HF_MODELS
-from tests.tolerances import assert_same_logprobs
+from tests.support.tolerances import assert_same_logprobs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=5)
 

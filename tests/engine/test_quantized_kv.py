@@ -5,7 +5,7 @@ import pytest
 
 from kvgen import LLM, SamplingParams
 from kvgen.config import EngineConfig
-from tests.tolerances import assert_same_logprobs
+from tests.support.tolerances import assert_same_logprobs
 
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play in the park with her dog"
 TEXTS = [" ".join(STORY.split()[:n]) for n in (1, 4, 9, 17)]

@@ -10,7 +10,7 @@ For each architecture in `ARCHS`, `arch_checkpoint(arch)` builds (once, then fro
 
 The converter is taken from the llama-cpp-python source package (`pip download`), which vendors
 llama.cpp: only `convert_hf_to_gguf.py`, `conversion/` and `gguf-py/` are unpacked, once, into the
-cache (kvgen.bench.llama_tools, which the bench's 1B/3B files use too). The converter runs as a
+cache (benchmarks.llama_tools, which the bench's 1B/3B files use too). The converter runs as a
 subprocess with that vendored gguf-py first on its path (it needs a newer `gguf` than the
 pip-installed one). Failing to get it is an error, never a skip.
 
@@ -21,7 +21,9 @@ Tokenizers (the converter must accept them; see _bpe_tokenizer_dir for why these
 - llama, phi3, gemma3, gemma3-hf: stories260K's SentencePiece tok512.model (512 pieces) as
   tokenizer.model -> GGUF tokenizer.ggml.model "llama", pre "default";
 - qwen2: Qwen2's own BPE (151936), from the converter's sdist -> "gpt2", pre "qwen2";
-- qwen3: SmolLM2's BPE (49152), from the shared SmolLM2 GGUF -> "gpt2", pre "smollm".
+- qwen3, qwen35: SmolLM2's BPE (49152), from the shared SmolLM2 GGUF -> "gpt2", pre "smollm";
+- gemma4: tok512 as transformers' fast tokenizer saves it (tokenizer.json, a BPE with byte fallback):
+  the Gemma 4 converter reads only a tokenizer.json (gguf LlamaHfVocab) -> tokenizer.ggml.model "gemma4".
 
 What GGUF cannot say (the fixtures are chosen so that llama.cpp's reading and transformers' reading
 of each GGUF agree with the HF directory, which `test_arch_fixtures.py` checks):
@@ -33,6 +35,30 @@ of each GGUF agree with the HF directory, which `test_arch_fixtures.py` checks):
   `layer_types`) as a HF directory only (its `gguf` is None).
 - Qwen 3: transformers does not read `attention.key_length` back and takes Qwen3Config's default
   head_dim 128, so the fixture's explicit head_dim is 128 (!= hidden / heads = 16).
+- Qwen 3.5 (`qwen35`): the converter asserts on MTP layers unless run with `--no-mtp` (transformers'
+  save_pretrained keeps none), so the fixture converts with it. transformers 5.25 has no GGUF mapping
+  for qwen35: the GGUF's only reader is llama.cpp, and what it reads differs from the HF directory in
+  ways a loader must undo or follow:
+  * value heads are reordered from grouped (HF: value head j reads key head j // (v_heads / k_heads))
+    to tiled (GGUF: key head j % k_heads) in the V rows of attn_qkv, attn_gate (z), ssm_alpha / ssm_beta
+    (a, b), ssm_a, ssm_dt.bias, the V channels of ssm_conv1d and the columns of ssm_out: read the GGUF
+    with `v_head_order="tiled"` (kvgen.model.gated_delta_net) or permute back;
+  * ssm_a holds -exp(A_log) (the decay rate itself), ssm_dt.bias is dt_bias, ssm_conv1d is [conv_dim, 4];
+  * every RMSNorm weight but ssm_norm (the gated norm, plain w) is stored as 1 + w;
+  * the linear layers' shapes are ssm.group_count (key heads), ssm.state_size (key head dim),
+    ssm.time_step_rank (value heads), ssm.inner_size (value heads x value head dim), ssm.conv_kernel;
+    which layers are linear is attention.recurrent_layers (also full_attention_interval);
+  * partial RoPE is rope.dimension_count (8 = 0.25 x key_length 32); rope.dimension_sections
+    [11, 11, 10, 0] is the multimodal RoPE's split, which text positions (equal on every axis) ignore;
+  * attn_q holds the query and its output gate interleaved per head, [heads x (q 32 | gate 32)], as HF.
+- Gemma 4 (`gemma4`): the GGUF says the window pattern (attention.sliding_window_pattern), both head
+  sizes (key_length 32 for global layers, key_length_swa 16), shared_kv_layers, per-layer input width
+  and the soft-cap; the global layers' proportional partial RoPE is written as rope.dimension_count =
+  the full head size plus a rope_freqs tensor whose factors 1e30 stop the unrotated pairs (0.25 of the
+  pairs keep factor 1). Sharing layers hold no attn_k / attn_v / attn_k_norm (nor does the HF file).
+  transformers 5.25 maps `gemma4` GGUF keys only in part: it rebuilds the config with its defaults for
+  key_length_swa, the global head size and the per-layer inputs, so its reading of this file fails on
+  the weights' shapes (llama.cpp is the GGUF's reference). The HF directory is the reference here.
 """
 
 from __future__ import annotations
@@ -46,8 +72,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvgen.bench import llama_tools
-from kvgen.bench.llama_tools import QWEN2_VOCAB
+from benchmarks import llama_tools
+from benchmarks.llama_tools import QWEN2_VOCAB
 
 FIXTURE_VERSION = "3"
 
@@ -79,7 +105,8 @@ class ArchSpec:
     config_cls: str
     model_cls: str
     config: dict
-    tokenizer: str  # "spm512": tok512.model as tokenizer.model; "smollm2", "qwen2": byte-level BPEs
+    tokenizer: str  # "spm512": tok512.model as tokenizer.model ("spm512-json": as tokenizer.json);
+    # "smollm2", "qwen2": byte-level BPEs
     gguf: bool = True
     # Weights: N(0, init_range) (transformers' init with initializer_range), then every embedding row
     # rescaled to norm emb_norm. transformers' default 0.02 makes these tiny models repeat one token
@@ -87,6 +114,7 @@ class ArchSpec:
     # values were picked, per family, for greedy outputs that vary and margins well above fp32 noise.
     init_range: float = 0.5
     emb_norm: float = 4.0
+    convert_flags: tuple[str, ...] = ()  # more flags for convert_hf_to_gguf.py
 
 
 # GQA everywhere: 4 query heads over 2 KV heads.
@@ -125,9 +153,36 @@ SPECS: dict[str, ArchSpec] = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}), "spm512",
         gguf=False, init_range=0.2, emb_norm=0.25),
+    # Qwen3.5 dense: 4 layers, the 4th full (gated) attention, the others Gated DeltaNet with 2 key heads
+    # of 16 serving 4 value heads of 16 (2 each, so the converter's V-head reordering shows), conv 4.
+    "qwen35": ArchSpec("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _BASE | _SMOL | dict(
+        num_hidden_layers=4, head_dim=32, tie_word_embeddings=True,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_interleaved": True, "mrope_section": [11, 11, 10]}), "smollm2",
+        convert_flags=("--no-mtp",)),
+    # Gemma 4 text: 6 layers, the last 2 reading the K/V of the last earlier layer of their kind
+    # (num_kv_shared_layers), window layers of head_dim 16 and global ones of 32 (proportional partial
+    # RoPE), per-layer embeddings of 8, final soft-capping.
+    "gemma4": ArchSpec("Gemma4TextConfig", "Gemma4ForCausalLM", _BASE | _SPM | dict(
+        num_hidden_layers=6, head_dim=16, global_head_dim=32, sliding_window=8, tie_word_embeddings=True,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=512,
+        final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0}}), "spm512-json",
+        init_range=1.0, emb_norm=0.5),
 }
 ARCHS = list(SPECS)
 GGUF_ARCHS = [a for a in ARCHS if SPECS[a].gguf]
+# GGUFs transformers 5.25 reads back into the same model: it has no GGUF mapping for qwen35, and reads
+# a gemma4 GGUF with its config defaults for what it does not map (head sizes 256/512, per-layer
+# inputs of 256, 262144 tokens), so the weights do not fit (see the module docstring).
+TRANSFORMERS_GGUF_ARCHS = [a for a in GGUF_ARCHS if a not in ("qwen35", "gemma4")]
 
 
 def _log(msg: str) -> None:
@@ -144,10 +199,10 @@ def converter_dir() -> Path:
         raise FixtureError(str(e)) from None
 
 
-def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
+def convert(hf_dir: Path, out: Path, outtype: str = "f32", extra: tuple[str, ...] = ()) -> Path:
     """Runs convert_hf_to_gguf.py on `hf_dir`; raises FixtureError with its output on failure."""
     try:
-        return llama_tools.convert(hf_dir, out, outtype, cache_root())
+        return llama_tools.convert(hf_dir, out, outtype, cache_root(), extra)
     except llama_tools.ToolError as e:
         raise FixtureError(str(e)) from None
 
@@ -191,6 +246,14 @@ def _write_tokenizer(kind: str, path: Path) -> None:
         (path / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
             "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False, "legacy": False}, indent=1))
+    elif kind == "spm512-json":  # the same pieces as transformers' fast tokenizer: a tokenizer.json
+        from transformers import AutoTokenizer
+
+        _write_tokenizer("spm512", path)
+        tok = AutoTokenizer.from_pretrained(path)
+        (path / "tokenizer.model").unlink()
+        tok.save_pretrained(path)
+        (path / "chat_template.jinja").unlink(missing_ok=True)
     elif kind in ("smollm2", "qwen2"):
         for f in _bpe_tokenizer_dir(kind).iterdir():
             shutil.copy(f, path / f.name)
@@ -252,7 +315,7 @@ def _build(arch: str, spec: ArchSpec, root: Path) -> None:
         if spec.gguf:
             for outtype in ("f32", "q8_0"):
                 t = time.perf_counter()
-                convert(tmp / "hf", tmp / f"{arch}-{outtype}.gguf", outtype)
+                convert(tmp / "hf", tmp / f"{arch}-{outtype}.gguf", outtype, spec.convert_flags)
                 timing[f"convert_{outtype}_s"] = round(time.perf_counter() - t, 2)
         (tmp / "DONE").write_text(json.dumps(timing))
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the fixture from other users of the cache

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.loaders.arch_fixtures import ARCHS, GGUF_ARCHS, SPECS, build_timing, hf_greedy, hf_logits
+from tests.loaders.arch_fixtures import (ARCHS, SPECS, TRANSFORMERS_GGUF_ARCHS, build_timing, hf_greedy,
+                                         hf_logits)
 
 N = 16
 
@@ -39,9 +40,9 @@ def gguf_fields(path) -> dict:
 
 
 def gguf_archs(*slow):
-    """GGUF_ARCHS, those in `slow` marked slow (transformers takes ~40 s to read qwen2's 151936-token
+    """TRANSFORMERS_GGUF_ARCHS, those in `slow` marked slow (transformers takes ~40 s to read qwen2's 151936-token
     GGUF, ~11 s for qwen3's 49152: it parses the whole vocabulary to build the model's config)."""
-    return [pytest.param(a, marks=pytest.mark.slow) if a in slow else a for a in GGUF_ARCHS]
+    return [pytest.param(a, marks=pytest.mark.slow) if a in slow else a for a in TRANSFORMERS_GGUF_ARCHS]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -69,6 +70,20 @@ def test_features(arch_ckpt, arch):
         assert len(thetas) == 2
     if arch == "gemma3-hf":
         assert c["query_pre_attn_scalar"] != c["head_dim"]
+    if arch == "qwen35":
+        assert c["model_type"] == "qwen3_5_text" and c["architectures"] == ["Qwen3_5ForCausalLM"]
+        assert c["layer_types"].count("full_attention") >= 1 and c["layer_types"].count("linear_attention") >= 1
+        assert c["linear_num_value_heads"] > c["linear_num_key_heads"]  # key heads shared by value heads
+        assert "model.layers.0.linear_attn.A_log" in names and "model.layers.3.self_attn.q_norm.weight" in names
+        assert not any(n.startswith("mtp.") for n in names)
+    if arch == "gemma4":
+        assert c["model_type"] == "gemma4_text" and c["architectures"] == ["Gemma4ForCausalLM"]
+        assert c["num_kv_shared_layers"] > 0 and c["hidden_size_per_layer_input"] > 0
+        assert c["per_layer_config"]["2"]["head_dim"] != c["head_dim"]  # two head sizes
+        assert c["sliding_window"] < len(prompt_for(c["vocab_size"]))
+        shared = range(c["num_hidden_layers"] - c["num_kv_shared_layers"], c["num_hidden_layers"])
+        assert all(f"model.layers.{i}.self_attn.k_proj.weight" not in names for i in shared)
+        assert "model.layers.0.self_attn.k_proj.weight" in names
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -100,6 +115,55 @@ def test_gguf_roundtrip(arch_ckpt, arch):
         assert fields["gemma3.rope.freq_base"] == 1e6 and fields["gemma3.rope.freq_base_swa"] == 1e4
     prompt = prompt_for(ckpt.config["vocab_size"])
     assert hf_greedy(ckpt.gguf, prompt, N) == hf_greedy(ckpt.hf_dir, prompt, N)
+
+
+def test_gguf_qwen35_fields(arch_ckpt):
+    """The converter accepts the Qwen3.5 directory (with --no-mtp) and writes the layer pattern and the
+    linear layers' shapes where llama.cpp reads them (transformers cannot read this GGUF)."""
+    ckpt = arch_ckpt("qwen35")
+    c, fields = ckpt.config, gguf_fields(ckpt.gguf)
+    print(f"\nqwen35: {fields}")
+    assert fields["general.architecture"] == "qwen35"
+    assert fields["qwen35.ssm.group_count"] == c["linear_num_key_heads"]
+    assert fields["qwen35.ssm.time_step_rank"] == c["linear_num_value_heads"]
+    assert fields["qwen35.ssm.state_size"] == c["linear_key_head_dim"]
+    assert fields["qwen35.ssm.inner_size"] == c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    assert fields["qwen35.ssm.conv_kernel"] == c["linear_conv_kernel_dim"]
+    assert fields["qwen35.rope.dimension_count"] == c["head_dim"] // 4
+    assert fields["qwen35.attention.key_length"] == c["head_dim"]
+    from gguf import GGUFReader
+
+    reader = GGUFReader(ckpt.gguf)
+    recurrent = reader.fields["qwen35.attention.recurrent_layers"]
+    assert [bool(recurrent.parts[i][0]) for i in recurrent.data] == [t == "linear_attention" for t in c["layer_types"]]
+    names = {t.name for t in reader.tensors}
+    assert {"blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.0.attn_qkv.weight", "blk.0.attn_gate.weight",
+            "blk.3.attn_q.weight", "blk.3.attn_k_norm.weight"} <= names
+    assert not any("nextn" in n or "mtp" in n for n in names)
+
+
+def test_gguf_gemma4_fields(arch_ckpt):
+    """The converter accepts the Gemma 4 directory: both head sizes, the window pattern and the shared
+    layers are in the GGUF, and the sharing layers carry no K/V weights."""
+    ckpt = arch_ckpt("gemma4")
+    c, fields = ckpt.config, gguf_fields(ckpt.gguf)
+    print(f"\ngemma4: {fields}")
+    assert fields["general.architecture"] == "gemma4"
+    assert fields["gemma4.attention.key_length"] == c["per_layer_config"]["2"]["head_dim"]
+    assert fields["gemma4.attention.key_length_swa"] == c["head_dim"]
+    assert fields["gemma4.attention.shared_kv_layers"] == c["num_kv_shared_layers"]
+    assert fields["gemma4.attention.sliding_window"] == c["sliding_window"]
+    assert fields["gemma4.embedding_length_per_layer_input"] == c["hidden_size_per_layer_input"]
+    from gguf import GGUFReader
+
+    reader = GGUFReader(ckpt.gguf)
+    names = {t.name for t in reader.tensors}
+    first_shared = c["num_hidden_layers"] - c["num_kv_shared_layers"]
+    assert all(f"blk.{i}.attn_k.weight" in names for i in range(first_shared))
+    assert not any(f"blk.{i}.attn_k.weight" in names or f"blk.{i}.attn_v.weight" in names
+                   for i in range(first_shared, c["num_hidden_layers"]))
+    factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight").data.tolist()
+    assert factors.count(1.0) == len(factors) // 4  # proportional RoPE: a quarter of the pairs rotate
 
 
 @pytest.mark.parametrize("arch", gguf_archs("qwen2"))

@@ -1,7 +1,7 @@
 """The bf16 matmul kernel (kvgen/model/kernels/bf16_matmul.c) against a float64 reference.
 
 Bound: a product of two bf16 values is exact in fp32, so the kernel's fp32 sum of K products errs by
-at most gamma(K) * sum |x w| (tests/tolerances.py), and rounding that sum once to bf16 adds at most
+at most gamma(K) * sum |x w| (tests/support/tolerances.py), and rounding that sum once to bf16 adds at most
 half a bf16 ulp, 2^-8 |y| (bf16 keeps 8 significant bits). vdpbf16ps flushes denormal inputs to zero;
 the inputs here are normal.
 """
@@ -11,7 +11,7 @@ import torch
 
 from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel, pack
 from kvgen.model.linear import ONEDNN_FROM_ROWS, Bf16Linear, make_linear
-from tests.tolerances import gamma
+from tests.support.tolerances import gamma
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
 

@@ -1,7 +1,7 @@
 """The fp32 matmul kernel (kvgen/model/kernels/f32_matmul.c) against a float64 reference.
 
 Bound: a product of two fp32 values rounds once (or not at all, fused into the FMA), and the kernel's
-fp32 sum of K products errs by at most gamma(K) * sum |x w| in all (tests/tolerances.py: gamma(K)
+fp32 sum of K products errs by at most gamma(K) * sum |x w| in all (tests/support/tolerances.py: gamma(K)
 covers the K - 1 additions and the rounding of each product), in whatever order they are summed.
 """
 
@@ -13,7 +13,7 @@ from kvgen.loaders import load_model
 from kvgen.model.kernels.f32 import PANEL, f32_kernel, pack, unpacked_rows
 from kvgen.model.linear import F32Linear, make_linear
 from kvgen.model.llama import LlamaModel
-from tests.tolerances import gamma
+from tests.support.tolerances import gamma
 
 pytestmark = pytest.mark.skipif(f32_kernel() is None, reason="this CPU has no AVX-512")
 

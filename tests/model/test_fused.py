@@ -7,7 +7,7 @@ import pytest
 from kvgen import LLM, SamplingParams
 from kvgen.model.kernels.bf16 import bf16_kernel
 from tests.loaders.gguf_builder import Dims, llama_vocab, q4_k_m_style_model, write_gguf
-from tests.torch_threads import torch_threads
+from tests.support.torch_threads import torch_threads
 
 PROMPTS = [list(range(100, 228)), list(range(300, 340)), [7], list(range(5, 70)), list(range(40, 41 + 16))]
 

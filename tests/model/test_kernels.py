@@ -11,8 +11,8 @@ from kvgen.config import EngineConfig
 from kvgen.model import kernels
 from kvgen.model.attention import PagedKVCache, sdpa_heads_first
 from kvgen.model.kernels import FLAGS, SOURCE, PagedDecode, build_library, load_paged_decode, paged_decode_for
-from tests.tolerances import fp32_gap
-from tests.torch_threads import torch_threads
+from tests.support.tolerances import fp32_gap
+from tests.support.torch_threads import torch_threads
 
 CPU = torch.device("cpu")
 

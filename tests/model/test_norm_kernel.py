@@ -1,6 +1,6 @@
 """The RMSNorm kernel (kvgen/model/kernels/rms_norm.c) against a float64 reference and torch's op.
 
-fp32 bound: the sum of n squares errs by at most gamma(n + 1) relative (tests/tolerances.py), which
+fp32 bound: the sum of n squares errs by at most gamma(n + 1) relative (tests/support/tolerances.py), which
 the square root halves; the mean, + eps, the square root, the reciprocal and the two products add one
 rounding each (u = 2^-24 relative): |y - exact| <= (gamma(n + 1) / 2 + 6u) |exact|.
 """
@@ -10,7 +10,7 @@ import torch
 
 from kvgen.model.kernels.norm import rms_norm_kernel
 from kvgen.model.layers import make_rms_norm, rms_norm
-from tests.tolerances import FP32_UNIT_ROUNDOFF, gamma
+from tests.support.tolerances import FP32_UNIT_ROUNDOFF, gamma
 
 EPS = 1e-5
 BF16_STEP = 2.0**-7  # bf16 keeps 8 significant bits: one step is at most 2^-7 of the value

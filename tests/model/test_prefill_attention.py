@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from kvgen.model.kernels import cpu_has
 from kvgen.model.kernels.prefill import prefill_attention_kernel
-from tests.tolerances import fp32_gap
+from tests.support.tolerances import fp32_gap
 
 pytestmark = pytest.mark.skipif(not cpu_has(("avx512f",)), reason="the kernel needs AVX-512 (elsewhere SDPA runs)")
 

@@ -20,7 +20,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgen.replicas.launch import REPLICA_ENV
-from tests.servers import wait_healthy
+from tests.support.servers import wait_healthy
 
 API_KEY = "test-key"
 MODEL = "stories260K"

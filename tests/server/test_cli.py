@@ -9,7 +9,7 @@ import sys
 import httpx
 
 from kvgen.cli import build_parser
-from tests.servers import wait_healthy
+from tests.support.servers import wait_healthy
 
 
 def test_serve_defaults():

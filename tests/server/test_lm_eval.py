@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from kvgen import LLM
 from kvgen.server.app import create_app
 from tests.server.harness import running
-from tests.tolerances import logprob_gap
+from tests.support.tolerances import logprob_gap
 
 MODEL = "stories260K"
 MAX_LENGTH = 512  # the model's context

@@ -11,7 +11,7 @@ import pytest
 
 from kvgen import LLM, SamplingParams
 from tests.server.harness import API_KEY, MODEL, metric_samples, sse_events
-from tests.tolerances import logprob_gap
+from tests.support.tolerances import logprob_gap
 
 # Over three 16-token blocks, so that a second request finds full blocks in the prefix cache.
 LONG_PROMPT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park "

@@ -136,7 +136,7 @@ def test_json_object(aclient):
     its strings within max_tokens, so a cut output must still be the start of one."""
     import xgrammar
 
-    from kvgen.engine.grammar import GrammarSpec
+    from kvgen.sample.grammar import GrammarSpec
 
     results = asyncio.run(batch(aclient, False, [dict(max_tokens=120, temperature=1.0, seed=i,
                                                       response_format={"type": "json_object"}) for i in range(16)]))

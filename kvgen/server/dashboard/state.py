@@ -11,7 +11,7 @@ s shared, r released); "owner", base64 of little-endian unsigned ints of `owner_
 a list of 65,535 sequences or more) each: the owner's index in "sequences", all ones for none; and
 "ref_count", base64 of bytes (255 for 255 or more). A page decodes them into typed arrays in a
 millisecond where 50,000-element JSON lists would cost tens; at 50,000 blocks the pool is 250 KB,
-where int32 owner ids and counts made it 580 KB (formatting it took 2 of a snapshot's 2.6 ms).
+where int32 owner ids and counts would make it 580 KB (and formatting them 2 of a snapshot's 2.6 ms).
 """
 
 from __future__ import annotations

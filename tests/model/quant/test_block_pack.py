@@ -9,7 +9,7 @@ from kvgen.model.quant.block_pack import BLOCK_TYPES, block_packer
 from kvgen.model.quant.formats import PackedWeight
 from tests.model.quant.block_oracle import pack_blocks
 from tests.model.quant.raw_blocks import Q, random_blocks, raw_matrix
-from tests.torch_threads import torch_threads
+from tests.support.torch_threads import torch_threads
 
 needs_packer = pytest.mark.skipif(block_packer() is None, reason="no C compiler: block_pack.c does not build")
 

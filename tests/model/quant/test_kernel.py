@@ -14,10 +14,10 @@ from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.f32 import pack as pack_f32
 from kvgen.model.kernels.faster import many_rows_dtype
 from kvgen.model.quant.linear import FP32_FROM_ROWS, KernelQuantLinear, ManyRows
-from tests.tolerances import gamma
+from tests.support.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix
-from tests.torch_threads import torch_threads
+from tests.support.torch_threads import torch_threads
 
 pytestmark = pytest.mark.skipif(qmatmul_kernel() is None,
                                 reason="CPU with neither AVX-512 VNNI nor AVX2: layers use torch")

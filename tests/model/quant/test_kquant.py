@@ -24,7 +24,7 @@ from kvgen.model.quant.kquant_kernel import kquant_kernel
 from kvgen.model.quant.kquant_linear import MANY_ROWS, KQuantLinear
 from tests.model.quant.kquant_oracle import pack_k
 from tests.model.quant.raw_blocks import raw_matrix
-from tests.torch_threads import torch_threads
+from tests.support.torch_threads import torch_threads
 
 Q = GGMLQuantizationType
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]

@@ -1,0 +1,442 @@
+"""The checks benchmarks/gpu_check.sh runs on a GPU machine, one per invocation (each in its own process,
+under its own `timeout`). Every check prints one `PASS <check>: ...` or `FAIL <check>: ...` line and
+writes <out>/<check>.json.
+
+    bandwidth          a device-to-device copy of 1 GiB: the memory bandwidth the others are measured against
+    build-model        a random-weight HF directory of a config's exact shape (benchmarks/configs/*.json), bf16
+    tokens             greedy tokens of kvgen against transformers, both on the device in bf16, 4 prompts:
+                       transformers runs once over each prompt + kvgen's tokens (teacher forcing) and its
+                       argmax must equal kvgen's next token; the first divergence and its logit gap (HF's
+                       top logit minus HF's logit for kvgen's token) are reported. A divergence whose gap is
+                       within 2 bf16 ulps of the logits' scale counts as a near-tie (printed as such).
+    latency-kvgen      batch-1 decode tok/s and the share of the copy bandwidth its bytes a step reach
+    latency-hf         the same for transformers' static cache + torch.compile (eager static cache first,
+                       so a compile that runs out of time still leaves a figure)
+    throughput-kvgen   N requests (prompt and output lengths drawn in ranges, random ids) through LLM.generate
+    throughput-hf      the same requests through transformers' continuous batching (per-request
+                       max_new_tokens through its manager; generate_batch's single length as a fallback, said so)
+
+`--device cpu --tiny` runs every check on small shapes on the CPU (the dry run that proves the
+script before it reaches a GPU); there kvgen runs its Triton backend under Triton's interpreter when
+KVGEN_TRITON_ON_CPU=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if os.environ.get("KVGEN_TRITON_ON_CPU") == "1":  # before triton is imported: its kernels are built interpreted
+    os.environ["TRITON_INTERPRET"] = "1"
+
+REPO = Path(__file__).resolve().parent.parent
+SIZES = {  # per check: (full, tiny)
+    "prompts": (4, 2), "tokens": (64, 8), "latency_prompt": (128, 16), "latency_tokens": (256, 16),
+    "requests": (256, 6), "prompt_range": ((128, 512), (16, 32)), "output_range": ((128, 512), (4, 12)),
+}
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "Once upon a time, in a small village,", "List three uses of a paged KV cache:"]
+
+
+def size(args, name):
+    return SIZES[name][1 if args.tiny else 0]
+
+
+def report(args, check: str, ok: bool, line: str, data: dict) -> int:
+    data = {"check": check, "pass": ok, "summary": line, "device": args.device, "tiny": args.tiny, **data}
+    if torch.cuda.is_available() and args.device.startswith("cuda"):
+        data["gpu"] = torch.cuda.get_device_name()
+    (Path(args.out) / f"{check}.json").write_text(json.dumps(data, indent=1, default=str))
+    print(f"{'PASS' if ok else 'FAIL'} {check}: {line}", flush=True)
+    return 0 if ok else 1
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# -- bandwidth ---------------------------------------------------------------------------------------
+
+
+def check_bandwidth(args) -> int:
+    nbytes = (64 << 20) if args.tiny else (1 << 30)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=args.device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(args.device)
+    reps = 5 if args.tiny else 20
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(args.device)
+    seconds = (time.perf_counter() - start) / reps
+    bandwidth = 2 * nbytes / seconds  # each copy reads and writes every byte
+    return report(args, "bandwidth", True, f"{bandwidth / 1e9:.0f} GB/s (copy of {nbytes >> 20} MiB, read + write)",
+                  {"bytes_per_s": bandwidth})
+
+
+def measured_bandwidth(args) -> float | None:
+    path = Path(args.out) / "bandwidth.json"
+    return json.loads(path.read_text())["bytes_per_s"] if path.exists() else None
+
+
+# -- a random-weight model of a config's shape -------------------------------------------------------
+
+
+def check_build_model(args) -> int:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.random_models import save_placeholder_tokenizer
+
+    spec = json.loads(Path(args.config).read_text())
+    spec = {k: v for k, v in spec.items() if not k.startswith("_")}
+    out = Path(args.model_dir)
+    done = out / "config.json"
+    if done.exists():
+        return report(args, "build-model", True, f"{out} already built", {"path": str(out)})
+    out.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.for_model(**spec)
+    with torch.device("meta"):
+        shapes = {n: tuple(t.shape) for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    tensors = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1 and name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:  # transformers' init: N(0, initializer_range); biases too, so they matter
+            t = torch.randn(shape, generator=gen, device=args.device, dtype=torch.float32)
+            tensors[name] = t.mul_(config.initializer_range).to(torch.bfloat16).cpu()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    nbytes = sum(t.numel() * 2 for t in tensors.values())
+    del tensors
+    config.dtype = torch.bfloat16
+    config.save_pretrained(out)
+    save_placeholder_tokenizer(config.vocab_size, out)
+    return report(args, "build-model", True, f"{out}: {nbytes / 1e9:.2f} GB bf16, random weights of {args.config}",
+                  {"path": str(out), "bytes": nbytes})
+
+
+# -- kvgen and transformers --------------------------------------------------------------------------
+
+
+def kvgen_llm(args, **options):
+    from kvgen import LLM
+
+    llm = LLM(args.model, device=args.device, dtype="bfloat16", quantization="none", **options)
+    if os.environ.get("KVGEN_TRITON_ON_CPU") == "1" and not args.device.startswith("cuda"):
+        from kvgen.gpu.backend import TritonPagedAttention
+
+        llm.engine.runner.attention_type = TritonPagedAttention
+    return llm
+
+
+def hf_model(args):
+    from transformers import AutoModelForCausalLM
+
+    path = Path(args.model)
+    if path.suffix == ".gguf" and not _has_accelerate():
+        print("accelerate missing (transformers needs it for gguf_file=): transformers reads an HF directory "
+              "of the GGUF's weights as kvgen's loader dequantizes them", flush=True)
+        path = _hf_dir_from_gguf(path, Path(os.environ.get("KVGEN_CHECK_WORK", "/tmp/kvgen-gpu")) / "hf-from-gguf")
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    return model.to(args.device).eval()
+
+
+def _has_accelerate() -> bool:
+    if os.environ.get("KVGEN_CHECK_NO_ACCELERATE") == "1":
+        return False
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _hf_dir_from_gguf(path: Path, out: Path) -> Path:
+    """A llama GGUF as an HF directory (bf16 safetensors + LlamaConfig), from kvgen's loader's
+    dequantized weights (HF names; kvgen's suite checks that loader against transformers' own)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from kvgen.loaders import load_model
+
+    loaded = load_model(path, dtype=torch.bfloat16)
+    c = loaded.config
+    if c.architecture != "llama":
+        raise ValueError(f"no HF directory for architecture {c.architecture}")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in loaded.weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                         num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                         max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                         rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+                         bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids))
+    config.rope_parameters = {"rope_type": "default", "rope_theta": c.rope_theta}
+    config.dtype = torch.bfloat16
+    config.save_pretrained(out)
+    return out
+
+
+def prompt_ids(args, llm) -> list[list[int]]:
+    n = size(args, "prompts")
+    if args.random_ids:
+        rng = random.Random(1)
+        vocab = 500 if args.tiny else 30000
+        return [[rng.randrange(3, vocab) for _ in range(rng.randrange(8, 40))] for _ in range(n)]
+    return [llm.tokenizer.encode(p) for p in PROMPTS[:n]]
+
+
+def check_tokens(args) -> int:
+    from kvgen import SamplingParams
+
+    llm = kvgen_llm(args, max_model_len=1024)
+    prompts = prompt_ids(args, llm)
+    n = size(args, "tokens")
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    generated = [list(o.outputs[0].token_ids) for o in outs]
+    if any(len(g) != n for g in generated):
+        return report(args, f"tokens-{args.label}", False, f"kvgen generated {[len(g) for g in generated]} tokens, "
+                      f"not {n} each ({[o.outputs[0].finish_reason for o in outs]})", {})
+    llm.close()
+    del llm
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    model = hf_model(args)
+    rows, agree_all = [], True
+    worst_ok = True
+    with torch.inference_mode():
+        for p, gen in zip(prompts, generated):
+            ids = torch.tensor([p + gen], device=args.device)
+            logits = model(ids).logits[0, len(p) - 1 : len(p) - 1 + len(gen)].float()  # predicts gen[i] at row i
+            top = logits.argmax(-1).tolist()
+            first = next((i for i, (a, b) in enumerate(zip(top, gen)) if a != b), None)
+            row = {"prompt_tokens": len(p), "agree": first is None, "kvgen": gen}
+            if first is not None:
+                agree_all = False
+                gap = (logits[first, top[first]] - logits[first, gen[first]]).item()
+                tie = 2 * 2.0 ** -8 * logits[first].abs().max().item()
+                row |= {"first_divergence": first, "hf_token": top[first], "kvgen_token": gen[first],
+                        "logit_gap": gap, "near_tie_bound": tie, "near_tie": gap <= tie}
+                worst_ok &= gap <= tie
+            rows.append(row)
+    name = f"tokens-{args.label}"
+    if agree_all:
+        line = f"{len(prompts)} prompts x {n} tokens identical to transformers"
+    else:
+        parts = [f"prompt {i}: first divergence at token {r['first_divergence']}, logit gap {r['logit_gap']:.4f}"
+                 f"{' (near-tie)' if r['near_tie'] else ''}" for i, r in enumerate(rows) if not r["agree"]]
+        line = "; ".join(parts)
+    return report(args, name, agree_all or worst_ok, line, {"model": args.model, "prompts": rows})
+
+
+def decode_bytes(model_config, params_bytes: int, embed_bytes: int, context: int) -> int:
+    """Bytes a batch-1 decode step reads: every weight but the embedding table (one row), and the KV
+    cache of `context` tokens in bf16."""
+    kv = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * 2 * context
+    return params_bytes - embed_bytes + kv
+
+
+def check_latency_kvgen(args) -> int:
+    from kvgen import SamplingParams
+
+    llm = kvgen_llm(args, max_model_len=2048, max_num_seqs=8, enforce_eager=args.eager)
+    rng = random.Random(2)
+    prompt = [rng.randrange(3, 30000 if not args.tiny else 500) for _ in range(size(args, "latency_prompt"))]
+    n = size(args, "latency_tokens")
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    llm.generate([prompt], params)  # warm-up: kernels compiled, graph captured
+    best = None
+    for _ in range(3):
+        out = llm.generate([prompt], params)[0]
+        times = out.metrics.token_times
+        if len(out.outputs[0].token_ids) != n or len(times) < 2:
+            return report(args, "latency-kvgen", False, f"generated {len(out.outputs[0].token_ids)} of {n} tokens "
+                          f"({out.outputs[0].finish_reason})", {})
+        rate = (len(times) - 1) / (times[-1] - times[0])
+        best = rate if best is None else max(best, rate)
+    model = llm.engine.model
+    params_bytes, embed = _weight_bytes(Path(args.model))
+    step_bytes = decode_bytes(model.config, params_bytes, embed, len(prompt) + n // 2)
+    bandwidth = measured_bandwidth(args)
+    share = step_bytes * best / bandwidth if bandwidth else None
+    graphs = getattr(llm.engine.runner, "graphs", None)
+    line = (f"{best:.1f} tok/s batch-1 decode, {step_bytes / 1e9:.2f} GB a step"
+            + (f", {share:.0%} of the measured {bandwidth / 1e9:.0f} GB/s" if share else "")
+            + (f" (CUDA graphs: {graphs.replays} steps replayed)" if graphs else " (eager)"))
+    return report(args, "latency-kvgen", True, line,
+                  {"tok_s": best, "step_bytes": step_bytes, "bandwidth_share": share, "bandwidth": bandwidth,
+                   "graph_replays": graphs.replays if graphs else 0, "prompt": len(prompt), "tokens": n})
+
+
+def _weight_bytes(model_dir: Path) -> tuple[int, int]:
+    """bf16 bytes of every tensor of an HF directory's safetensors, and of its embedding table."""
+    from safetensors import safe_open
+
+    total = embed = 0
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                shape = f.get_slice(key).get_shape()
+                nbytes = 2 * int(torch.tensor(shape).prod().item()) if shape else 2
+                total += nbytes
+                embed += nbytes if "embed_tokens" in key else 0
+    return total, embed
+
+
+def check_latency_hf(args) -> int:
+    """transformers' batch-1 decode with its static cache: eager (`disable_compile`), then as generate()
+    runs it by default on a GPU, its forward through torch.compile (CompileConfig: reduce-overhead, CUDA
+    graphs). Tokens are timed by a streamer, so one generation length serves (no recompile)."""
+    from transformers import GenerationConfig
+    from transformers.generation.streamers import BaseStreamer
+
+    class Timer(BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    model = hf_model(args)
+    rng = random.Random(2)
+    prompt = torch.tensor([[rng.randrange(3, 30000 if not args.tiny else 500)
+                            for _ in range(size(args, "latency_prompt"))]], device=args.device)
+    n = size(args, "latency_tokens")
+    result_path = Path(args.out) / "latency-hf.json"
+    data: dict = {"prompt": prompt.shape[1], "tokens": n}
+
+    def rate(label: str, compile_: bool, runs: int) -> float:
+        gc = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
+                              eos_token_id=None, pad_token_id=0, disable_compile=not compile_)
+        best = 0.0
+        for _ in range(runs):  # the first run compiles (when compiling) and is a warm-up either way
+            timer = Timer()
+            model.generate(prompt, generation_config=gc, streamer=timer)
+            decode = timer.times[2:]  # put #0 is the prompt, #1 the prefill's token
+            best = max(best, (len(decode) - 1) / (decode[-1] - decode[0]))
+        data[label] = best
+        result_path.write_text(json.dumps({"check": "latency-hf", "partial": True, **data}))
+        print(f"{label}: {best:.1f} tok/s", flush=True)
+        return best
+
+    eager = rate("static_eager_tok_s", False, 2)
+    compiled = None
+    if args.device.startswith("cuda"):
+        try:
+            compiled = rate("static_compiled_tok_s", True, 3)
+        except Exception as e:  # no compiler for inductor, a dynamo error: the eager figure stands, said so
+            print(f"transformers' compiled decode failed: {e!r}", flush=True)
+            data["compile_error"] = repr(e)[:500]
+    best = max(eager, compiled or 0.0)
+    kvgen_path = Path(args.out) / "latency-kvgen.json"
+    kvgen = json.loads(kvgen_path.read_text()).get("tok_s") if kvgen_path.exists() else None
+    ratio = kvgen / best if kvgen else None
+    line = (f"transformers static cache {eager:.1f} tok/s eager"
+            + (f", {compiled:.1f} tok/s torch.compile" if compiled else " (no compile off CUDA)")
+            + (f"; kvgen / transformers' best = {ratio:.2f}x" if ratio else ""))
+    return report(args, "latency-hf", True, line, {**data, "kvgen_over_hf": ratio})
+
+
+def workload(args) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(3)
+    lo_p, hi_p = size(args, "prompt_range")
+    lo_o, hi_o = size(args, "output_range")
+    vocab = 30000 if not args.tiny else 500
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(lo_p, hi_p))] for _ in range(size(args, "requests"))]
+    outputs = [rng.randint(lo_o, hi_o) for _ in prompts]
+    return prompts, outputs
+
+
+def check_throughput_kvgen(args) -> int:
+    from kvgen import SamplingParams
+
+    prompts, outputs = workload(args)
+    llm = kvgen_llm(args, max_model_len=2048, max_num_seqs=len(prompts), max_num_batched_tokens=8192,
+                    kv_cache_memory=(24 << 30) if not args.tiny else (64 << 20), enforce_eager=args.eager)
+    llm.generate(prompts[:4], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 4)  # warm-up
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
+    sync(args.device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(args.device)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    ok = generated == sum(outputs)
+    line = (f"{len(prompts)} requests, {generated} tokens out in {seconds:.1f} s: {generated / seconds:.0f} tok/s "
+            f"({(generated + sum(map(len, prompts))) / seconds:.0f} tok/s with prompts)")
+    return report(args, "throughput-kvgen", ok, line, {"seconds": seconds, "generated": generated,
+                                                        "tok_s": generated / seconds, "requests": len(prompts)})
+
+
+def check_throughput_hf(args) -> int:
+    from transformers import GenerationConfig
+
+    prompts, outputs = workload(args)
+    model = hf_model(args)
+    gc = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=None, pad_token_id=0)
+    mode = "manager, per-request max_new_tokens"
+    sync(args.device)
+    start = time.perf_counter()
+    try:
+        from kvgen.bench.gpu_peers import run_continuous
+
+        generated = run_continuous(model, prompts, outputs)
+    except Exception as e:  # an API this transformers lacks: generate_batch, one length for all (said so)
+        print(f"transformers continuous-batching manager failed ({e!r}); generate_batch instead", flush=True)
+        mode = f"generate_batch, max_new_tokens={max(outputs)} for every request"
+        start = time.perf_counter()
+        results = model.generate_batch(inputs=prompts, generation_config=gc)
+        generated = sum(len(r.generated_tokens) for r in results.values())
+    sync(args.device)
+    seconds = time.perf_counter() - start
+    kvgen_path = Path(args.out) / "throughput-kvgen.json"
+    ratio = (json.loads(kvgen_path.read_text())["tok_s"] / (generated / seconds)) if kvgen_path.exists() else None
+    line = (f"{len(prompts)} requests, {generated} tokens out in {seconds:.1f} s: {generated / seconds:.0f} tok/s ({mode})"
+            + (f"; kvgen / transformers = {ratio:.2f}x" if ratio else ""))
+    return report(args, "throughput-hf", True, line, {"seconds": seconds, "generated": generated, "mode": mode,
+                                                       "tok_s": generated / seconds, "kvgen_over_hf": ratio})
+
+
+CHECKS = {"bandwidth": check_bandwidth, "build-model": check_build_model, "tokens": check_tokens,
+          "latency-kvgen": check_latency_kvgen, "latency-hf": check_latency_hf,
+          "throughput-kvgen": check_throughput_kvgen, "throughput-hf": check_throughput_hf}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("check", choices=sorted(CHECKS))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="small shapes (the CPU dry run)")
+    parser.add_argument("--model", help="a GGUF file or an HF directory")
+    parser.add_argument("--label", default="model", help="names the tokens check's result (tokens-LABEL)")
+    parser.add_argument("--random-ids", action="store_true", help="prompts of random token ids (random models)")
+    parser.add_argument("--config", help="build-model: the architecture JSON")
+    parser.add_argument("--model-dir", help="build-model: where to write it")
+    parser.add_argument("--eager", action="store_true", help="kvgen with --enforce-eager")
+    args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    return CHECKS[args.check](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Seeded random-weight checkpoints for the bench, and llama.cpp's quantized GGUF files of them.
+
+`build_random_model` writes a Hugging Face directory tensor by tensor, without ever holding the model
+(a 3B checkpoint in bfloat16 is 6.4 GB; transformers would build it in float32 first): the names and
+shapes come from a LlamaForCausalLM on the meta device, each tensor is drawn from one seeded generator
+as transformers' own init draws it (matrices N(0, initializer_range), norms 1), and the safetensors are
+cut into shards of at most SHARD_BYTES. The dtype is the architecture's `dtype` (default float32).
+
+`build_quantized_gguf` makes the file a llama.cpp user would have: llama.cpp's `convert_hf_to_gguf.py`
+to BF16, then `llama-quantize` to the mix (benchmarks.llama_tools). The converter needs a vocabulary
+it recognises; the directory gets a SentencePiece placeholder for it (the pieces benchmarks.models'
+own GGUF writer uses: <unk> <s> </s>, 256 byte tokens, then ▁w<i>), so token ids mean the same.
+
+Every file is built into a temporary sibling and renamed, so an interrupted build leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import llama_tools
+from kvgen.paths import cache_root
+
+SHARD_BYTES = 1 << 30
+# The mixes `--model NAME:MIX` makes with llama-quantize (BF16: the converter's output as it is).
+QUANT_MIXES = ("Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0", "BF16")
+
+
+def build_atomically(path: Path, build: Callable[[Path], None], directory: bool = True) -> None:
+    """Builds `path` (a directory, or with directory=False a file) into a temporary sibling that
+    `build` fills, then renames it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if directory:
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    else:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+        os.close(fd)
+        tmp = Path(name)
+    try:
+        build(tmp)
+        tmp.chmod(0o755 if directory else 0o644)  # mkdtemp's / mkstemp's owner-only modes would hide it from others
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True) if directory else tmp.unlink(missing_ok=True)
+        raise
+
+
+# -- Hugging Face directories ----------------------------------------------------------------------
+
+
+def build_random_model(architecture: dict[str, Any], seed: int, path: Path) -> None:
+    """Saves a seeded random-weight LlamaForCausalLM of `architecture` (LlamaConfig fields) and a
+    WordLevel tokenizer of its vocabulary into `path`."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**architecture)
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
+    path.mkdir(parents=True, exist_ok=True)
+    index: dict[str, str] = {}  # tensor -> the shard it is in, numbered as written
+    total = 0
+    for number, shard in enumerate(_shards(_random_tensors(config, dtype, seed)), 1):
+        save_file(shard, str(path / f"shard-{number}"), metadata={"format": "pt"})  # one shard in memory at a time
+        index |= dict.fromkeys(shard, f"shard-{number}")
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+    count = len(set(index.values()))
+    names = {f"shard-{n}": "model.safetensors" if count == 1 else f"model-{n:05d}-of-{count:05d}.safetensors"
+             for n in range(1, count + 1)}
+    for written, name in names.items():
+        (path / written).rename(path / name)
+    if count > 1:
+        weight_map = {tensor: names[shard] for tensor, shard in index.items()}
+        (path / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    config.dtype, config.architectures = dtype, ["LlamaForCausalLM"]  # the converter picks its model by the latter
+    config.save_pretrained(path)
+    save_placeholder_tokenizer(config.vocab_size, path)
+
+
+def weight_shapes(config) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor LlamaForCausalLM saves for `config` (a tied lm_head left out)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        state = LlamaForCausalLM(config).state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return {name: tuple(t.shape) for name, t in state.items()}
+
+
+def _random_tensors(config, dtype: torch.dtype, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    for name, shape in weight_shapes(config).items():
+        if len(shape) == 1:  # the norms' weights, as transformers initialises them
+            yield name, torch.ones(shape, dtype=dtype)
+        else:
+            yield name, torch.randn(shape, generator=generator).mul_(config.initializer_range).to(dtype)
+
+
+def _shards(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Consecutive tensors grouped into shards of at most SHARD_BYTES (a larger tensor alone)."""
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > SHARD_BYTES:
+            yield shard
+            shard, size = {}, 0
+        shard[name], size = tensor, size + nbytes
+    if shard:
+        yield shard
+
+
+def save_placeholder_tokenizer(vocab_size: int, path: Path) -> None:
+    """tokenizer.json + tokenizer_config.json with words w0 .. w{n-1}: loadable by kvgen, transformers and
+    CTranslate2's converter (benchmarks send token ids, so the vocabulary only has to exist)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(path)
+
+
+def placeholder_pieces(vocab_size: int) -> Iterator[tuple[str, str]]:
+    """(piece, kind) of the placeholder SentencePiece vocabulary: <unk>, <s>, </s>, the 256 byte tokens
+    <0x00>..<0xFF>, then ▁w<i>; kind is one of unknown, control, byte, normal."""
+    for i in range(vocab_size):
+        if i < 3:
+            yield ("<unk>", "<s>", "</s>")[i], ("unknown", "control", "control")[i]
+        elif i < 259:
+            yield f"<0x{i - 3:02X}>", "byte"
+        else:
+            yield f"\u2581w{i}", "normal"
+
+
+def save_spm_placeholder(vocab_size: int, path: Path) -> None:
+    """`path`/tokenizer.model: the placeholder vocabulary as a SentencePiece BPE model (byte fallback)."""
+    from sentencepiece import sentencepiece_model_pb2 as spm
+
+    model = spm.ModelProto()
+    model.trainer_spec.model_type = spm.TrainerSpec.BPE
+    model.trainer_spec.vocab_size = vocab_size
+    model.trainer_spec.byte_fallback = True
+    model.normalizer_spec.name = "identity"
+    kinds = {"unknown": spm.ModelProto.SentencePiece.UNKNOWN, "control": spm.ModelProto.SentencePiece.CONTROL,
+             "byte": spm.ModelProto.SentencePiece.BYTE, "normal": spm.ModelProto.SentencePiece.NORMAL}
+    for i, (text, kind) in enumerate(placeholder_pieces(vocab_size)):
+        piece = model.pieces.add()
+        piece.piece, piece.type, piece.score = text, kinds[kind], -float(i) if kind == "normal" else 0.0
+    (path / "tokenizer.model").write_bytes(model.SerializeToString())
+
+
+# -- llama.cpp's GGUF files ------------------------------------------------------------------------
+
+
+def build_quantized_gguf(hf_dir: Path, out: Path, mix: str) -> Path:
+    """`out`: the HF directory as llama.cpp makes a `mix` file of it (BF16 GGUF beside it, cached)."""
+    if mix not in QUANT_MIXES:
+        raise ValueError(f"unknown quantization mix {mix!r}; the bench makes {', '.join(QUANT_MIXES)}")
+    with llama_tools.file_lock(out.parent / f".{out.name}.lock"):
+        if out.is_file():
+            return out
+        bf16 = out.with_name(out.name.replace(mix, "BF16")) if mix != "BF16" else out
+        if not bf16.is_file():
+            build_atomically(bf16, lambda tmp: _convert(hf_dir, tmp), directory=False)
+        if mix != "BF16":
+            build_atomically(out, lambda tmp: llama_tools.quantize(bf16, tmp, mix), directory=False)
+    return out
+
+
+def _convert(hf_dir: Path, out: Path) -> None:
+    """convert_hf_to_gguf.py --outtype bf16 on a staged copy of `hf_dir` (links to its config and
+    weights) with the SentencePiece placeholder as its only tokenizer."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".stage-") as stage:
+        for f in hf_dir.iterdir():
+            if f.name == "config.json" or f.name.startswith("model"):
+                (Path(stage) / f.name).symlink_to(f.resolve())
+        save_spm_placeholder(config["vocab_size"], Path(stage))
+        llama_tools.convert(Path(stage), out, "bf16", cache_root())

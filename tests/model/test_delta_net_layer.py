@@ -1,0 +1,154 @@
+"""kvgen.model.delta_net_layer against transformers' Qwen3_5GatedDeltaNet (fp32, random weights): a prompt
+in one chunk, in ragged chunks, continued by decode steps over a state pool (C kernel and torch), and a
+verify chunk whose per-position states are what decoding those tokens gives.
+
+Tolerance: the layer output is out_proj(norm(o) * silu(z)); o carries the delta rule's difference between
+two fp32 evaluations (bounded in tests/model/test_gated_delta_net.py, ~1e-6 measured at these lengths), and
+the norm scales it by 1 / rms(o) (~1 / 0.05 here) before out_proj sums 32 of them: 1e-4 is that with margin
+for rounding the rest, and well below a real mistake (a wrong head order or gate moves outputs by ~0.1).
+"""
+
+import pytest
+import torch
+
+from kvgen.cache.state_pool import StatePool
+from kvgen.config import RecurrentShape
+from kvgen.model.delta_net_layer import DeltaNetLayer, decode, prefill, verify
+from kvgen.model.gated_delta_net import causal_conv1d, delta_rule_recurrent, gates
+from kvgen.model.kernels.gated_delta_net import gated_delta_net_kernel
+from tests.model.test_gated_delta_net import rule_bound, solve_amplification
+
+TOL = 1e-4
+SHAPE = RecurrentShape(k_heads=2, v_heads=4, k_dim=16, v_dim=8, conv_kernel=4)
+
+
+@pytest.fixture(scope="module")
+def hf_layer():
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                               linear_num_key_heads=SHAPE.k_heads, linear_num_value_heads=SHAPE.v_heads,
+                               linear_key_head_dim=SHAPE.k_dim, linear_value_head_dim=SHAPE.v_dim,
+                               layer_types=["linear_attention"])
+    layer = Qwen3_5GatedDeltaNet(config, 0).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+        layer.A_log.copy_(torch.empty(SHAPE.v_heads).uniform_(0.01, 16).log())
+    return layer
+
+
+def ours(hf) -> DeltaNetLayer:
+    return DeltaNetLayer.from_hf(SHAPE, hf.conv1d.weight.detach(), hf.A_log.detach(), hf.dt_bias.detach(),
+                                 hf.norm.weight.detach(), hf.layer_norm_epsilon)
+
+
+def projections(hf, h):
+    with torch.no_grad():
+        return hf.in_proj_qkv(h), hf.in_proj_z(h), hf.in_proj_a(h), hf.in_proj_b(h)
+
+
+def reference(hf, h):
+    with torch.no_grad():
+        return hf(h[None])[0]
+
+
+def test_prefill_in_one_and_in_ragged_chunks(hf_layer):
+    layer, h = ours(hf_layer), torch.randn(150, 32)
+    ref = reference(hf_layer, h)
+    mixed, z, a, b = projections(hf_layer, h)
+    y, _, _ = prefill(layer, mixed, z, a, b)
+    with torch.no_grad():
+        assert float((hf_layer.out_proj(y) - ref).abs().max()) <= TOL
+    window = state = None
+    pieces = []
+    for lo, hi in ((0, 7), (7, 71), (71, 150)):
+        y, window, state = prefill(layer, mixed[lo:hi], z[lo:hi], a[lo:hi], b[lo:hi], window, state)
+        pieces.append(y)
+    with torch.no_grad():
+        assert float((hf_layer.out_proj(torch.cat(pieces)) - ref).abs().max()) <= TOL
+
+
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "C"])
+def test_decode_over_the_state_pool_continues_the_prefill(hf_layer, use_kernel):
+    """Three sequences prefilled to different lengths, then decoded together, one token a step, from
+    their pool slots: each gives transformers' output for its whole text."""
+    kernel = gated_delta_net_kernel() if use_kernel else None
+    assert kernel is not None or not use_kernel
+    layer, pool = ours(hf_layer), StatePool(SHAPE, 1, num_slots=5)
+    texts = [torch.randn(n, 32) for n in (6, 64, 90)]
+    prompt = [n - 6 for n in (6, 64, 90)]  # the first starts from an empty slot
+    slots = []
+    conv, states = pool.layer(0)
+    for text, n in zip(texts, prompt):
+        slot = pool.allocate()
+        slots.append(slot)
+        if n:
+            _, conv[slot], states[slot] = prefill(layer, *projections(hf_layer, text[:n]))
+    outs = [[] for _ in texts]
+    for step in range(6):
+        rows = torch.stack([text[n + step] for text, n in zip(texts, prompt)])
+        y = decode(layer, *projections(hf_layer, rows), conv, states, torch.tensor(slots), kernel)
+        for i in range(len(texts)):
+            outs[i].append(y[i])
+    for text, n, out in zip(texts, prompt, outs):
+        with torch.no_grad():
+            got = hf_layer.out_proj(torch.stack(out))
+        assert float((got - reference(hf_layer, text)[n:]).abs().max()) <= TOL
+    for slot in slots:
+        pool.free(slot)
+    assert pool.num_used == 0
+
+
+def test_verify_keeps_what_decoding_each_token_would_leave(hf_layer):
+    layer, h = ours(hf_layer), torch.randn(40, 32)
+    mixed, z, a, b = projections(hf_layer, h)
+    _, window, state = prefill(layer, mixed[:36], z[:36], a[:36], b[:36])
+    y, windows, states = verify(layer, mixed[36:], z[36:], a[36:], b[36:], window, state)
+    with torch.no_grad():
+        assert float((hf_layer.out_proj(y) - reference(hf_layer, h)[36:]).abs().max()) <= TOL
+    for n in range(1, 5):
+        _, w_n, s_n = prefill(layer, mixed[:36 + n], z[:36 + n], a[:36 + n], b[:36 + n])
+        assert torch.equal(windows[n - 1], w_n)
+        assert float((states[n - 1] - s_n).abs().max()) <= rule_bound_of(layer, mixed[:36 + n], a[:36 + n], b[:36 + n])
+
+
+def rule_bound_of(layer, mixed, a, b):
+    """tests/model/test_gated_delta_net.py's bound between the chunked and recurrent forms, for these inputs."""
+    x, _ = causal_conv1d(mixed, layer.conv_weight)
+    q, k, v = layer.split(x)
+    g, beta = gates(a, b, layer.dt_bias, decay_rate=layer.decay_rate)
+    _, states = delta_rule_recurrent(q, k, v, g, beta, keep_states=True)
+    return rule_bound(mixed.shape[0], SHAPE.k_dim, v, states, solve_amplification(k, g, beta, SHAPE.v_heads))
+
+
+def test_tiled_gguf_layout_gives_the_same_layer(hf_layer):
+    """The GGUF converter's value-head reordering (tests/loaders/arch_fixtures.py's docstring) applied to
+    the weights, read with v_head_order="tiled", gives the same output once out_proj's columns follow."""
+    hf = ours(hf_layer)
+    r = SHAPE.v_heads // SHAPE.k_heads
+    order = torch.arange(SHAPE.v_heads).reshape(SHAPE.k_heads, r).t().reshape(-1)  # tiled head i = grouped order[i]
+    kd = 2 * SHAPE.k_heads * SHAPE.k_dim
+    channel = torch.cat([torch.arange(kd), kd + (order[:, None] * SHAPE.v_dim + torch.arange(SHAPE.v_dim)).reshape(-1)])
+    tiled = DeltaNetLayer(SHAPE, hf.conv_weight[channel], hf.dt_bias[order], hf.decay_rate[order], hf.norm_weight,
+                          hf.eps, "tiled")
+    h = torch.randn(20, 32)
+    mixed, z, a, b = projections(hf_layer, h)
+    value_cols = (order[:, None] * SHAPE.v_dim + torch.arange(SHAPE.v_dim)).reshape(-1)
+    y, _, _ = prefill(tiled, mixed[:, channel], z[:, value_cols], a[:, order], b[:, order])
+    with torch.no_grad():
+        got = y @ hf_layer.out_proj.weight[:, value_cols].t()
+    assert float((got - reference(hf_layer, h)).abs().max()) <= TOL
+
+
+def test_verify_from_a_sequences_start(hf_layer):
+    layer, h = ours(hf_layer), torch.randn(5, 32)
+    y, windows, states = verify(layer, *projections(hf_layer, h), None, None)
+    with torch.no_grad():
+        assert float((hf_layer.out_proj(y) - reference(hf_layer, h)).abs().max()) <= TOL
+    mixed, z, a, b = projections(hf_layer, h)
+    _, window, state = prefill(layer, mixed, z, a, b)
+    assert torch.equal(windows[-1], window)
+    assert float((states[-1] - state).abs().max()) <= rule_bound_of(layer, mixed, a, b)
