@@ -93,15 +93,13 @@ class ModelRouter:
 
     async def acquire(self, name: str | None, fallback: bool = False) -> ModelEntry:
         entry = self.entry(name, fallback)
+        while entry.state is None:
+            async with self.lock:
+                if entry.state is None:
+                    await self._load(entry)
+        # Counted only once loaded, with no await since the check: a request still waiting for the
+        # lock must not count as busy, or a load waiting for this model to go idle would wait on it.
         entry.active += 1
-        try:
-            if entry.state is None:
-                async with self.lock:
-                    if entry.state is None:
-                        await self._load(entry)
-        except BaseException:
-            entry.active -= 1
-            raise
         entry.last_used = time.monotonic()
         return entry
 
