@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.servers import wait_healthy
+from tests.support.servers import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "agent-key"
