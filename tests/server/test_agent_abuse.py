@@ -178,3 +178,24 @@ def test_max_tokens_past_the_context_is_cut_to_what_is_left(server):
         assert reply["stop_reason"] in ("max_tokens", "end_turn")
         assert reply["usage"]["input_tokens"] + reply["usage"]["output_tokens"] <= 512  # stories260K's context
     assert _settled(server) == 0
+
+
+def test_a_forced_tool_use_streams_as_one_block_with_its_whole_input(server):
+    """content_block_start (tool_use, input {}), one input_json_delta with the whole input,
+    content_block_stop; message_delta says tool_use. The same call as the non-streamed answer."""
+    tool = {"name": "weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string",
+                                                                                          "maxLength": 8}},
+                                                "required": ["city"], "additionalProperties": False}}
+    body = _m(max_tokens=40, tools=[tool], tool_choice={"type": "tool", "name": "weather"}, temperature=0)
+    with server.client() as http:
+        whole = http.post("/v1/messages", json=body).json()
+        with http.stream("POST", "/v1/messages", json=body | {"stream": True}) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines]
+    assert [e["type"] for e in events] == ["message_start", "ping", "content_block_start", "content_block_delta",
+                                           "content_block_stop", "message_delta", "message_stop"]
+    start, delta = events[2]["content_block"], events[3]["delta"]
+    assert start["type"] == "tool_use" and start["name"] == "weather" and start["input"] == {}
+    assert delta["type"] == "input_json_delta"
+    assert json.loads(delta["partial_json"]) == whole["content"][0]["input"]
+    assert events[5]["delta"]["stop_reason"] == whole["stop_reason"] == "tool_use"

@@ -126,3 +126,14 @@ def test_thinking_blocks_and_reasoning_items(url, llm):
                                        temperature=1.0, extra_body={"seed": 7, "logit_bias": BIAS})
     assert response.output[0].type == "reasoning" and response.output[0].content[0].text == thought
     assert response.output_text == answer.lstrip()
+
+
+def test_logprobs_cover_every_token_when_replies_are_parsed(url):
+    """Reasoning and content are split, the log-probabilities still cover each generated token."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    fields = dict(model="thinker", messages=MESSAGES, logit_bias=BIAS, logprobs=True, top_logprobs=2, **SAMPLING)
+    whole = client.chat.completions.create(**fields)
+    assert len(whole.choices[0].logprobs.content) == whole.usage.completion_tokens
+    streamed = [entry for chunk in client.chat.completions.create(stream=True, **fields) if chunk.choices
+                for entry in (chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else [])]
+    assert [e.token for e in streamed] == [e.token for e in whole.choices[0].logprobs.content]
