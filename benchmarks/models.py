@@ -167,7 +167,7 @@ def write_gguf(source: Path, out: Path, dtype: str = "float32") -> None:
 def _gguf_name(hf_name: str) -> str:
     """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight (kvgen's GGUF reader, inverted)."""
     from kvgen.loaders.gguf_file import GLOBAL_NAMES
-    from kvgen.model.architectures import GGUF_BLOCK_NAMES
+    from kvgen.architectures.spec import GGUF_BLOCK_NAMES
 
     globals_ = {hf: name for name, hf in GLOBAL_NAMES.items()}
     if hf_name in globals_:

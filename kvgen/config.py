@@ -1,4 +1,4 @@
-"""Model configuration: one dataclass for every decoder kvgen runs (kvgen.model.architectures), read
+"""Model configuration: one dataclass for every decoder kvgen runs (kvgen.architectures), read
 from a Hugging Face config (GGUF metadata: kvgen.loaders.gguf_file)."""
 
 from __future__ import annotations
@@ -9,15 +9,14 @@ from typing import Any
 import torch
 
 from kvgen.errors import ModelLoadError
-from kvgen.model.architectures import ARCHITECTURES, BY_HF_MODEL_TYPE, Architecture, known_names
-
-GEMMA_SLIDING_PATTERN = 6  # Gemma 3's default: five sliding-window layers, then a global one
+from kvgen.architectures import ARCHITECTURES, BY_HF_MODEL_TYPE, known_names
+from kvgen.architectures.spec import Architecture, rope_parameters, rope_scaling
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape and numerics of a decoder. `architecture` names its entry in
-    kvgen.model.architectures (norms, activation, tensor names).
+    """The shape and numerics of a decoder. `architecture` names its description in
+    kvgen.architectures (its layers' blocks, norms, tensor names).
 
     Sliding windows: `sliding_window` bounds every layer (Mistral); `layer_windows` gives each
     layer its own (None: global), as Gemma 3 interleaves them, and then `local_rope_theta` is the
@@ -90,7 +89,7 @@ class ModelConfig:
             if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
                 raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
             num_layers = int(cfg["num_hidden_layers"])
-            rope = _rope_parameters(cfg, "full_attention")
+            rope = rope_parameters(cfg, "full_attention")
             config = cls(
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -102,80 +101,19 @@ class ModelConfig:
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope.get("rope_theta", 10000.0)),
-                rope_scaling=_rope_scaling(rope),
+                rope_scaling=rope_scaling(rope),
                 qkv_bias=arch.qkv_bias or bool(cfg.get("attention_bias", False)),
                 o_bias=not arch.qkv_bias and bool(cfg.get("attention_bias", False)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch.name == "gemma3")),
-                sliding_window=_sliding_window(cfg, model_type),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch.tied_by_default)),
+                sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
                 model_type=model_type,
                 architecture=arch.name,
             )
-            return _with_gemma_fields(config, cfg) if arch.name == "gemma3" else config
+            return replace(config, **arch.hf_fields(cfg, config)) if arch.hf_fields else config
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(source, f"bad model config: {e!r}") from None
-
-
-def gemma_layer_windows(num_layers: int, window: int, pattern: int = GEMMA_SLIDING_PATTERN) -> tuple[int | None, ...]:
-    """Gemma 3's interleaving: every `pattern`-th layer is global, the others slide `window`."""
-    return tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))
-
-
-def _with_gemma_fields(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
-    """Gemma 3's sliding/global layers, their two RoPE bases and its attention scale."""
-    if cfg.get("attn_logit_softcapping"):
-        raise ValueError("attention logit soft-capping is not supported")
-    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if activation != "gelu_pytorch_tanh":
-        raise ValueError(f"Gemma 3 with activation {activation!r} is not supported (gelu_pytorch_tanh is)")
-    window = int(cfg.get("sliding_window") or 4096)
-    if cfg.get("layer_types"):
-        windows = tuple(window if kind == "sliding_attention" else None for kind in cfg["layer_types"])
-    else:
-        windows = gemma_layer_windows(config.num_layers, window, int(cfg.get("sliding_window_pattern", 6)))
-    local = _rope_parameters(cfg, "sliding_attention")
-    local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
-    if _rope_scaling(local) is not None:
-        raise ValueError("RoPE scaling on sliding-window layers is not supported")
-    scalar = float(cfg.get("query_pre_attn_scalar") or config.head_dim)
-    cap = cfg.get("final_logit_softcapping")
-    return replace(config, sliding_window=None, layer_windows=windows, local_rope_theta=local_theta,
-                   attention_scale=scalar ** -0.5, final_logit_softcap=float(cap) if cap else None)
-
-
-def _rope_parameters(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
-    """transformers 5 nests theta and scaling in `rope_parameters` (per layer type where they differ, as
-    Gemma 3's `full_attention` / `sliding_attention`); 4.x has `rope_theta` + `rope_scaling`, which
-    Gemma 3 applies to its global layers only."""
-    params = dict(cfg.get("rope_parameters") or {})
-    if layer_type in params:
-        return dict(params[layer_type])
-    if params and isinstance(next(iter(params.values())), dict):  # per layer type, not this one
-        return {}
-    if layer_type != "full_attention":
-        return {}
-    if "rope_theta" not in params and "rope_theta" in cfg:
-        params["rope_theta"] = cfg["rope_theta"]
-    if cfg.get("rope_scaling"):
-        params.update(cfg["rope_scaling"])
-    return params
-
-
-def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    if kind == "default":
-        return None
-    if kind not in ("linear", "llama3"):
-        raise ValueError(f"rope scaling {kind!r} is not supported (linear and llama3 are)")
-    return {k: v for k, v in rope.items() if k not in ("rope_theta", "type")} | {"rope_type": kind}
-
-
-def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
-    window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-        return None
-    return int(window) if window else None
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
@@ -188,10 +126,10 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
 
 KV_CACHE_MODES = ("paged", "contiguous", "none")
 # How paged decode attention reads K/V: "native" in place through the compiled CPU kernel
-# (kvgen.model.kernels), "sdpa" through a gathered copy and torch's SDPA, "auto" native where it
+# (kvgen.model.kernels.paged_decode), "sdpa" through a gathered copy and torch's SDPA, "auto" native where it
 # builds and applies (CPU, fp32/bf16), else sdpa.
 ATTENTION_BACKENDS = ("auto", "native", "sdpa")
-# How weights are kept: "auto" keeps a GGUF's quantized matrices packed (kvgen.model.quant); "none"
+# How weights are kept: "auto" keeps a GGUF's quantized matrices packed (kvgen.model.formats); "none"
 # dequantizes them to `dtype`; "int8" / "int4" pack float matrices in groups of 32.
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvgen.model.attention import ContiguousAttention, ContiguousKVCache, NoCacheAttention
+from kvgen.model.attention import ContiguousAttention, NoCacheAttention
+
+from kvgen.model.kv_storage import ContiguousKVCache
 from kvgen.model.linear import RowKernels, blas_owns_the_cores
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 
 KV_MODES = ("contiguous", "none")
 
@@ -31,7 +33,7 @@ class DecodeState:
     prompt_len: int = 0  # prompt tokens are computed by GEMM, generated ones by GEMV (see model.linear)
 
 
-def prefill(model: LlamaModel, prompt_token_ids: list[int], kv_cache: str = "contiguous",
+def prefill(model: DecoderModel, prompt_token_ids: list[int], kv_cache: str = "contiguous",
             max_seq: int | None = None) -> tuple[torch.Tensor, DecodeState]:
     """Runs the prompt once; returns the last position's logits [vocab] and the state to decode from."""
     if kv_cache not in KV_MODES:
@@ -44,7 +46,7 @@ def prefill(model: LlamaModel, prompt_token_ids: list[int], kv_cache: str = "con
     return _run(model, state, start=0), state
 
 
-def decode(model: LlamaModel, state: DecodeState, token_id: int) -> tuple[torch.Tensor, DecodeState]:
+def decode(model: DecoderModel, state: DecodeState, token_id: int) -> tuple[torch.Tensor, DecodeState]:
     """Appends one token; returns its logits [vocab]. With a cache only the new token is computed."""
     state.token_ids.append(token_id)
     start = 0 if state.cache is None else state.cache.length
@@ -52,7 +54,7 @@ def decode(model: LlamaModel, state: DecodeState, token_id: int) -> tuple[torch.
 
 
 @torch.inference_mode()
-def _run(model: LlamaModel, state: DecodeState, start: int) -> torch.Tensor:
+def _run(model: DecoderModel, state: DecodeState, start: int) -> torch.Tensor:
     windows = [model.config.window(layer) for layer in range(model.config.num_layers)]
     if state.cache is None:
         attention = NoCacheAttention(windows)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvgen.cli import main
-from kvgen.model.linear import BlasLinear, CodedF32Linear, make_linear
+from kvgen.model.linear import BlasLinear, CodedF32Linear
+from kvgen.model.linear_choice import make_linear
 
 JSON_FIELDS = {"text", "token_ids", "prompt_token_ids", "finish_reason", "ttft_s", "decode_tokens_per_s",
                "speculative"}

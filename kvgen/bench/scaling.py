@@ -19,7 +19,7 @@ import numpy as np
 from kvgen.bench.report import Report, Table, fmt, loglog_slope, median, timed
 from kvgen.bench.system import KvgenSystem
 from kvgen.bench.workload import random_prompt
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 from kvgen.phases import DecodeState, decode, prefill
 
 SPEEDUP_AT = (128, 512, 2048)
@@ -33,7 +33,7 @@ def positions(max_position: int, points: int) -> list[int]:
     return sorted(set(grid) | {n for n in SPEEDUP_AT if start <= n <= max_position})
 
 
-def phase_step_time(model: LlamaModel, ids: list[int], t: int, steps: int, kv_cache: str) -> float:
+def phase_step_time(model: DecoderModel, ids: list[int], t: int, steps: int, kv_cache: str) -> float:
     """Median time of `steps` decode steps from position t through `kvgen.phases`."""
     if kv_cache == "none":
         state = DecodeState(token_ids=ids[:t])  # nothing to compute until the step itself

@@ -26,8 +26,8 @@ from kvgen.distributed.worker import memory_report, shard_model
 from kvgen.engine.executor import Executor
 from kvgen.loaders import LoadedModel
 from kvgen.loaders.shard import ShardPlan
-from kvgen.model.attention import PagedKVCache
-from kvgen.model.llama import LlamaModel
+from kvgen.model.kv_storage import PagedKVCache
+from kvgen.model.decoder import DecoderModel
 from kvgen.runner.model_runner import BlockTables, ModelRunner, build_runner
 from kvgen.scheduling.output import ScheduledChunk
 
@@ -71,7 +71,7 @@ class TensorParallelExecutor(Executor):
         super().__init__(loaded, config)
         atexit.register(self.close)
 
-    def load_model(self, loaded: LoadedModel, config: EngineConfig) -> LlamaModel:
+    def load_model(self, loaded: LoadedModel, config: EngineConfig) -> DecoderModel:
         return shard_model(loaded, config, self.plan, self.group)
 
     def init_kv(self, plan: KVPlan, tables: BlockTables, heavy_hitters: HeavyHitters) -> None:

@@ -1,4 +1,4 @@
-"""The layers a sharded `LlamaModel` swaps in: each wraps the rank's ordinary layer around its shard
+"""The layers a sharded `DecoderModel` swaps in: each wraps the rank's ordinary layer around its shard
 and adds the one collective Megatron's layout needs.
 
     RowParallel            o_proj, down_proj: partial outputs [T, hidden] summed by one all-reduce
@@ -16,8 +16,8 @@ import torch
 from kvgen.distributed.group import TensorParallelGroup
 from kvgen.loaders.shard import ShardPlan
 from kvgen.model.linear import Linear, RowKernels
-from kvgen.model.llama import LlamaModel
-from kvgen.model.projections import Embedding
+from kvgen.model.decoder import DecoderModel
+from kvgen.model.linear_choice import Embedding
 
 
 class RowParallel(Linear):
@@ -64,11 +64,14 @@ class VocabParallelHead(Linear):
         return torch.cat(parts, dim=1)[:, : self.vocab_size]
 
 
-def parallelize(model: LlamaModel, plan: ShardPlan, group: TensorParallelGroup) -> LlamaModel:
+ROW_PARALLEL = {"o", "down"}  # projections whose input is split by rank: their partial sums are all-reduced
+
+
+def parallelize(model: DecoderModel, plan: ShardPlan, group: TensorParallelGroup) -> DecoderModel:
     """Turns a model built from this rank's shards into its part of the whole (in place)."""
     model.embed = VocabParallelEmbedding(model.embed, plan, group)
     model.lm_head = VocabParallelHead(model.lm_head, plan, group)
-    for layer in model.layers:
-        layer.o = RowParallel(layer.o, group)
-        layer.down = RowParallel(layer.down, group)
+    for block in (block for layer in model.layers for block in layer.blocks):
+        for role in ROW_PARALLEL & block.projections().keys():  # the blocks' attributes of those names
+            setattr(block, role, RowParallel(getattr(block, role), group))
     return model

@@ -22,21 +22,21 @@ from kvgen.distributed.messages import Op, StepChannel, decode_copies, decode_st
 from kvgen.errors import KVGenError
 from kvgen.loaders import LoadedModel
 from kvgen.loaders.shard import ShardPlan
-from kvgen.model.attention import PagedKVCache
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
+from kvgen.model.kv_storage import PagedKVCache
 from kvgen.runner.model_runner import build_runner
 
 log = logging.getLogger(__name__)
 
 
-def shard_model(loaded: LoadedModel, config: EngineConfig, plan: ShardPlan, group: TensorParallelGroup) -> LlamaModel:
+def shard_model(loaded: LoadedModel, config: EngineConfig, plan: ShardPlan, group: TensorParallelGroup) -> DecoderModel:
     """This rank's model: its slices (already in `loaded`), its local head counts, the collectives."""
-    model = LlamaModel(plan.local_config(), {**loaded.weights, **loaded.quantized}, config.device,
+    model = DecoderModel(plan.local_config(), {**loaded.weights, **loaded.quantized}, config.device,
                        config.torch_dtype, config.quantization, config.fused_decode)
     return parallelize(model, plan, group)
 
 
-def memory_report(group: TensorParallelGroup, model: LlamaModel, cache: PagedKVCache) -> list[tuple[int, int]]:
+def memory_report(group: TensorParallelGroup, model: DecoderModel, cache: PagedKVCache) -> list[tuple[int, int]]:
     """(weight bytes, KV pool bytes) of every rank, in rank order (on every rank)."""
     weights = sum(size for _, size in model.kernels().values())
     mine = torch.tensor([weights, cache.nbytes()], dtype=torch.int64)

@@ -15,7 +15,7 @@ from kvgen.config import EngineConfig
 from kvgen.engine.admission import Admission, AdmittedRequest, Prompt, max_model_len_of
 from kvgen.errors import InvalidRequestError
 from kvgen.loaders import LoadedModel
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 from kvgen.sample.grammar import Grammar, GrammarCompiler
 from kvgen.sample.sampler import Sampler, SamplerOutput
 from kvgen.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ class Engine(ABC):
     """add_request -> step ... step -> finished outputs. Subclasses decide how each step runs and set
     `model` and `admission` (the rules every request meets once: kvgen.engine.admission)."""
 
-    model: LlamaModel
+    model: DecoderModel
     admission: Admission
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:

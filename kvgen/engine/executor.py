@@ -28,20 +28,20 @@ from kvgen.cache.policies import CachePolicy
 from kvgen.cache.sizing import KVPlan, format_bytes
 from kvgen.config import EngineConfig
 from kvgen.loaders import LoadedModel
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 from kvgen.runner.model_runner import BlockTables, ModelRunner, build_hybrid_runner, build_runner
 from kvgen.scheduling.output import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
 
-def load_model(loaded: LoadedModel, config: EngineConfig) -> LlamaModel:
+def load_model(loaded: LoadedModel, config: EngineConfig) -> DecoderModel:
     """The model of `loaded` in this process, as `config` keeps its weights."""
-    return LlamaModel(loaded.config, {**loaded.weights, **loaded.quantized}, config.device,
+    return DecoderModel(loaded.config, {**loaded.weights, **loaded.quantized}, config.device,
                       config.torch_dtype, config.quantization, config.fused_decode)
 
 
-def log_weights(model: LlamaModel) -> None:
+def log_weights(model: DecoderModel) -> None:
     log.info("weights: %s", "; ".join(f"{role} {kernel} ({format_bytes(size)})"
                                       for role, (kernel, size) in model.kernels().items()))
 
@@ -55,7 +55,7 @@ class Executor:
         log_weights(self.model)
         self.runner: ModelRunner | None = None  # once init_kv has allocated the pools
 
-    def load_model(self, loaded: LoadedModel, config: EngineConfig) -> LlamaModel:
+    def load_model(self, loaded: LoadedModel, config: EngineConfig) -> DecoderModel:
         return load_model(loaded, config)
 
     def init_kv(self, plan: KVPlan, tables: BlockTables, heavy_hitters: HeavyHitters) -> None:

@@ -24,7 +24,7 @@ Three kernels:
   batch of verify chunks).
 
 Scores, softmax and the accumulator are fp32 whatever the pools hold. The attention scale is
-1/sqrt(D): kvgen folds any other scale into q (kvgen.model.llama), and no supported model soft-caps
+1/sqrt(D): kvgen folds any other scale into q (kvgen.model.blocks.attention), and no supported model soft-caps
 attention logits (Gemma 2's option; kvgen.config refuses it).
 """
 

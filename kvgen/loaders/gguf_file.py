@@ -1,16 +1,15 @@
 """GGUF files: metadata -> ModelConfig, tensors -> HF weights, vocabulary -> tokenizer.
 
-Architectures: those of kvgen.model.architectures (`llama`, `qwen2`, `qwen3`, `phi3`, `gemma3`);
-their metadata keys are prefixed by the name. Layout details that matter:
+Architectures: those of kvgen.architectures (`llama`, `qwen2`, `qwen3`, `phi3`, `gemma3`); their
+metadata keys are prefixed by the name, their tensor names mapped to HF's by the description. Layout details that matter:
 - GGUF lists a tensor's dimensions fastest-varying first (ne0 = number of columns), the reverse of
   numpy/torch order: a [vocab, hidden] embedding is stored with shape (hidden, vocab).
-- For `llama`, llama.cpp's converter permutes q/k rows for interleaved-pair RoPE;
+- For `llama` (`gguf_interleaved_rope`), llama.cpp's converter permutes q/k rows for interleaved-pair RoPE;
   `interleaved_to_half` undoes it (on raw block rows for matrices, see
   `gguf_tensors.rotate_half_rows`). The others use rotate-half RoPE and are stored as HF has them.
 - Gemma's norm weights are stored as 1 + w, the factor kvgen's norms take (kvgen.loaders.hf adds the
-  1 for HF checkpoints). Its sliding-window pattern (every 6th layer global) is not in the
-  metadata, nor, in older files, its local RoPE base (10,000): llama.cpp fixes them in code, and
-  so does kvgen.
+  1 for HF checkpoints). What its metadata leaves out, kvgen.architectures.gemma3 fills in as
+  llama.cpp does.
 
 Every tensor is read as a `GGUFWeight` (raw blocks). By default each is dequantized to a float
 tensor in `LoadedModel.weights`; with `keep_quantized`, block-quantized matrices stay raw in
@@ -24,17 +23,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from kvgen.config import ModelConfig, gemma_layer_windows
+from kvgen.architectures import BY_GGUF_NAME, known_names
+from kvgen.architectures.spec import Architecture, float32_value
+from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
 from kvgen.loaders.rope_layout import interleaved_to_half
 from kvgen.loaders.weights import LoadedModel, check_weights, shard_plan
 from kvgen.loaders.gguf_reader import GGUFFile, ReaderTensor, read_gguf
 from kvgen.loaders.gguf_tensors import GGUFWeight, UnsupportedTensorType, read_tensor, rotate_half_rows
 from kvgen.loaders.gguf_vocab import gguf_tokenizer, stop_token_ids, token_id
-from kvgen.model.architectures import BY_GGUF_NAME, GGUF_BLOCK_NAMES, Architecture, known_names
 from kvgen.tokenizer import Tokenizer
 
 GLOBAL_NAMES = {
@@ -43,8 +42,6 @@ GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-GEMMA_LOCAL_ROPE_THETA = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3 without rope.freq_base_swa
-GEMMA_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by hidden / heads, not the head size
 
 
 def load_gguf(
@@ -117,33 +114,23 @@ def _config(path: Path, arch: Architecture, meta: dict[str, Any], tensors: dict[
             qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
             o_bias="blk.0.attn_output.bias" in tensors,
             tie_word_embeddings="output.weight" not in tensors,
-            sliding_window=_sliding_window(p, arch, meta),
+            sliding_window=_sliding_window(p, meta),
             bos_token_id=token_id(meta, "bos"),
             eos_token_ids=stop_token_ids(meta),
             model_type=arch.name,
             architecture=arch.name,
         )
-        return _with_gemma_fields(p, config, meta) if arch.name == "gemma3" else config
+        return replace(config, **arch.gguf_fields(p, meta, config)) if arch.gguf_fields else config
     except KeyError as e:
         raise ModelLoadError(path, f"GGUF metadata key {e.args[0]} is missing") from None
     except (TypeError, ValueError) as e:
         raise ModelLoadError(path, f"bad GGUF metadata: {e}") from None
 
 
-def _sliding_window(p: str, arch: Architecture, meta: dict[str, Any]) -> int | None:
-    """A window over every layer (Phi-3's); Gemma's windowed layers are `layer_windows` instead."""
+def _sliding_window(p: str, meta: dict[str, Any]) -> int | None:
+    """A window over every layer (Phi-3's); an architecture with per-layer windows sets its own."""
     window = meta.get(p + "attention.sliding_window")
-    return int(window) if window and arch.name != "gemma3" else None
-
-
-def _with_gemma_fields(p: str, config: ModelConfig, meta: dict[str, Any]) -> ModelConfig:
-    """Gemma 3's interleaved windows, local RoPE base and query scale, as llama.cpp sets them."""
-    window = int(meta[p + "attention.sliding_window"])
-    scaled_by = config.hidden_size // config.num_heads if config.num_layers == GEMMA_27B_LAYERS else config.head_dim
-    cap = meta.get(p + "final_logit_softcapping")
-    return replace(config, layer_windows=gemma_layer_windows(config.num_layers, window),
-                   local_rope_theta=_f32(meta.get(p + "rope.freq_base_swa", GEMMA_LOCAL_ROPE_THETA)),
-                   attention_scale=scaled_by ** -0.5, final_logit_softcap=_f32(cap) if cap else None)
+    return int(window) if window else None
 
 
 def _vocab_size(p: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> int:
@@ -169,7 +156,7 @@ def _rope_scaling(p: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor]
 def _hf_name(path: Path, arch: Architecture, name: str) -> str:
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
-    block_names = GGUF_BLOCK_NAMES | arch.gguf_block_names
+    block_names = arch.gguf_names
     m = _BLOCK_TENSOR.fullmatch(name)
     if m is None or m.group(2) not in block_names:
         raise ModelLoadError(path, f"unexpected tensor {name!r} for a {arch.gguf_name} GGUF")
@@ -215,4 +202,4 @@ def _dequantize(path: Path, weight: GGUFWeight | torch.Tensor) -> torch.Tensor:
 
 def _f32(value: float) -> float:
     """A float32 metadata value as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
-    return float(str(np.float32(value)))
+    return float32_value(value)

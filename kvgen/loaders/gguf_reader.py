@@ -12,11 +12,11 @@ The file is: magic, version, tensor count, key-value count; the key-value pairs;
 
 Once a tensor's bytes are converted (packed for a kernel, dequantized), `release_pages` drops them
 from this process's resident set: the map stays, the page cache keeps the bytes, and a later read of
-them maps them again. Without it a 1B Q4_K_M file's 0.8 GB stayed resident beside its packed copy
-until the whole map went away after loading, which is what the peak RSS counted.
+them maps them again. Otherwise the file's bytes (0.8 GB for a 1B Q4_K_M) would stay resident beside
+their packed copy until the whole map goes, and count in the load's peak RSS.
 
-`metadata` is what kvgen read before, `{key: field.contents()}` over gguf's reader: the three header
-entries GGUF.version, GGUF.tensor_count and GGUF.kv_count first, then every key in file order;
+`metadata` has the shape of gguf's `{key: field.contents()}`, so either reader's output serves the
+loaders: the three header entries GGUF.version, GGUF.tensor_count and GGUF.kv_count first, then every key in file order;
 strings as str, numbers as int/float/bool, arrays as lists, arrays of arrays flattened into one list.
 A truncated or corrupt file raises ValueError saying what is wrong and where.
 """

@@ -1,6 +1,6 @@
 """How far loading has got: a progress bar over the bytes of a model's weights as they are converted.
 
-Loading a GGUF is mostly converting each matrix to its kernel's layout (kvgen.model.projections; in C
+Loading a GGUF is mostly converting each matrix to its kernel's layout (kvgen.model.linear_choice; in C
 for the K-quants, ~0.4 s for a 1B Q4_K_M file, more where the VM backs the new pages afresh).
 `loading(total, label)` opens a bar for the `with` block; whatever converts a weight calls
 `advance(nbytes)`, which does nothing outside such a block (library use, tests, workers).

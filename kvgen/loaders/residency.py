@@ -1,12 +1,12 @@
 """What loading leaves resident in this process: its RSS now and at its peak, handing back the heap,
 and zeros that take no memory until written (the KV pools).
 
-Converting a model's matrices to the generic packed format (kvgen.model.projections, gguf_blocks)
+Converting a model's matrices to the generic packed format (kvgen.model.linear_choice, gguf_blocks)
 allocates and frees large numpy temporaries (the K-quants pack in C, without them). glibc serves
 blocks past its mmap threshold with mmap and returns them, but raises that threshold to the largest
-block freed (up to 32 MB), so later temporaries come from the heap, whose freed pages it keeps: when
-the 1B Q4_K_M file still packed in numpy, ~0.56 GB of RSS after loading was freed memory (measured;
-`trim_heap` gives it back). On other C libraries `trim_heap` does nothing.
+block freed (up to 32 MB), so later temporaries come from the heap, whose freed pages it keeps: a
+numpy packing pass over a 1B Q4_K_M file leaves ~0.56 GB of freed memory in the RSS, which
+`trim_heap` gives back. On other C libraries `trim_heap` does nothing.
 """
 
 from __future__ import annotations

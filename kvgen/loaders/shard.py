@@ -11,7 +11,7 @@ KV heads are split in contiguous runs, one whole GQA group (a KV head and its qu
 time, so a rank attends its own heads with the same kernels. Where the KV head count is not a
 multiple of the rank count the runs differ by one head (SmolLM2's 3 KV heads at 2 ranks: 2 + 1);
 where there are more ranks than KV heads, each KV head is replicated on ranks // kv_heads ranks that
-split its query heads, as vLLM does. Each rank's model is an ordinary `LlamaModel` built from a
+split its query heads, as vLLM does. Each rank's model is an ordinary `DecoderModel` built from a
 `ModelConfig` with its local head and MLP widths (`local_config`).
 """
 

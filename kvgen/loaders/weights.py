@@ -46,34 +46,13 @@ class LoadedModel:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight the model needs, HF names -> shape (lm_head only when untied); which ones follow
-    from the architecture (kvgen.model.architectures): fused or separate projections, QK-norm, its norms."""
-    arch = config.arch
-    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    q_rows, kv_rows = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    """Every weight the model needs, HF names -> shape (lm_head only when untied): each layer's
+    tensors as its architecture's description lists them (kvgen.architectures: its blocks, its norms)."""
+    hidden = config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        shapes |= {p + name + ".weight": (hidden,) for name in arch.layer_norm_names()}
-        if arch.fused_checkpoint:
-            shapes |= {p + "self_attn.qkv_proj.weight": (q_rows + 2 * kv_rows, hidden),
-                       p + "mlp.gate_up_proj.weight": (2 * inter, hidden)}
-        else:
-            shapes |= {
-                p + "self_attn.q_proj.weight": (q_rows, hidden),
-                p + "self_attn.k_proj.weight": (kv_rows, hidden),
-                p + "self_attn.v_proj.weight": (kv_rows, hidden),
-                p + "mlp.gate_proj.weight": (inter, hidden),
-                p + "mlp.up_proj.weight": (inter, hidden),
-            }
-        shapes |= {p + "self_attn.o_proj.weight": (hidden, q_rows), p + "mlp.down_proj.weight": (hidden, inter)}
-        if arch.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
-        if config.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,)}
-            shapes |= {p + "self_attn.v_proj.bias": (kv_rows,)}
-        if config.o_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+        shapes |= {p + name: shape for name, shape in config.arch.layer_spec(i, config).tensors(config).items()}
     shapes["model.norm.weight"] = (hidden,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)

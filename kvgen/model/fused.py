@@ -2,17 +2,20 @@
 
 At decode's few rows a layer's kernels do ~150 us of work on a small model, and the Python around
 them (the calls, views, residual adds) costs ~50 us more: ~1.5 ms of a 7 ms SmolLM2 Q4_1 step.
-Where every piece of the step has a C kernel, `DecodePrograms` writes the step once as a list of
+Where the pieces of the step have C kernels, `DecodePrograms` writes the step once as a list of
 kernel calls over buffers of its own (kvgen.model.kernels.step) and runs it each step with one
-ctypes call. That holds on the CPU for fp32 models whose projections run kvgen's own kernels
-(packed GGUF / int8 / int4 layers, or fp32 ones) and for bf16 models on its bf16 kernel, without
-biases, with float K/V pools (any the store writes: fp32, bf16, fp16), for every architecture
-(QK-norm, GeGLU, Gemma's sandwich norms and a hybrid cache's per-kind pools, slots and RoPE bases
-included), when every
-sequence of the step attends through the in-place attention kernel (a decode or a speculative
-verify chunk; no heavy-hitter scores, no re-rotated keys) and there are fewer rows than the norm
-kernel serves. Anything else runs
-layer by layer (DecoderModel.forward).
+ctypes call. The list is built from the model's own description: each layer's branches (norm,
+block, residual add), each block giving its calls (kvgen.model.blocks.Block.fused_calls). That holds
+on the CPU for fp32 models whose projections run kvgen's own kernels (packed GGUF / int8 / int4
+layers, or fp32 ones) and for bf16 models on its bf16 kernel, with float K/V pools (any the store
+writes: fp32, bf16, fp16), when every sequence of the step attends through the in-place attention
+kernel (a decode or a speculative verify chunk; no heavy-hitter scores, no re-rotated keys) and
+there are fewer rows than the norm kernel serves.
+
+A layer whose block has no fused form (a kind of block the program does not know), or whose
+projections have no kernel call (a bias, a torch layer), runs layer by layer between two call lists
+of the same step (DecoderLayer.forward on the program's residual buffer); a step where no layer has
+calls runs layer by layer throughout (DecoderModel.forward).
 
 Each call is the kernel, with the same arguments, that the layer-by-layer forward makes, and the
 residual add is the same IEEE fp32 sum as torch's, so both give the same bits (tested).
@@ -20,6 +23,7 @@ residual add is the same IEEE fp32 sum as torch's, so both give the same bits (t
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import OrderedDict
 from typing import Protocol
@@ -27,24 +31,31 @@ from typing import Protocol
 import torch
 
 from kvgen.config import ModelConfig
-from kvgen.model.attention import Attention, PagedAttention, PagedKVCache
-from kvgen.model.kernels import KernelCall, PagedDecode, stores
+from kvgen.model.attention import Attention, PagedAttention
+from kvgen.model.kv_storage import PagedKVCache
+from kvgen.model.blocks import StateBatch, StepContext
+from kvgen.model.blocks.layer import DecoderLayer
+from kvgen.model.kernels.build import KernelCall
+from kvgen.model.kernels.paged_decode import PagedDecode, stores
 from kvgen.model.kernels.norm import rms_norm_kernel
 from kvgen.model.kernels.rope import rope_kernel
 from kvgen.model.kernels.step import CallList, step_kernels
+from kvgen.model.linear import RowKernels
 
+log = logging.getLogger(__name__)
 
 
 class DecoderModel(Protocol):
-    """What a program reads of the model (kvgen.model.llama.DecoderModel): its config, its layers'
-    weights and kernels, its RoPE tables, its final norm, its device and dtype."""
+    """What a program reads of the model (kvgen.model.decoder.DecoderModel): its config, its layers,
+    its RoPE tables, its final norm, its device and dtype."""
 
     config: ModelConfig
-    layers: list
+    layers: list[DecoderLayer]
     ropes: list
     final_norm: torch.Tensor
     device: torch.device
     dtype: torch.dtype
+
 
 MAX_PROGRAMS = 32  # step shapes kept (rows and their groups); the least recently used goes first
 FUSED_BELOW_ROWS = 16  # steps of fewer rows run fused: decode batches and verify chunks of a few sequences
@@ -60,6 +71,12 @@ class DecodePrograms:
                         and all(k is not None for k in kernels))
         self._programs: OrderedDict[tuple, DecodeProgram | None] = OrderedDict()
         self.fused_steps = 0  # steps that found a program (for tests and the curious)
+        unfused = [(i, sorted({b.kind for b in layer.blocks if not b.fuses()}))
+                   for i, layer in enumerate(model.layers) if not layer.fuses()]
+        if self._usable and unfused:
+            log.info("fused decode: %d of %d layers have a block without a fused form (%s, first layer %d); "
+                     "they run layer by layer inside the fused step", len(unfused), len(model.layers),
+                     ", ".join(sorted({k for _, kinds in unfused for k in kinds})), unfused[0][0])
 
     def find(self, rows: int, attention: Attention) -> DecodeProgram | None:
         """The program for this step, or None where it must run layer by layer."""
@@ -83,22 +100,22 @@ class DecodePrograms:
 
 
 class DecodeProgram:
-    """One step shape's forward as a call list over its own buffers [rows, ...]: the hidden state x,
-    the normed h, the q/k/v (and the normed q/k of a QK-norm model), attention, projection, gate/up
-    and activation rows, each RoPE base's rows and each kind of layer's K/V slots. A step copies its
-    inputs in, runs the list, and returns the final norm's output."""
+    """One step shape's forward over its own buffers [rows, ...]: segments that are call lists, and
+    layers without a fused form run layer by layer on the residual buffer between them. A step
+    copies its inputs in, runs the segments, and returns the final norm's output."""
 
-    def __init__(self, caches: list[PagedKVCache], buffers: dict[str, torch.Tensor], calls: CallList,
-                 decodes: list[list], ropes: list) -> None:
+    def __init__(self, caches: list[PagedKVCache], buffers: dict[str, torch.Tensor],
+                 segments: list[CallList | DecoderLayer], decodes: dict, ropes: list) -> None:
         # The calls point into the caches' pools without holding them: a program runs only while its
         # caches live, and holds no KV memory once the engine lets them go.
         self._caches = [weakref.ref(cache) for cache in caches]
-        self._buffers, self._calls, self._decodes, self._ropes = buffers, calls, decodes, ropes
+        self._buffers, self._segments, self._decodes, self._ropes = buffers, segments, decodes, ropes
 
     def serves(self, attention: PagedAttention) -> bool:
         return [ref() for ref in self._caches] == [cache for cache, _ in attention.kinds]
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, attention: PagedAttention) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
+                 rows: RowKernels | None = None, states: StateBatch | None = None) -> torch.Tensor:
         """x [T, hidden] (the embedded tokens), positions [T] -> hidden states [T, hidden] after the final norm."""
         b = self._buffers
         b["x"].copy_(x)
@@ -107,92 +124,115 @@ class DecodeProgram:
             torch.index_select(rope.sin, 0, positions, out=b[f"sin{i}"].view(-1, rope.sin.shape[1]))
         for kind, (_, meta) in enumerate(attention.kinds):
             b[f"slots{kind}"].copy_(meta.slot_mapping)
-            for decode, group in zip(self._decodes[kind], meta.groups):
-                batch, _, num_queries, length = group.mask.shape
-                decode.set_blocks(group.kv_blocks, group.mask.view(batch * num_queries, length))
-        self._calls()
+            for decodes in self._decodes.values():
+                for decode, group in zip(decodes[kind], meta.groups):
+                    batch, _, num_queries, length = group.mask.shape
+                    decode.set_blocks(group.kv_blocks, group.mask.view(batch * num_queries, length))
+        step = None
+        for segment in self._segments:
+            if isinstance(segment, CallList):
+                segment()
+            else:
+                if step is None:
+                    step = StepContext(positions, [rope.tables(positions) for rope in self._ropes], attention,
+                                       rows, states)
+                segment.forward(b["x"], step)
         return b["h"].clone()
 
     @classmethod
     def build(cls, model: DecoderModel, attention: PagedAttention, rows: int,
               groups: tuple[tuple[tuple[int, int, int], ...], ...]) -> DecodeProgram | None:
-        """The program, or None where a layer has no kernel call (a bias, a wrapped or torch layer)."""
-        cfg, layers = model.config, model.layers
-        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = heads * dim, kv_heads * dim
-        step, norm, rope = step_kernels(), rms_norm_kernel(), rope_kernel()
-        b = _buffers(model, rows, len(attention.kinds))
-        qk_rows = b["qkv"][:, : q_size + kv_size]
-        qk = b["qk"] if "qk" in b else qk_rows.view(rows, heads + kv_heads, dim)
-        k = qk[:, heads:]
-        v = b["qkv"][:, q_size + kv_size :].view(rows, kv_heads, dim)
-        queries, attn = qk[:, :heads], b["attn"].view(rows, heads, dim)
-        converts_before: list[KernelCall] = []
-        converts_after: list[KernelCall] = []
-        if model.dtype != torch.float32:  # the attention kernel reads and writes fp32 rows
-            b["q32"], b["attn32"] = torch.empty(rows, heads, dim), torch.empty(rows, heads, dim)
-            converts_before.append(step.convert_call(queries, b["q32"]))
-            converts_after.append(step.convert_call(b["attn32"], attn))
-            queries, attn = b["q32"], b["attn32"]
-        decode_kernel = attention.decode_kernel
-        decodes = [[decode_kernel.decode_calls(queries[first : first + batch * n], list(zip(cache.k, cache.v)),
-                                               cache.block_size, attn[first : first + batch * n], n)
-                    for first, batch, n in kind_groups]
-                   for (cache, _), kind_groups in zip(attention.kinds, groups)]
-        eps = cfg.rms_norm_eps
-        calls: list[KernelCall | None] = [norm.call(b["x"], layers[0].input_norm, eps, b["h"])]
-        for index, layer in enumerate(layers):
-            kind, local = attention.kind_of(index)
-            cache = attention.kinds[kind][0]
-            next_norm = layers[index + 1].input_norm if index + 1 < len(layers) else model.final_norm
-            calls.append(layer.qkv.call(b["h"], b["qkv"]))
-            if layer.q_norm is not None:
-                calls += _qk_norm_calls(norm, layer, qk_rows, qk, heads, dim, eps)
-            calls += [rope.call(qk, b[f"cos{layer.rope}"], b[f"sin{layer.rope}"]),
-                      decode_kernel.store_call(cache.k[local], cache.v[local], b[f"slots{kind}"], k, v)]
-            calls += [*converts_before, *(decode.calls[local] for decode in decodes[kind]), *converts_after]
-            calls += [layer.o.call(b["attn"], b["proj"]), *_residual_add(step, norm, b, layer.attn_out_norm, eps),
-                      norm.call(b["x"], layer.post_norm, eps, b["h"]),
-                      layer.gate_up.call(b["h"], b["gate_up"]),
-                      step.gate_mul_call(cfg.arch.activation, b["gate_up"], b["act"]),
-                      layer.down.call(b["act"], b["proj"]), *_residual_add(step, norm, b, layer.mlp_out_norm, eps),
-                      norm.call(b["x"], next_norm, eps, b["h"])]
-        if any(call is None for call in calls):
+        """The program, or None where no layer has kernel calls."""
+        program = ProgramBuilder(model, attention, rows, groups)
+        eps, segments, calls = model.config.rms_norm_eps, [], []
+        for layer in model.layers:
+            layer_calls = program.layer_calls(layer, eps)
+            if layer_calls is None:
+                segments += [program.step.call_list(calls), layer] if calls else [layer]
+                calls = []
+            else:
+                calls += layer_calls
+        if all(isinstance(segment, DecoderLayer) for segment in segments) and not calls:
             return None
-        return cls([cache for cache, _ in attention.kinds], b, step.call_list(calls), decodes, model.ropes)
+        calls.append(program.norm.call(program.x, model.final_norm, eps, program.h))
+        segments.append(program.step.call_list(calls))
+        return cls([cache for cache, _ in attention.kinds], program.buffers, segments, program.decodes, model.ropes)
 
 
-def _qk_norm_calls(norm, layer, qk_rows: torch.Tensor, qk: torch.Tensor, heads: int, dim: int,
-                   eps: float) -> list[KernelCall]:
-    """Each row's q heads and k heads normed from the qkv row into the qk buffer (one call per row
-    and part, each over that row's heads as the layer-by-layer forward's rows)."""
-    calls = []
-    for r in range(qk.shape[0]):
-        calls += [norm.call(qk_rows[r, : heads * dim].view(heads, dim), layer.q_norm, eps, qk[r, :heads]),
-                  norm.call(qk_rows[r, heads * dim :].view(-1, dim), layer.k_norm, eps, qk[r, heads:])]
-    return calls
+class ProgramBuilder:
+    """The buffers and kernels a program's calls share, handed to each block's `fused_calls`
+    (kvgen.model.blocks.base.FusedProgram): x the residual stream, h a branch's normed input, out
+    (`proj`) a block's output, and whatever each block asks for by name."""
 
+    def __init__(self, model: DecoderModel, attention: PagedAttention, rows: int,
+                 groups: tuple[tuple[tuple[int, int, int], ...], ...]) -> None:
+        self.model, self.attention, self.rows, self.groups = model, attention, rows, groups
+        self.step, self.norm, self.rope = step_kernels(), rms_norm_kernel(), rope_kernel()
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.decodes: dict[int, list[list]] = {}  # by the queries buffer: each kind's groups' decode calls
+        self._converts: dict[int, tuple[list[KernelCall], list[KernelCall], torch.Tensor, torch.Tensor]] = {}
+        hidden = model.config.hidden_size
+        self.x, self.h, self.out = (self.buffer(n, (hidden,)) for n in ("x", "h", "proj"))
+        # Each block's buffers next, one after the other before anything else is allocated: where they
+        # fall in memory changed a Gemma 3 step's time by ~5% (measured in CPU time, the same calls).
+        for block in model.layers[0].blocks:
+            block.reserve_buffers(self)
+        if any(branch.out_norm is not None for branch in model.layers[0].branches):
+            self.buffer("normed", (hidden,))
+        for i in range(len(model.ropes)):
+            self.buffer(f"cos{i}", (1, model.config.head_dim)), self.buffer(f"sin{i}", (1, model.config.head_dim))
+        for kind in range(len(attention.kinds)):
+            self.buffers[f"slots{kind}"] = torch.empty(rows, dtype=torch.int64)
 
-def _residual_add(step, norm, b: dict[str, torch.Tensor], out_norm: torch.Tensor | None,
-                  eps: float) -> list[KernelCall]:
-    """x += proj, normed first where the architecture norms its branch outputs (Gemma)."""
-    if out_norm is None:
-        return [step.add_call(b["x"], b["proj"])]
-    return [norm.call(b["proj"], out_norm, eps, b["normed"]), step.add_call(b["x"], b["normed"])]
+    def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.buffers:
+            self.buffers[name] = torch.empty(self.rows, *shape, dtype=self.model.dtype)
+        assert self.buffers[name].shape[1:] == shape, f"buffer {name} asked for with two shapes"
+        return self.buffers[name]
 
+    def rope_tables(self, rope: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.buffers[f"cos{rope}"], self.buffers[f"sin{rope}"]
 
-def _buffers(model: DecoderModel, rows: int, num_kinds: int) -> dict[str, torch.Tensor]:
-    """A program's own buffers [rows, ...] in the model's dtype (the K/V slots as int64)."""
-    cfg = model.config
-    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    inner = model.layers[0].gate_up.out_features  # gate and up, side by side
-    shapes = {"x": (cfg.hidden_size,), "h": (cfg.hidden_size,), "qkv": (q_size + 2 * kv_size,),
-              "attn": (q_size,), "proj": (cfg.hidden_size,), "gate_up": (inner,), "act": (inner // 2,)}
-    shapes |= {f"{table}{i}": (1, cfg.head_dim) for i in range(len(model.ropes)) for table in ("cos", "sin")}
-    if model.layers[0].q_norm is not None:
-        shapes["qk"] = (cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-    if model.layers[0].attn_out_norm is not None:
-        shapes["normed"] = (cfg.hidden_size,)
-    buffers = {name: torch.empty(rows, *shape, dtype=model.dtype) for name, shape in shapes.items()}
-    buffers |= {f"slots{kind}": torch.empty(rows, dtype=torch.int64) for kind in range(num_kinds)}
-    return buffers
+    def layer_calls(self, layer: DecoderLayer, eps: float) -> list[KernelCall] | None:
+        """The layer's branches as calls (x += out_norm(block(norm(x)))), or None where one has none."""
+        calls = []
+        for branch in layer.branches:
+            block_calls = branch.block.fused_calls(self)
+            if block_calls is None or any(call is None for call in block_calls):
+                return None
+            calls += [self.norm.call(self.x, branch.norm, eps, self.h), *block_calls]
+            if branch.out_norm is None:
+                calls.append(self.step.add_call(self.x, self.out))
+            else:
+                normed = self.buffer("normed", (self.model.config.hidden_size,))
+                calls += [self.norm.call(self.out, branch.out_norm, eps, normed), self.step.add_call(self.x, normed)]
+        return calls
+
+    def attend_calls(self, layer: int, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor) -> list[KernelCall]:
+        """Store k/v in the layer's pools, attend queries [rows, H, D] into out [rows, H, D]: the
+        attention kernel reads and writes fp32 rows, so a bf16 model's go through fp32 copies."""
+        kind, local = self.attention.kind_of(layer)
+        cache = self.attention.kinds[kind][0]
+        key = queries.data_ptr()
+        if key not in self._converts:
+            before, after = [], []
+            if self.model.dtype != torch.float32:
+                q32, attn32 = torch.empty(queries.shape), torch.empty(out.shape)
+                self.buffers[f"q32_{len(self._converts)}"], self.buffers[f"attn32_{len(self._converts)}"] = q32, attn32
+                before, after = [self.step.convert_call(queries, q32)], [self.step.convert_call(attn32, out)]
+                queries, out = q32, attn32
+            self._converts[key] = (before, after, queries, out)
+            self.decodes[key] = self._decode_calls(queries, out)
+        before, after, _, _ = self._converts[key]
+        decoder: PagedDecode = self.attention.decode_kernel
+        return [decoder.store_call(cache.k[local], cache.v[local], self.buffers[f"slots{kind}"], k, v),
+                *before, *(decode.calls[local] for decode in self.decodes[key][kind]), *after]
+
+    def _decode_calls(self, queries: torch.Tensor, out: torch.Tensor) -> list[list]:
+        """Per kind of layer, per group of sequences: the decode kernel's calls for every layer's pools."""
+        decoder = self.attention.decode_kernel
+        return [[decoder.decode_calls(queries[first : first + batch * n], list(zip(cache.k, cache.v)),
+                                      cache.block_size, out[first : first + batch * n], n)
+                 for first, batch, n in kind_groups]
+                for (cache, _), kind_groups in zip(self.attention.kinds, self.groups)]

@@ -7,9 +7,8 @@
                   OpenBLAS costs 1.5-2.2x, and at prefill's hundreds of rows it runs ~35% faster
                   than oneDNN's GEMM (BENCHMARKS.md). Every row goes through the same operations
                   whatever the row count, so a row's bits never depend on the rows beside it.
-    CodedF32Linear  the same, on weights stored in 28 bits each, losslessly (kernels/f32_coded.c):
-                  the low 3 bytes and a 4-bit code of the top byte, on CPUs with AVX-512 VBMI.
-                  Decode reads an eighth fewer bytes for the same fp32 values.
+    CodedF32Linear  the same on weights in 28 bits each, losslessly (kernels/f32_coded.c, AVX-512
+                  VBMI): decode reads an eighth fewer bytes for the same fp32 values.
     BlasLinear    fp32 on other CPUs (without AVX2), through OpenBLAS (numpy, on the same memory):
                   its GEMV (one row) reads the weights near memory bandwidth, about twice as fast as
                   MKL's (torch's default) one-row path, and its GEMM handles many rows at compute
@@ -25,25 +24,35 @@
                   a low byte and a 4-bit code of the high byte. Decode reads a quarter fewer bytes
                   for the same bf16 values; rows of whole 64-column spans only. At many rows the
                   weight is decoded per call, for the bf16 kernel or oneDNN, or for the fp32 kernel
-                  where that measures faster (kernels/faster.py).
+                  where that measures faster (kernels/many_rows_choice.py).
     OneDnnLinear  bf16 where the CPU has native bf16 but not that kernel's features: the weights
                   are reordered once into oneDNN's blocked layout.
     TorchLinear   everything else (CUDA, fp16...): `F.linear`.
 
+Over weights that stay quantized in memory (kvgen.model.formats):
+    KernelQuantLinear  the generic packed format, AVX-512 VNNI or AVX2 (qmatmul.c); x quantized in
+                  the call per 32, to int8 or two int8 parts (`int8x2`, ~15 bits: 100% top-1 against
+                  the fp32 model on the real Q4_1 file, 97.8-98.2% for int8). From BF16_FROM_ROWS /
+                  FP32_FROM_ROWS rows (prefill, compute-bound) the weight is dequantized per call for
+                  the float kernel this CPU runs faster (kernels/many_rows_choice.py).
+    KQuantLinear  Q4_K / Q5_K / Q6_K in kquant.c's layout (AVX-512 VNNI), one kernel at every row
+                  count; x in one int8 part from MANY_ROWS rows, where a second would double its work.
+    TorchQuantLinear  CUDA and other devices: dequantize per call, then `F.linear`.
+    ConcatLinear  layers over one input side by side (a Q4_K q/k beside a Q6_K v).
+Which layer a weight gets is kvgen.model.linear_choice's decision.
+
 On BlasLinear, by default a step's rows go through one BLAS call: GEMV for one row, GEMM for more, the fastest
 choice (the engine's batches), and a row's low bits then depend on how many rows ran with it. A
-`RowKernels` argument instead fixes each row's kernel by the token's role, so a
-row's bits do not depend on the rows beside it; `kvgen.phases` uses it so that recomputing the
-whole sequence (`none`) gives exactly what the contiguous cache gives:
+`RowKernels` argument instead fixes each row's kernel by the token's role, so a row's bits do not
+depend on the rows beside it; `kvgen.phases` uses it so that recomputing the whole sequence (`none`)
+gives exactly what the contiguous cache gives:
 
     prompt tokens      one GEMM over all of them (padded to 2 rows if alone): OpenBLAS's GEMM gives a
                        row the same bits whatever the row count (2 or more)
     generated tokens   one GEMV each
 
-(That holds on OpenBLAS's SkylakeX kernels, where it was measured; its Haswell GEMM changes a row's
-bits with the row count, but CPUs with AVX2 run F32Linear.)
-
-(MKL changes code paths with the row count: 1-3, 5-7 and 9-11 rows round differently.)
+That holds on OpenBLAS's SkylakeX kernels, where it was measured; its Haswell GEMM changes a row's
+bits with the row count, but CPUs with AVX2 run F32Linear. (MKL rounds 1-3, 5-7 and 9-11 rows apart.)
 """
 
 from __future__ import annotations
@@ -57,12 +66,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvgen.model.kernels import KernelCall
+from kvgen.model.kernels.build import KernelCall
 from kvgen.model.kernels.bf16 import Bf16Matmul, Bf16Tiles, bf16_kernel
-from kvgen.model.kernels.bf16_coded import CodedBf16Matmul, coded_bf16_kernel, fits
+from kvgen.model.kernels.coded import CodedBf16Matmul, CodedF32Matmul
 from kvgen.model.kernels.f32 import F32Matmul, f32_kernel
-from kvgen.model.kernels.f32_coded import CodedF32Matmul, coded_f32_kernel
-from kvgen.model.kernels.faster import fp32_beats
+from kvgen.model.formats.kquant import KPacked
+from kvgen.model.formats.packed import PackedWeight, dequantize
+from kvgen.model.kernels.kquant import kquant_kernel
+from kvgen.model.kernels.many_rows_choice import fp32_beats, many_rows_dtype
+from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, kernel_name, qmatmul_kernel
+from kvgen.model.kernels.step import step_kernels
 from kvgen.threads import WORKERS_SLEEP
 
 # From this many rows of x on (prefill), a bf16 layer unpacks its weight to row-major and runs
@@ -78,6 +91,18 @@ DECODED_FROM_ROWS = 16
 # Many GEMV rows over a large matrix (an LM head) go tile by tile so each tile is read from memory
 # once and then from cache; a tile's GEMV gives the same bits as the whole matrix's.
 GEMV_TILE_BYTES = 4 << 20
+# From this many rows of x on (prefill chunks, large decode batches) a packed layer runs on its
+# weight dequantized per call, in bf16 or fp32 (KernelQuantLinear). bf16: 1.3-1.9x faster than
+# the integer kernel at 16 rows, 2.5-3.4x at 64-512, and slower below ~8 (BENCHMARKS.md).
+BF16_FROM_ROWS = 16
+# fp32, by the integer kernel's build: a 3,072 x 576 int4 matrix at 64 / 128 / 512 rows took 9.8 /
+# 20.5 / 81.9 ms on the AVX2 integer kernel (x int8x2) and 10.1 / 11.4 / 16.1 ms dequantized, packed
+# and multiplied (2 threads, Zen 3); on an AVX-512 VM 0.51 / 0.91 / 1.92 ms at 16
+# / 32 / 64 rows against 0.88 / 0.93 / 1.35 (BENCHMARKS.md).
+FP32_FROM_ROWS = {"avx512-vnni": 32, "avx2": 128}
+# From this many rows of x on, one int8 part (KQuantLinear); fused decode steps run below 16 rows
+# (kvgen.model.fused), so decode and verify chunks keep the layer's activations.
+MANY_ROWS = 16
 
 
 def uses_blas(device: torch.device, dtype: torch.dtype) -> bool:
@@ -187,7 +212,7 @@ class F32Linear(Linear):
 
 
 class CodedF32Linear(F32Linear):
-    """F32Linear on the coded kernel (kvgen.model.kernels.f32_coded): the same values, 28 bits each."""
+    """F32Linear on the coded kernel (kvgen.model.kernels.coded): the same values, 28 bits each."""
 
 
 class OneDnnLinear(Linear):
@@ -230,11 +255,11 @@ class Bf16Linear(Linear):
 
 
 class CodedBf16Linear(Bf16Linear):
-    """Bf16Linear on the coded kernel (kvgen.model.kernels.bf16_coded): the same values, 12 bits each.
+    """Bf16Linear on the coded kernel (kvgen.model.kernels.coded): the same values, 12 bits each.
     Given the shared `scratch`, calls of DECODED_FROM_ROWS rows or more decode the weight into it
     instead of decoding each span again for every 4 rows of x: to the bf16 kernel's tiles (oneDNN's
     row-major from ONEDNN_FROM_ROWS), or to the fp32 kernel's panels where that measures faster
-    (kvgen.model.kernels.faster; the sums are then rounded to bf16 as the bf16 paths round theirs)."""
+    (kvgen.model.kernels.many_rows_choice; the sums are then rounded to bf16 as the bf16 paths round theirs)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: CodedBf16Matmul,
                  tiles_kernel: Bf16Matmul, scratch: Bf16Tiles | None = None) -> None:
@@ -272,24 +297,136 @@ class TorchLinear(Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, scratch: Bf16Tiles | None = None) -> Linear:
-    """The fastest kernel for the weight's device and dtype (see the module docstring); `scratch`, a
-    buffer the model's layers share, lets bf16 layers take oneDNN at many rows."""
-    if weight.device.type == "cpu" and weight.dtype == torch.float32:
-        if (coded := coded_f32_kernel()) is not None:
-            return CodedF32Linear(weight, bias, coded)
-        if (f32 := f32_kernel()) is not None:
-            return F32Linear(weight, bias, f32)
-        return BlasLinear(weight, bias)
-    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
-        kernel = bf16_kernel()
-        if kernel is not None and fits(weight) and (coded := coded_bf16_kernel()) is not None:
-            return CodedBf16Linear(weight, bias, coded, kernel, scratch)
-        if kernel is not None:
-            return Bf16Linear(weight, bias, kernel, scratch)
-        if _onednn_bf16():
-            return OneDnnLinear(weight, bias)
-    return TorchLinear(weight, bias)
+class QuantLinear(Linear):
+    """y = x @ W^T + bias for a PackedWeight W (on the device the layer runs on)."""
+
+    kernel: str
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None) -> None:
+        # Linear.__init__ reads the shape from a dense weight, which this layer never builds.
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.packed = weight
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.nbytes
+
+
+@dataclass(frozen=True)
+class ManyRows:
+    """How a packed layer runs many rows of x (see KernelQuantLinear): on its weight dequantized per
+    call into `tiles` (a buffer the model's layers share), in `dtype` (bf16 or fp32; None: this CPU's
+    faster, kvgen.model.kernels.many_rows_choice)."""
+
+    tiles: Bf16Tiles
+    dtype: torch.dtype | None = None
+
+
+class KernelQuantLinear(QuantLinear):
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None, activations: str = "int8",
+                 many_rows: ManyRows | None = None) -> None:
+        super().__init__(weight, bias)
+        kernel = qmatmul_kernel()
+        assert kernel is not None, "KernelQuantLinear needs the compiled kernel (see qmatmul_kernel())"
+        self._matmul = kernel.bind(weight, activations)
+        dtype = many_rows_dtype(many_rows.dtype) if many_rows is not None else None
+        self._bf16 = bf16_kernel() if dtype == torch.bfloat16 else None
+        self._f32 = f32_kernel() if dtype == torch.float32 else None
+        self._tiles = many_rows.tiles if dtype is not None else None
+        self._from_rows = (None if dtype is None else BF16_FROM_ROWS if dtype == torch.bfloat16
+                           else FP32_FROM_ROWS[kernel.isa])
+        path = "bf16_matmul" if self._bf16 is not None else "f32_matmul"
+        many = f"; from {self._from_rows} rows {path}" if self._from_rows is not None else ""
+        self.kernel = f"{kernel_name(weight)} [{kernel.isa}] (x {activations}{many})"
+
+    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
+        whatever rows run with it, for a given side of the many-rows threshold."""
+        if self._many_rows(x):
+            out = self._dequantized_matmul(x)
+        elif x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == self.in_features:
+            out = self._matmul.run(x)
+        else:
+            out = self._matmul(x.float().contiguous())
+        out = out if x.dtype == torch.float32 else out.to(x.dtype)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        """The integer kernel's call, which is what `self(x)` runs for fp32 x below the many-rows
+        threshold."""
+        if self.bias is not None or x.dtype != torch.float32 or self._many_rows(x):
+            return None
+        return self._matmul.call(x, out)
+
+    def _many_rows(self, x: torch.Tensor) -> bool:
+        """Whether x has enough rows to run on the dequantized weight (see ManyRows)."""
+        return self._from_rows is not None and x.shape[0] >= self._from_rows
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] @ W^T -> fp32 [T, out]: in bf16 on W^ rounded to bf16 where the bf16 kernel runs,
+        else in fp32 on W^."""
+        if self._bf16 is not None:
+            tiles = self._matmul.dequantize_bf16(self._tiles)
+            return self._bf16(x.to(torch.bfloat16).contiguous(), tiles, self.out_features, torch.float32)
+        return self._f32(x.float().contiguous(), self._matmul.dequantize_f32(self._tiles), self.out_features)
+
+
+class TorchQuantLinear(QuantLinear):
+    kernel = "torch-dequantize"
+
+    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        weight = dequantize(self.packed).to(x.dtype)
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+
+class KQuantLinear(QuantLinear):
+    def __init__(self, weight: KPacked, bias: torch.Tensor | None, activations: str = "int8x2") -> None:
+        super().__init__(weight, bias)
+        kernel = kquant_kernel()
+        assert kernel is not None, "KQuantLinear needs the compiled kernel (see kquant_kernel())"
+        parts = ACTIVATION_PARTS[activations]
+        self._few = kernel.bind(weight, parts)
+        self._many = kernel.bind(weight, 1) if parts > 1 else self._few
+        many = f"; from {MANY_ROWS} rows x int8" if parts > 1 else ""
+        self.kernel = f"kq_matmul_{weight.kind} [avx512-vnni] (x {activations}{many})"
+
+    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        """x [T, in] -> [T, out] in x's dtype; a row's result depends only on which side of
+        MANY_ROWS its call's row count is."""
+        x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        out = (self._many if x.shape[0] >= MANY_ROWS else self._few).run(x32)
+        out = out if x.dtype == torch.float32 else out.to(x.dtype)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        """The kernel's call, which is what `self(x)` runs for fp32 x below MANY_ROWS rows."""
+        if self.bias is not None or x.dtype != torch.float32 or x.shape[0] >= MANY_ROWS:
+            return None
+        return self._few.call(x, out)
+
+
+class ConcatLinear(Linear):
+    """Several layers over the same input whose outputs are concatenated: y = [l1(x), l2(x), ...]."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.bias = None
+
+    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        return torch.cat([p(x, rows) for p in self.parts], dim=-1)
+
+    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        """The parts' calls, each writing its columns of `out`, as one call: where every part is a
+        K-quant layer (whose kernel writes into a column slice) and the step kernels load."""
+        step = step_kernels()
+        if step is None or not all(isinstance(p, KQuantLinear) for p in self.parts):
+            return None
+        columns = out.split([p.out_features for p in self.parts], dim=1)
+        calls = [p.call(x, c) for p, c in zip(self.parts, columns)]
+        return None if any(c is None for c in calls) else step.calls_as_one(calls)
 
 
 def _onednn_bf16() -> bool:

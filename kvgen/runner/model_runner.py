@@ -29,11 +29,12 @@ import torch
 from kvgen.cache.heavy_hitters import HeavyHitters
 from kvgen.cache.hybrid import LayerKind
 from kvgen.config import EngineConfig
-from kvgen.model.attention import PagedAttention, PagedGroup, PagedKVCache, PagedMetadata
-from kvgen.model.kernels import PagedDecode, paged_decode_for
+from kvgen.model.attention import PagedAttention, PagedGroup, PagedMetadata
+from kvgen.model.decoder import DecoderModel
+from kvgen.model.kernels.paged_decode import PagedDecode, paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
+from kvgen.model.kv_storage import PagedKVCache
 from kvgen.model.linear import blas_owns_the_cores
-from kvgen.model.llama import LlamaModel
 from kvgen.runner.policy_tensors import FAR, PolicyTensors, ScoreTarget
 from kvgen.scheduling.output import ScheduledChunk
 
@@ -75,7 +76,7 @@ class ModelRunner:
 
     attention_type = PagedAttention  # on CUDA kvgen.gpu.graphs.gpu_runner sets the Triton backend
 
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, block_tables: BlockTables,
+    def __init__(self, model: DecoderModel, cache: PagedKVCache, block_tables: BlockTables,
                  decode_kernel: PagedDecode | None = None, more_kinds: list[KVKind] = (),
                  heavy_hitters: HeavyHitters | None = None) -> None:
         self.model = model
@@ -245,7 +246,7 @@ def _logit_rows(chunks: list[ScheduledChunk], ordered: list[ScheduledChunk], all
     return rows
 
 
-def build_hybrid_runner(model: LlamaModel, config: EngineConfig, kinds: list[LayerKind], kind_blocks: list[int],
+def build_hybrid_runner(model: DecoderModel, config: EngineConfig, kinds: list[LayerKind], kind_blocks: list[int],
                         tables: list[BlockTables], heavy_hitters: HeavyHitters | None = None) -> ModelRunner:
     """The runner over one pool per kind of layer (kvgen.cache.hybrid), the global kind first."""
     cfg = model.config
@@ -258,7 +259,7 @@ def build_hybrid_runner(model: LlamaModel, config: EngineConfig, kinds: list[Lay
     return _on_device(ModelRunner(model, caches[0], tables[0], decode_kernel, more, heavy_hitters), config)
 
 
-def build_runner(model: LlamaModel, config: EngineConfig, num_blocks: int, block_tables: BlockTables | None,
+def build_runner(model: DecoderModel, config: EngineConfig, num_blocks: int, block_tables: BlockTables | None,
                  cache_type: Callable[..., PagedKVCache] = PagedKVCache,
                  runner_type: Callable[..., ModelRunner] = ModelRunner,
                  heavy_hitters: HeavyHitters | None = None) -> ModelRunner:

@@ -224,7 +224,7 @@ def test_peer_conversions_of_stories_are_cached_and_faithful(tmp_path, monkeypat
     export in each dtype; a plain HF directory (exported through transformers' GGUF reader) with the
     same logits."""
     from kvgen.loaders import load_model
-    from kvgen.model.llama import LlamaModel
+    from kvgen.model.decoder import DecoderModel
     from kvgen.phases import prefill
 
     monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path))
@@ -237,7 +237,7 @@ def test_peer_conversions_of_stories_are_cached_and_faithful(tmp_path, monkeypat
     exported = models.plain_hf_dir(model)
     assert (exported / "model.safetensors").is_file() and models.plain_hf_dir(model) == exported
     ids = [1, 300, 20, 45, 100]
-    logits = [prefill(LlamaModel(m.config, m.weights), ids, "none")[0] for m in map(load_model, (exported, model.path))]
+    logits = [prefill(DecoderModel(m.config, m.weights), ids, "none")[0] for m in map(load_model, (exported, model.path))]
     assert (logits[0] - logits[1]).abs().max().item() < 1e-4
 
 
@@ -246,7 +246,7 @@ def test_gguf_export_matches_transformers(tmp_path, dtype, tolerance):
     """The GGUF written for llama.cpp reads back, through kvgen's reader and transformers' own GGUF reader,
     to the logits of the original HF model (so names, q/k permutation and metadata are right)."""
     from kvgen.loaders import load_model
-    from kvgen.model.llama import LlamaModel
+    from kvgen.model.decoder import DecoderModel
     from kvgen.phases import prefill
 
     source = tmp_path / "hf"
@@ -256,7 +256,7 @@ def test_gguf_export_matches_transformers(tmp_path, dtype, tolerance):
     out = tmp_path / "model.gguf"
     models.write_gguf(source, out, dtype)
     loaded = load_model(out)
-    got, _ = prefill(LlamaModel(loaded.config, loaded.weights), ids, "none")
+    got, _ = prefill(DecoderModel(loaded.config, loaded.weights), ids, "none")
     assert (got - want).abs().max().item() < tolerance
     if dtype != "bfloat16":  # transformers does not read BF16 GGUF tensors
         hf_gguf = models.load_hf_model(models.BenchModel("gguf", out, out), torch.float32)

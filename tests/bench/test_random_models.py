@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as QType
 from benchmarks import llama_tools, models, random_models
 from kvgen.loaders import load_model
 from kvgen.loaders.gguf_reader import read_gguf
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 from kvgen.paths import cache_root
 from kvgen.phases import prefill
 from tests.bench.test_bench import TINY_ARCH
@@ -59,7 +59,7 @@ def test_a_checkpoint_written_in_shards_loads_as_transformers_built_it(tmp_path,
     ids = [5, 17, 99, 3, 250, 42]
     want = hf(torch.tensor([ids])).logits[0, -1]
     loaded = load_model(path)
-    got, _ = prefill(LlamaModel(loaded.config, loaded.weights), ids, "none")
+    got, _ = prefill(DecoderModel(loaded.config, loaded.weights), ids, "none")
     assert (got - want).abs().max().item() < 1e-4
 
 

@@ -45,7 +45,7 @@ def test_e2b_donors_and_refusals():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_e2b_kv_at_8k_is_the_donors_share(dtype):
-    from kvgen.model.attention import PagedKVCache
+    from kvgen.model.kv_storage import PagedKVCache
 
     shape = SharedKVShape.from_hf_config({"text_config": E2B})
     size = torch.empty(0, dtype=dtype).element_size()

@@ -39,7 +39,7 @@ def test_shape_from_the_config():
 def test_bytes_are_the_pools_bytes():
     """KV per token from a PagedKVCache of the attention layers, state per sequence from a StatePool of
     the recurrent layers, both on the meta device."""
-    from kvgen.model.attention import PagedKVCache
+    from kvgen.model.kv_storage import PagedKVCache
 
     shape = HybridShape.from_hf_config(QWEN35_2B)
     for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):

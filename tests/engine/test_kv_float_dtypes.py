@@ -28,7 +28,7 @@ import torch
 
 from kvgen import LLM, SamplingParams
 from kvgen.llm import DEFAULT_MODEL
-from kvgen.model.kernels import paged_decode_for
+from kvgen.model.kernels.paged_decode import paged_decode_for
 from kvgen.model.kernels.bf16 import bf16_kernel
 from kvgen.model.kernels.f32 import f32_kernel
 from tests.support.tolerances import KV_ROUNDING, agreeing_prefix, kv_bound, trace

@@ -14,7 +14,7 @@ from kvgen.cli import main
 from kvgen.eval import ppl
 from kvgen.loaders import load_model
 from kvgen.model.attention import NoCacheAttention
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 
 CONTEXT = 512  # stories260K's
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
@@ -36,7 +36,7 @@ def perplexities(report: dict) -> dict[str, float]:
 def reference_nll(model_path: Path, token_ids: list[int]) -> torch.Tensor:
     """-log p(token i+1 | tokens 0..i) from one forward pass over the whole text, no KV cache."""
     loaded = load_model(model_path)
-    model = LlamaModel(loaded.config, loaded.weights)
+    model = DecoderModel(loaded.config, loaded.weights)
     tokens = torch.tensor(token_ids)
     with torch.no_grad():
         logits = model.logits(model.forward(tokens, torch.arange(len(tokens)), NoCacheAttention()))

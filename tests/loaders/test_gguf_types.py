@@ -12,7 +12,7 @@ import torch
 
 from kvgen.loaders import load_model
 from kvgen.loaders.gguf_tensors import BLOCK_TYPES
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 from tests.loaders.gguf_builder import (ALL_TYPES, Dims, QType, as_float, gpt2_vocab, llama_vocab, random_model,
                                         write_gguf)
 from tests.model.test_parity_hf import greedy, hf_greedy
@@ -76,7 +76,7 @@ def test_greedy_tokens_equal_transformers(qtype, files):
     for name, expected in reference.state_dict().items():
         assert torch.equal(loaded.weights[name], expected), name
     want_tokens, want_logits = hf_greedy(reference, PROMPT, 24)
-    tokens, logits = greedy(LlamaModel(loaded.config, loaded.weights), PROMPT, 24, "contiguous")
+    tokens, logits = greedy(DecoderModel(loaded.config, loaded.weights), PROMPT, 24, "contiguous")
     assert (logits - want_logits).abs().max().item() <= 1e-4
     assert tokens == want_tokens
 

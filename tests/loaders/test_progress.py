@@ -30,7 +30,7 @@ def test_the_bar_counts_every_byte_of_the_weights_on_a_terminal(tmp_path, storie
     monkeypatch.setattr(sys, "stderr", Terminal())
     monkeypatch.setattr(progress, "SHOW_AFTER_S", 0.0)
     original = progress.advance
-    monkeypatch.setattr("kvgen.model.projections.advance", lambda n: (counted.append(n), original(n)))
+    monkeypatch.setattr("kvgen.model.linear_choice.advance", lambda n: (counted.append(n), original(n)))
     llm = LLM(path, kv_cache_memory=8 << 20)
     assert sum(counted) == total and "loading weights" in sys.stderr.getvalue()
     stats = llm.load_stats

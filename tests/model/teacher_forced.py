@@ -11,20 +11,20 @@ import torch
 
 from kvgen.loaders import load_model
 from kvgen.model.attention import NoCacheAttention
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 
 
-def all_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+def all_logits(model: DecoderModel, ids: list[int]) -> torch.Tensor:
     """Teacher-forced logits [len(ids), vocab] in one pass without a cache (each layer's window kept)."""
     windows = [model.config.window(i) for i in range(model.config.num_layers)]
     hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), NoCacheAttention(windows))
     return model.logits(hidden)
 
 
-def packed_model(path: Path) -> LlamaModel:
+def packed_model(path: Path) -> DecoderModel:
     """The file's model on its packed blocks (`quantization="auto"`)."""
     loaded = load_model(path, keep_quantized=True)
-    return LlamaModel(loaded.config, {**loaded.weights, **loaded.quantized}, quantization="auto")
+    return DecoderModel(loaded.config, {**loaded.weights, **loaded.quantized}, quantization="auto")
 
 
 def top1_agreement(want: torch.Tensor, got: torch.Tensor) -> float:

@@ -1,6 +1,6 @@
 import torch
 
-from kvgen.model.attention import PagedKVCache
+from kvgen.model.kv_storage import PagedKVCache
 
 
 def test_gather_reads_whole_blocks_heads_first_whatever_came_before():

@@ -14,9 +14,11 @@ import torch
 from kvgen.model import linear
 from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
 from kvgen.model.kernels.bf16 import pack as pack_tiles
-from kvgen.model.kernels.bf16_coded import coded_bf16_kernel, pack
+from kvgen.model.kernels.coded import coded_bf16_kernel
+from kvgen.model.kernels.coded import pack_bf16 as pack
 from kvgen.model.kernels.f32 import f32_kernel
-from kvgen.model.linear import DECODED_FROM_ROWS, ONEDNN_FROM_ROWS, Bf16Linear, CodedBf16Linear, make_linear
+from kvgen.model.linear import DECODED_FROM_ROWS, ONEDNN_FROM_ROWS, Bf16Linear, CodedBf16Linear
+from kvgen.model.linear_choice import make_linear
 from tests.model.test_bf16_kernel import reference_and_bound
 
 pytestmark = pytest.mark.skipif(coded_bf16_kernel() is None, reason="this CPU has no AVX-512 BF16")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel, pack
-from kvgen.model.linear import ONEDNN_FROM_ROWS, Bf16Linear, make_linear
+from kvgen.model.linear import ONEDNN_FROM_ROWS, Bf16Linear
+from kvgen.model.linear_choice import make_linear
 from tests.support.tolerances import gamma
 
 BF16_UNIT_ROUNDOFF = 2.0**-8

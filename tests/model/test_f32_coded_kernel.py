@@ -12,8 +12,10 @@ import torch
 
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.f32 import pack as pack_panels
-from kvgen.model.kernels.f32_coded import STEP_BYTES, coded_f32_kernel, pack
-from kvgen.model.linear import CodedF32Linear, make_linear
+from kvgen.model.kernels.coded import STEP_BYTES, coded_f32_kernel
+from kvgen.model.kernels.coded import pack_f32 as pack
+from kvgen.model.linear import CodedF32Linear
+from kvgen.model.linear_choice import make_linear
 from tests.model.test_f32_kernel import reference_and_bound
 
 pytestmark = pytest.mark.skipif(coded_f32_kernel() is None, reason="this CPU has no AVX-512 VBMI")

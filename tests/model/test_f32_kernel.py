@@ -11,8 +11,9 @@ import torch
 from kvgen.llm import DEFAULT_MODEL
 from kvgen.loaders import load_model
 from kvgen.model.kernels.f32 import PANEL, f32_kernel, pack, unpacked_rows
-from kvgen.model.linear import F32Linear, make_linear
-from kvgen.model.llama import LlamaModel
+from kvgen.model.linear import F32Linear
+from kvgen.model.linear_choice import make_linear
+from kvgen.model.decoder import DecoderModel
 from tests.support.tolerances import gamma
 
 pytestmark = pytest.mark.skipif(f32_kernel() is None, reason="this CPU has no AVX-512")
@@ -83,7 +84,7 @@ def test_bad_operands_are_refused():
 def test_a_tied_embedding_looks_its_rows_up_in_the_lm_heads_panels():
     """One copy of a tied table: the embedding keeps none of its own and gives the loaded rows."""
     loaded = load_model(DEFAULT_MODEL)
-    model = LlamaModel(loaded.config, loaded.weights)
+    model = DecoderModel(loaded.config, loaded.weights)
     assert loaded.config.tie_word_embeddings and isinstance(model.lm_head, F32Linear)
     assert model.embed.table is None
     ids = torch.tensor([0, 1, 31, 32, loaded.config.vocab_size - 1, 1])

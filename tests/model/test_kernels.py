@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from kvgen.config import EngineConfig
-from kvgen.model import kernels
-from kvgen.model.attention import PagedKVCache, sdpa_heads_first
-from kvgen.model.kernels import FLAGS, SOURCE, PagedDecode, build_library, load_paged_decode, paged_decode_for
+from kvgen.model.attention import sdpa_heads_first
+from kvgen.model.kv_storage import PagedKVCache
+from kvgen.model.kernels import paged_decode as kernels
+from kvgen.model.kernels.build import FLAGS, build_library
+from kvgen.model.kernels.paged_decode import SOURCE, PagedDecode, load_paged_decode, paged_decode_for
 from tests.support.tolerances import fp32_gap
 from tests.support.torch_threads import torch_threads
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvgen.cache.sizing import kv_bytes_per_token_of
-from kvgen.model.attention import PagedKVCache
+from kvgen.model.kv_storage import PagedKVCache
 from kvgen.model.kv_quant import dequantize, key_groups, quantize
 
 CPU = torch.device("cpu")

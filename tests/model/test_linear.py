@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from kvgen.model.kernels.bf16 import bf16_kernel
 from kvgen.model.kernels.f32 import f32_kernel
-from kvgen.model.linear import BlasLinear, Bf16Linear, F32Linear, OneDnnLinear, RowKernels, TorchLinear, make_linear
+from kvgen.model.linear import BlasLinear, Bf16Linear, F32Linear, OneDnnLinear, RowKernels, TorchLinear
+from kvgen.model.linear_choice import make_linear
 
 torch.manual_seed(0)
 WEIGHT, BIAS = torch.randn(96, 64), torch.randn(96)

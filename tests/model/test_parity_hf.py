@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvgen.loaders import load_model
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 from kvgen.phases import decode, prefill
 from tests.conftest import HF_MODELS
 
@@ -20,7 +20,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor
     return out[0, len(prompt):].tolist(), logits
 
 
-def greedy(model: LlamaModel, prompt: list[int], n: int, kv_cache: str) -> tuple[list[int], torch.Tensor]:
+def greedy(model: DecoderModel, prompt: list[int], n: int, kv_cache: str) -> tuple[list[int], torch.Tensor]:
     logits, state = prefill(model, prompt, kv_cache)
     first_logits, tokens = logits, []
     for _ in range(n):
@@ -33,7 +33,7 @@ def greedy(model: LlamaModel, prompt: list[int], n: int, kv_cache: str) -> tuple
 def test_matches_transformers(hf_model, name):
     path, reference = hf_model(name)
     loaded = load_model(path)
-    model = LlamaModel(loaded.config, loaded.weights)
+    model = DecoderModel(loaded.config, loaded.weights)
     want_tokens, want_logits = hf_greedy(reference, PROMPT, NEW_TOKENS)
     tokens, logits = greedy(model, PROMPT, NEW_TOKENS, "contiguous")
     assert (logits - want_logits).abs().max().item() <= 1e-4
@@ -50,14 +50,14 @@ def test_stories260k_bin_and_gguf_match_transformers(stories_dir):
     want_tokens, want_logits = hf_greedy(reference, prompt, NEW_TOKENS)
     for file in ("stories260K.bin", "stories260K.gguf"):
         loaded = load_model(stories_dir / file)
-        tokens, logits = greedy(LlamaModel(loaded.config, loaded.weights), prompt, NEW_TOKENS, "contiguous")
+        tokens, logits = greedy(DecoderModel(loaded.config, loaded.weights), prompt, NEW_TOKENS, "contiguous")
         assert (logits - want_logits).abs().max().item() <= 1e-4, file
         assert tokens == want_tokens, file
 
 
 def test_no_cache_and_contiguous_cache_agree_over_200_steps(stories_bin):
     loaded = load_model(stories_bin)
-    model = LlamaModel(loaded.config, loaded.weights)
+    model = DecoderModel(loaded.config, loaded.weights)
     prompt = loaded.tokenizer.encode("Lily saw a cat")
     cached, _ = greedy(model, prompt, 200, "contiguous")
     recomputed, _ = greedy(model, prompt, 200, "none")
@@ -67,7 +67,7 @@ def test_no_cache_and_contiguous_cache_agree_over_200_steps(stories_bin):
 def test_decode_computes_only_the_new_token(stories_bin):
     """The cache holds every position once; decode appends exactly one."""
     loaded = load_model(stories_bin)
-    model = LlamaModel(loaded.config, loaded.weights)
+    model = DecoderModel(loaded.config, loaded.weights)
     _, state = prefill(model, [1, 2, 3, 4], "contiguous")
     assert state.cache.length == 4
     assert state.cache.k[0].shape == (1, loaded.config.num_kv_heads, model.max_positions, loaded.config.head_dim)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvgen.model.kernels import cpu_has
+from kvgen.model.kernels.build import cpu_has
 from kvgen.model.kernels.prefill import prefill_attention_kernel
 from tests.support.tolerances import fp32_gap
 

@@ -20,11 +20,11 @@ from kvgen import LLM, SamplingParams
 from kvgen.eval.ppl import read_text, text_token_ids
 from kvgen.llm import DEFAULT_MODEL
 from kvgen.loaders import load_model
-from kvgen.model.linear import make_linear
-from kvgen.model.llama import LlamaModel
-from kvgen.model.projections import ConcatLinear
-from kvgen.model.quant import QuantLinear
-from kvgen.model.quant.kquant_kernel import kquant_kernel
+from kvgen.model.linear_choice import make_linear
+from kvgen.model.decoder import DecoderModel
+from kvgen.model.linear_choice import ConcatLinear
+from kvgen.model.linear import QuantLinear
+from kvgen.model.kernels.kquant import kquant_kernel
 from tests.loaders.gguf_builder import Dims, llama_vocab, q4_k_m_style_model, random_model, write_gguf
 from tests.model.teacher_forced import all_logits, packed_model, top1_agreement
 from tests.model.test_parity_hf import greedy
@@ -33,7 +33,7 @@ PROMPT = [1, 17, 43, 99, 250, 7, 7, 300, 12, 5]
 PACKED_TYPES = [QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.Q5_K, QType.Q6_K]
 
 
-def logits_bound(model: LlamaModel, reference: torch.Tensor) -> float:
+def logits_bound(model: DecoderModel, reference: torch.Tensor) -> float:
     return 4 * 2 * model.config.num_layers * 2**-14 * reference.abs().max().item()
 
 
@@ -45,7 +45,7 @@ def vocab(stories_dir):
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
 def test_a_gguf_runs_on_its_packed_blocks(tmp_path, vocab, qtype):
     path = write_gguf(tmp_path / "m.gguf", random_model(qtype, len(vocab.tokens), Dims(), seed=3), vocab)
-    packed, dense = packed_model(path), LlamaModel(*_parts(load_model(path)))
+    packed, dense = packed_model(path), DecoderModel(*_parts(load_model(path)))
     layers = [packed.lm_head] + [getattr(layer, n) for layer in packed.layers for n in ("qkv", "o", "gate_up", "down")]
     assert all(isinstance(layer, QuantLinear) for layer in layers)
     want_tokens, want = greedy(dense, PROMPT, 8, "contiguous")
@@ -57,7 +57,7 @@ def test_a_gguf_runs_on_its_packed_blocks(tmp_path, vocab, qtype):
 def test_projections_whose_formats_do_not_stack_run_side_by_side(tmp_path, vocab):
     """A Q4_K_M-style file: q/k in Q4_K, v and down in Q6_K."""
     path = write_gguf(tmp_path / "mixed.gguf", q4_k_m_style_model(len(vocab.tokens), Dims()), vocab)
-    packed, dense = packed_model(path), LlamaModel(*_parts(load_model(path)))
+    packed, dense = packed_model(path), DecoderModel(*_parts(load_model(path)))
     qkv, kernel = packed.layers[0].qkv, packed.kernels()["qkv"][0]
     assert isinstance(qkv, ConcatLinear)
     if kquant_kernel() is not None:  # q and k stack (both Q4_K), v beside them
@@ -111,7 +111,7 @@ def test_packed_requantized_real_model_keeps_top1(smollm_requantized, mix):
     falls back for most matrices (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0); the MLP's down projection
     (1536 columns) is where the K-quant blocks run. Measured: 98.6-99.0% for the four mixes."""
     path = smollm_requantized(mix)
-    dense = LlamaModel(*_parts(loaded := load_model(path)))
+    dense = DecoderModel(*_parts(loaded := load_model(path)))
     ids = text_token_ids(loaded.tokenizer, read_text(None))[:512]
     with torch.no_grad():
         agreement = top1_agreement(all_logits(dense, ids), all_logits(packed_model(path), ids))
@@ -119,14 +119,14 @@ def test_packed_requantized_real_model_keeps_top1(smollm_requantized, mix):
 
 
 def _parts(loaded):
-    """(config, weights) for LlamaModel: the float tensors and the packed matrices together."""
+    """(config, weights) for DecoderModel: the float tensors and the packed matrices together."""
     return loaded.config, {**loaded.weights, **loaded.quantized}
 
 
 def test_the_packed_embedding_dequantizes_only_the_rows_looked_up(tmp_path, vocab):
     path = write_gguf(tmp_path / "q8.gguf", random_model(QType.Q8_0, len(vocab.tokens), Dims(), seed=6), vocab)
     loaded = load_model(path, keep_quantized=True)
-    model = LlamaModel(*_parts(loaded), quantization="auto")
+    model = DecoderModel(*_parts(loaded), quantization="auto")
     ids = torch.tensor([5, 300, 5])
     table = loaded.quantized["model.embed_tokens.weight"].dequantize()
     assert torch.equal(model.embed(ids), table[ids])
@@ -135,7 +135,7 @@ def test_the_packed_embedding_dequantizes_only_the_rows_looked_up(tmp_path, voca
 
 def test_a_tied_embedding_shares_its_packed_table_with_the_lm_head(smollm_gguf):
     loaded = load_model(smollm_gguf, keep_quantized=True)
-    model = LlamaModel(*_parts(loaded), quantization="auto")
+    model = DecoderModel(*_parts(loaded), quantization="auto")
     assert loaded.config.tie_word_embeddings and model.lm_head.packed is model.embed.packed
 
 

@@ -12,7 +12,7 @@ import torch
 import kvgen
 from kvgen import SamplingParams
 from kvgen.loaders import load_model
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 from kvgen.phases import decode, prefill
 from tests.conftest import SMALL, _word_tokenizer
 
@@ -112,7 +112,7 @@ def test_prefill_logits_past_the_window_match_transformers(mistral):
     want_logits = hf_last_logits(windowed, LONG_PROMPT)
     assert (hf_last_logits(unwindowed, LONG_PROMPT) - want_logits).abs().max() > 1e-2  # the window matters
     loaded = load_model(path)
-    model = LlamaModel(loaded.config, loaded.weights)
+    model = DecoderModel(loaded.config, loaded.weights)
     for kv_cache in ("contiguous", "none"):
         logits, _ = prefill(model, LONG_PROMPT, kv_cache)
         assert (logits - want_logits).abs().max().item() <= 1e-4, kv_cache

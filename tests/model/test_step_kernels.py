@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvgen.model.kernels import FLAGS, build_library
+from kvgen.model.kernels.build import FLAGS, build_library
 from kvgen.model.kernels.step import SOURCE, StepKernels, step_kernels
 from kvgen.model.layers import make_gate_mul, silu_mul
 

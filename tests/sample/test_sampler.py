@@ -36,11 +36,11 @@ def row(seed: int | None = None, **params) -> Row:
 def real_logits(stories_bin) -> torch.Tensor:
     """Next-token logits [vocab] of stories260K after a real prompt (a fairly flat distribution)."""
     from kvgen.loaders import load_model
-    from kvgen.model.llama import LlamaModel
+    from kvgen.model.decoder import DecoderModel
     from kvgen.phases import prefill
 
     loaded = load_model(stories_bin)
-    model = LlamaModel(loaded.config, loaded.weights)
+    model = DecoderModel(loaded.config, loaded.weights)
     prompt = loaded.tokenizer.encode("Once upon a time, there was a")
     logits, _ = prefill(model, prompt)
     assert logits.shape == (512,) and torch.isfinite(logits).all()

@@ -30,10 +30,10 @@ from kvgen.config import EngineConfig, ModelConfig
 from kvgen.engine.speculative.proposer import Proposal, Proposer
 from kvgen.errors import ModelLoadError
 from kvgen.loaders import LoadedModel
-from kvgen.model.attention import PagedKVCache
-from kvgen.model.kernels import paged_decode_for
+from kvgen.model.kv_storage import PagedKVCache
+from kvgen.model.kernels.paged_decode import paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
-from kvgen.model.llama import LlamaModel
+from kvgen.model.decoder import DecoderModel
 from kvgen.runner.model_runner import ModelRunner
 from kvgen.sample.sampler import filtered_probs
 from kvgen.scheduling.output import ScheduledChunk
@@ -41,7 +41,7 @@ from kvgen.scheduling.sequence import Sequence
 
 
 # A packed draft quantizes x to one int8 part per 32 values, as ggml does, not the target's two
-# (kvgen.model.projections.ACTIVATIONS): its numbers only steer proposals, and one part halves
+# (kvgen.model.linear_choice.ACTIVATIONS): its numbers only steer proposals, and one part halves
 # the integer kernel's work. A SmolLM2 Q4_1 step's matrices at 1 / 2 rows: 5.9 / 9.7 ms -> 4.6 / 5.9.
 DRAFT_ACTIVATIONS = "int8"
 
@@ -75,7 +75,7 @@ class DraftProposer(Proposer):
     def __init__(self, loaded: LoadedModel, target: ModelConfig, config: EngineConfig, kv: KVCacheManager) -> None:
         check_vocabulary(loaded.config, target, config.draft_model)
         cfg = loaded.config
-        self.model = LlamaModel(cfg, {**loaded.weights, **loaded.quantized}, config.device, config.torch_dtype,
+        self.model = DecoderModel(cfg, {**loaded.weights, **loaded.quantized}, config.device, config.torch_dtype,
                                 config.draft_quantization, config.fused_decode, DRAFT_ACTIVATIONS)
         pool_dtype = STORAGE_DTYPES[config.kv_dtype]
         self.cache = PagedKVCache(cfg.num_layers, kv.num_blocks, kv.block_size, cfg.num_kv_heads, cfg.head_dim,

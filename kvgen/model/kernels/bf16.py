@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvgen.model.kernels import KernelCall, build_library, cpu_has
+from kvgen.model.kernels.build import KernelCall, build_library, cpu_has
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 class Bf16Tiles:
     """One growable buffer, which a model's layers share for their weights laid out anew at many rows:
-    dequantized into this kernel's tiles or the fp32 kernel's panels (kvgen.model.quant.linear),
+    dequantized into this kernel's tiles or the fp32 kernel's panels (kvgen.model.linear),
     decoded or unpacked to row-major for oneDNN (kvgen.model.linear). Each layer's copy lives only
     during its own call, and a fresh multi-MB tensor per call is page-faulted in every time."""
 

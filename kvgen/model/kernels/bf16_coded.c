@@ -2,14 +2,14 @@
  * on a quarter fewer bytes, for decode, which reads every weight once a token at memory speed.
  *
  * A bf16's high byte (sign and 7 of the 8 exponent bits) takes few values in a trained matrix
- * (kernels/coding.py). So each weight keeps its low byte (the last exponent bit and the mantissa)
+ * (formats/coded.py). So each weight keeps its low byte (the last exponent bit and the mantissa)
  * and a 4-bit code for its high byte, looked up in the matrix's 16-entry table; a weight whose
  * high byte is not in the table (an outlier: 0.018% of the SmolLM2 file's) is stored as +0
  * (top byte 0's code, low byte 0) and its product added to the fp32 sum of its row before the sum is
  * stored (FIX_SUMS). Without outliers a row's sums are bit for bit the bf16 kernel's: the same
  * weights meet the same x in the same order of vdpbf16ps.
  *
- * Layout (kvgen/model/kernels/bf16_coded.py packs it): tiles of 4 rows, K in spans of 64 columns; a
+ * Layout (kvgen/model/kernels/coded.py, pack_bf16, packs it): tiles of 4 rows, K in spans of 64 columns; a
  * tile's span is 384 bytes, one sequential stream: the 4 rows' 64 low bytes, then their 32 code
  * bytes. Within a span the columns are stored in the order that vpunpck{l,h}bw of (low bytes,
  * looked-up high bytes) yields columns 0-31 and 32-63 as words; code byte j holds column j's code
@@ -86,7 +86,7 @@ static __m512i table_of(const uint8_t *table) {
     return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table));
 }
 
-/* x [T, K] bf16, w packed as bf16_coded.py lays it out, y [T, N] bf16, or fp32 when f32 is set. */
+/* x [T, K] bf16, w packed as coded.py (pack_bf16) lays it out, y [T, N] bf16, or fp32 when f32 is set. */
 int bf16_coded_matmul_call(const struct coded_args *a) {
     const struct coded_aux aux = {a->outliers, table_of(a->table)};
     few_rows_matmul(a->x, a->T, a->K, a->w, a->N, a->y, a->f32, a->num_threads, &aux);
@@ -127,7 +127,7 @@ void bf16_coded_decode(const uint8_t *w, const uint8_t *table, struct outliers o
 
 /* The packed weight decoded to fp32 in f32_matmul.c's panels [ceil(N / 32), K, 32] (zeros past N),
  * outliers included: for many rows of x on CPUs whose fp32 multiply-adds outrun their bf16 dot
- * products (kvgen/model/kernels/faster.py). */
+ * products (kvgen/model/kernels/many_rows_choice.py). */
 void bf16_coded_decode_f32(const uint8_t *w, const uint8_t *table, struct outliers outliers, int64_t N, int64_t K,
                            float *out, int32_t num_threads) {
     const __m512i lut = table_of(table);

@@ -1,4 +1,4 @@
-/* What the coded float kernels share (bf16_coded.c, f32_coded.c; kernels/coding.py lays it out). */
+/* What the coded float kernels share (bf16_coded.c, f32_coded.c; formats/coded.py lays it out). */
 #include <stdint.h>
 
 /* A coded matrix's outliers, by group of rows (a tile of 4 rows in bf16_coded.c, a panel of 32 in

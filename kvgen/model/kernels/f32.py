@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels import KernelCall, build_library, cpu_has
+from kvgen.model.kernels.build import KernelCall, build_library, cpu_has
 
 log = logging.getLogger(__name__)
 

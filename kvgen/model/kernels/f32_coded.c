@@ -9,7 +9,7 @@
  * Every output goes through the same operations whatever T is, so a row's bits still never depend on
  * the rows beside it; without outliers they are f32_matmul.c's bits (fma(x, +0, acc) is acc).
  *
- * Layout (kvgen/model/kernels/f32_coded.py packs it): panels of 32 output features, K steps of 112
+ * Layout (kvgen/model/kernels/coded.py, pack_f32, packs it): panels of 32 output features, K steps of 112
  * bytes each: the 32 weights' low 3 bytes (little-endian, weight j at 3j), then 16 code bytes, byte
  * i holding weight i's code in its low nibble and weight i + 16's in its high one.
  *

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kvgen.model.gated_delta_net import V_HEAD_ORDERS
-from kvgen.model.kernels import KernelCall, build_library
+from kvgen.model.kernels.build import KernelCall, build_library
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The compiled RMSNorm (rms_norm.c): loading it and calling it.
 
-Built like the paged decode kernel (kvgen/model/kernels/__init__.py: the host's ISA, never AMX);
+Built like the paged decode kernel (kvgen/model/kernels/build.py: the host's ISA, never AMX);
 where it cannot be built `rms_norm_kernel()` is None and kvgen.model.layers uses torch's op.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels import KernelCall, build_library, dtype_functions
+from kvgen.model.kernels.build import KernelCall, build_library, dtype_functions
 
 log = logging.getLogger(__name__)
 

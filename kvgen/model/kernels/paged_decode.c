@@ -5,7 +5,7 @@
  * row (causal: keys up to its own position) and is attended exactly as the decode of its token
  * would be, through the same spans in the same order: the same bits, so speculating changes no
  * attention output. Only the mask says which keys a row reads.
- * Built by kvgen/model/kernels/__init__.py with the system's C compiler (-O3 -march=native -fopenmp)
+ * Built by kvgen/model/kernels/build.py with the system's C compiler (-O3 -march=native -fopenmp)
  * and called through ctypes. One work item is one (query row, KV head, span of SPLIT_KEYS key
  * positions): the `group` query heads that share the KV head, over the span's keys,
  *

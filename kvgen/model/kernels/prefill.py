@@ -1,6 +1,6 @@
 """The prefill attention kernel (prefill_attention.c): loading it and calling it.
 
-Built like the decode kernel (kvgen.model.kernels.build_library: -march=native, never AMX) and
+Built like the decode kernel (kvgen.model.kernels.build: -march=native, never AMX) and
 used where that one is (`attention_backend` "auto" / "native" on the CPU), for prompt chunks of one
 sequence whose mask is plain causal (`PagedGroup.causal_from`). Without AVX-512, or for a head size
 it does not serve, it declines and SDPA runs.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels import FLAGS, build_library
+from kvgen.model.kernels.build import FLAGS, build_library
 
 log = logging.getLogger(__name__)
 

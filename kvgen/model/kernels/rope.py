@@ -1,6 +1,6 @@
 """The compiled rotary embedding (rope.c): loading it and calling it.
 
-Built like the paged decode kernel (kvgen/model/kernels/__init__.py: the host's ISA, never AMX),
+Built like the paged decode kernel (kvgen/model/kernels/build.py: the host's ISA, never AMX),
 plus -ffp-contract=off so that its bits are apply_rope's; where it cannot be built `rope_kernel()`
 is None and kvgen.model.layers uses torch's ops.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels import FLAGS, KernelCall, build_library, dtype_functions
+from kvgen.model.kernels.build import FLAGS, KernelCall, build_library, dtype_functions
 
 log = logging.getLogger(__name__)
 

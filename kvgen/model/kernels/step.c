@@ -6,10 +6,10 @@
  *     add          the residual add, x += y, fp32 or bf16
  *     convert      rows between bf16 and fp32, for a bf16 model's decode attention
  *     run_calls    a list of kernel calls, each `int run(const void *args)` with its arguments bound
- *                  (a `_call` function of this folder's kernels, or of kvgen/model/quant/qmatmul.c),
+ *                  (a `_call` function of this folder's kernels, or of kvgen/model/kernels/qmatmul.c),
  *                  run in order: kvgen/model/fused.py makes a decode step's forward one such list,
  *                  so no Python runs between its ~330 calls; run_calls_call runs such a list as one
- *                  call of another list (layers side by side, kvgen/model/projections.py)
+ *                  call of another list (layers side by side, kvgen/model/linear_choice.py)
  *
  * Built by kvgen/model/kernels/step.py like the paged decode kernel (the host's ISA, never AMX).
  * silu(g) = g / (1 + e^-g), each operation rounded once to fp32 as torch's op rounds it, with e^x

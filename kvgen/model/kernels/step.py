@@ -1,7 +1,7 @@
 """The compiled step kernels (step.c): the gated MLPs' act(gate) * up (SwiGLU's silu, GeGLU's tanh
 GELU), the residual add, and call lists.
 
-Built like the paged decode kernel (kvgen/model/kernels/__init__.py: the host's ISA, never AMX);
+Built like the paged decode kernel (kvgen/model/kernels/build.py: the host's ISA, never AMX);
 where it cannot be built `step_kernels()` is None: kvgen.model.layers then uses torch's ops, and
 kvgen.model.fused runs no call lists.
 """
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels import KernelCall, build_library, dtype_functions
+from kvgen.model.kernels.build import KernelCall, build_library, dtype_functions
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
 SILU_DTYPES = {torch.float32: "silu_mul_f32", torch.bfloat16: "silu_mul_bf16"}
-GATE_ACTIVATIONS = ("silu", "gelu_tanh")  # kvgen.model.architectures.ACTIVATIONS, each with a kernel
+GATE_ACTIVATIONS = ("silu", "gelu_tanh")  # kvgen.architectures.spec.ACTIVATIONS, each with a kernel
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 

@@ -15,9 +15,9 @@ from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.speculative.adaptive import MAX_PROBE_EVERY, MIN_SAMPLES, PROBE_EVERY, AdaptiveSwitch
 from kvgen.errors import InvalidRequestError, ModelLoadError
 from kvgen.loaders import load_model
-from kvgen.model.kernels import paged_decode_for
+from kvgen.model.kernels.paged_decode import paged_decode_for
 from kvgen.model.kernels.f32 import f32_kernel
-from kvgen.model.quant.kernel import qmatmul_kernel
+from kvgen.model.kernels.qmatmul import qmatmul_kernel
 from kvgen.sampling_params import SamplingParams
 from tests.engine.test_continuous_batching import finished_outputs, prompts, run_all
 

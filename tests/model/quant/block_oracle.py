@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvgen.model.quant.formats import PackedWeight, pack
+from kvgen.model.formats.packed import PackedWeight, pack
 
 Q = GGMLQuantizationType
 # (codes uint8 [..., 32], offset, bits, scale [..., 1], min or None)

@@ -15,8 +15,8 @@ products and sums. Two bounds follow, both against float64 references:
 
 import torch
 
-from kvgen.model.quant.formats import PackedWeight, dequantize, unpack_codes, untile
-from kvgen.model.quant.kernel import qmatmul_kernel
+from kvgen.model.formats.packed import PackedWeight, dequantize, unpack_codes, untile
+from kvgen.model.kernels.qmatmul import qmatmul_kernel
 
 U = 2.0 ** -24
 

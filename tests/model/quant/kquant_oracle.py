@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvgen.model.quant.gguf_blocks import QK_K, KFields, k_fields
-from kvgen.model.quant.kquant_format import HIGH, LOW, PANEL, KPacked
+from kvgen.model.formats.gguf_blocks import QK_K, KFields, k_fields
+from kvgen.model.formats.kquant import HIGH, LOW, PANEL, KPacked
 
 Q = GGMLQuantizationType
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvgen.model.quant.block_pack import BLOCK_TYPES, block_packer
-from kvgen.model.quant.formats import PackedWeight
+from kvgen.model.kernels.block_pack import BLOCK_TYPES, block_packer
+from kvgen.model.formats.packed import PackedWeight
 from tests.model.quant.block_oracle import pack_blocks
 from tests.model.quant.raw_blocks import Q, random_blocks, raw_matrix
 from tests.support.torch_threads import torch_threads

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
-from kvgen.model.quant.formats import dequantize, untile
+from kvgen.model.formats.float_weights import quantize_int4, quantize_int8
+from kvgen.model.formats.packed import dequantize, untile
 
 FP16_ULP = 2.0 ** -11  # fp16's relative rounding (11-bit significand)
 

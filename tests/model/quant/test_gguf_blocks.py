@@ -5,9 +5,9 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from kvgen.model.quant import gguf_blocks
-from kvgen.model.quant.formats import concat_rows, dequantize, dequantize_rows
-from kvgen.model.quant.gguf_blocks import convert
+from kvgen.model.formats import gguf_blocks
+from kvgen.model.formats.packed import concat_rows, dequantize, dequantize_rows
+from kvgen.model.formats.gguf_blocks import convert
 from tests.model.quant.raw_blocks import MAPPED, Q, raw_matrix
 
 

@@ -5,15 +5,15 @@ derives the tolerances."""
 import pytest
 import torch
 
-from kvgen.model.quant.float_weights import quantize_int4, quantize_int8
+from kvgen.model.formats.float_weights import quantize_int4, quantize_int8
 from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
-from kvgen.model.quant.formats import PackedWeight, dequantize
-from kvgen.model.quant.gguf_blocks import convert
-from kvgen.model.quant.kernel import qmatmul_kernel
+from kvgen.model.formats.packed import PackedWeight, dequantize
+from kvgen.model.formats.gguf_blocks import convert
+from kvgen.model.kernels.qmatmul import qmatmul_kernel
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.f32 import pack as pack_f32
-from kvgen.model.kernels.faster import many_rows_dtype
-from kvgen.model.quant.linear import FP32_FROM_ROWS, KernelQuantLinear, ManyRows
+from kvgen.model.kernels.many_rows_choice import many_rows_dtype
+from kvgen.model.linear import FP32_FROM_ROWS, KernelQuantLinear, ManyRows
 from tests.support.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix

@@ -18,10 +18,10 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from kvgen.model.quant.gguf_blocks import k_fields
-from kvgen.model.quant.kquant_format import KPacked, dequantize, dequantize_rows
-from kvgen.model.quant.kquant_kernel import kquant_kernel
-from kvgen.model.quant.kquant_linear import MANY_ROWS, KQuantLinear
+from kvgen.model.formats.gguf_blocks import k_fields
+from kvgen.model.formats.kquant import KPacked, dequantize, dequantize_rows
+from kvgen.model.kernels.kquant import kquant_kernel
+from kvgen.model.linear import MANY_ROWS, KQuantLinear
 from tests.model.quant.kquant_oracle import pack_k
 from tests.model.quant.raw_blocks import raw_matrix
 from tests.support.torch_threads import torch_threads

@@ -6,13 +6,14 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
 
-from kvgen.model.kernels.f32_coded import pack as pack_coded_f32
-from kvgen.model.linear import CodedF32Linear, F32Linear, make_linear
-from kvgen.model.quant import describe, make_quantized_linear, quantize_linear
-from kvgen.model.quant import linear as quant_linear
-from kvgen.model.quant.formats import dequantize
-from kvgen.model.quant.gguf_blocks import convert
-from kvgen.model.quant.kernel import qmatmul_kernel
+from kvgen.model.kernels.coded import pack_f32 as pack_coded_f32
+from kvgen.model.linear import CodedF32Linear, F32Linear
+from kvgen.model.linear_choice import make_linear
+from kvgen.model.linear_choice import describe, make_quantized_linear, quantize_linear
+from kvgen.model import linear_choice as quant_linear
+from kvgen.model.formats.packed import dequantize
+from kvgen.model.formats.gguf_blocks import convert
+from kvgen.model.kernels.qmatmul import qmatmul_kernel
 from tests.model.quant.bounds import bounds
 from tests.model.quant.raw_blocks import Q, raw_matrix
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels import KernelCall, build_library, cpu_has
+from kvgen.model.kernels.build import KernelCall, build_library, cpu_has
 from kvgen.model.kernels.bf16 import Bf16Tiles
-from kvgen.model.quant.formats import PackedWeight
+from kvgen.model.formats.packed import PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,22 @@ class _Args(ctypes.Structure):
 ACTIVATION_PARTS = {"int8": 1, "int8x2": 2}
 
 
+def quantized_activations(quantize: ctypes._CFuncPtr, x: torch.Tensor, parts: int,
+                          kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x fp32 [T, in] -> (q int8 [parts, T, in], scale fp32 [parts, T, in/32]) as a packed kernel
+    quantizes x, by its C entry `quantize(x, T, K, parts, q, scale)`: x^ = sum over parts of
+    scale * q. Each kernel keeps the quantizer in its own C source, for the layout its inner loop
+    reads (qmatmul.c: spans by column block, AVX2 or AVX-512; kquant.c: rows with per-16 sums for
+    Q6_K); both hand their q and scales back in this shape, the one way tests and tools read them."""
+    x = x.to(torch.float32).contiguous()
+    rows, cols = x.shape
+    q = torch.empty(rows, parts, cols, dtype=torch.int8)
+    scale = torch.empty(rows, parts, cols // 32, dtype=torch.float32)
+    if quantize(x.data_ptr(), rows, cols, parts, q.data_ptr(), scale.data_ptr()):
+        raise MemoryError(f"{kernel}: out of memory for the quantized activations")
+    return q.transpose(0, 1), scale.transpose(0, 1)
+
+
 def kernel_name(w: PackedWeight) -> str:
     """The C function for the format: qmatmul_u{bits}_g{group}_{scale dtype}."""
     return f"qmatmul_u{w.bits}_g{w.group}_{'f16' if w.scale.dtype == torch.float16 else 'f32'}"
@@ -76,15 +92,8 @@ class QMatmulKernel:
         return BoundKernel(function, dequantize, call, w, ACTIVATION_PARTS[activations])
 
     def quantize_activations(self, x: torch.Tensor, activations: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
-        """x fp32 [T, in] -> (q int8 [parts, T, in], scale fp32 [parts, T, in/32]), exactly as the
-        kernels quantize it: x^ = sum over parts of scale * q."""
-        x = x.to(torch.float32).contiguous()
-        parts, (rows, cols) = ACTIVATION_PARTS[activations], x.shape
-        q = torch.empty(rows, parts, cols, dtype=torch.int8)
-        scale = torch.empty(rows, parts, cols // 32, dtype=torch.float32)
-        if self._quantize(x.data_ptr(), rows, cols, parts, q.data_ptr(), scale.data_ptr()):
-            raise MemoryError("quantized matmul: out of memory for the quantized activations")
-        return q.transpose(0, 1), scale.transpose(0, 1)
+        """x as the kernels quantize it (see `quantized_activations`)."""
+        return quantized_activations(self._quantize, x, ACTIVATION_PARTS[activations], "quantized matmul")
 
 
 class BoundKernel:

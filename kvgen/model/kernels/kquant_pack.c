@@ -1,7 +1,7 @@
 /* GGUF K-quant rows (Q4_K, Q5_K, Q6_K) -> kquant.c's layout, at load: one pass over the file's bytes
  * (read in place from the memory map) into the final buffer, no intermediate copy.
  *
- * Built by kvgen/model/quant/kquant_kernel.py with kquant.c's flags. The layout is kquant.c's (see its
+ * Built by kvgen/model/kernels/kquant.py with kquant.c's flags. The layout is kquant.c's (see its
  * header): rows in panels of 16, each panel super-block by super-block, a block = meta (320 bytes) +
  * low nibbles (2048) + high-bit planes (Q5_K 512, Q6_K 1024).
  *

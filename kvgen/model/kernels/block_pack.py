@@ -2,7 +2,7 @@
 
 A load packs every matrix of such a file, 0.7-1.3 GB for a 1B model: numpy's reshapes and
 transposes took 4-8 s of it, the C packer reads each row's blocks once, in place from the file's
-memory map, and writes the final layout (gguf_blocks.convert and kvgen.model.projections call it).
+memory map, and writes the final layout (gguf_blocks.convert and kvgen.model.linear_choice call it).
 Plain C with no ISA flags, so it builds wherever a C compiler does; where none does `block_packer()`
 is None and those matrices are dequantized to floats instead (as types without a kernel format are).
 """
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvgen.model.kernels import build_library
-from kvgen.model.quant.formats import GROUP, PANEL, PackedWeight
+from kvgen.model.kernels.build import build_library
+from kvgen.model.formats.packed import GROUP, PANEL, PackedWeight
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""What the coded float layouts share (kernels/bf16_coded.py, kernels/f32_coded.py): a 4-bit code
+"""What the coded float layouts share (kvgen.model.kernels.coded): a 4-bit code
 for a float's top byte, and the outliers that no code holds.
 
 A float's top byte is its sign and 7 of its 8 exponent bits. In a trained matrix few values of it

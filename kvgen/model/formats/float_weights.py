@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvgen.model.quant.formats import GROUP, PackedWeight, pack
+from kvgen.model.formats.packed import GROUP, PackedWeight, pack
 
 FP16_NORMAL = float(np.finfo(np.float16).tiny)
 FP16_MAX = float(np.finfo(np.float16).max)

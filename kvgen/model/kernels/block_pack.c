@@ -1,7 +1,7 @@
-/* GGUF Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 rows -> kvgen/model/quant/formats.py's packed layout, at load: one
+/* GGUF Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 rows -> kvgen/model/formats/packed.py's packed layout, at load: one
  * pass over the file's bytes (read in place from the memory map) into the final buffers, no copy.
  *
- * Built by kvgen/model/quant/block_pack.py, plain C (no ISA flags: the layout is packed wherever a
+ * Built by kvgen/model/kernels/block_pack.py, plain C (no ISA flags: the layout is packed wherever a
  * C compiler runs, whichever kernel then reads it). The layout (formats.py's header): rows in panels
  * of 16, each panel span by span (32 weights of a row); per (panel, span)
  *     4-bit codes (Q4_0, Q4_1): 4 vectors v of 16 rows x 4 bytes, byte b of row n's lane =

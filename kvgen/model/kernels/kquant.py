@@ -4,7 +4,7 @@ them, and calling them.
 Built with explicit flags (AVX-512 F/BW/VL/VNNI, F16C; not -march=native, which would also enable
 AMX where a CPU advertises it) and loaded only where /proc/cpuinfo lists every feature they use;
 elsewhere `kquant_kernel()` is None and K-quant matrices take the generic packed format
-(kvgen.model.quant.formats, qmatmul.c, which also has an AVX2 build).
+(kvgen.model.formats.packed, qmatmul.c, which also has an AVX2 build).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from kvgen.model.kernels import KernelCall, build_library, cpu_has
-from kvgen.model.quant.block_pack import row_pointers
-from kvgen.model.quant.kquant_format import KINDS, PANEL, QK_K, KPacked, block_bytes
+from kvgen.model.kernels.build import KernelCall, build_library, cpu_has
+from kvgen.model.kernels.block_pack import row_pointers
+from kvgen.model.kernels.qmatmul import quantized_activations
+from kvgen.model.formats.kquant import KINDS, PANEL, QK_K, KPacked, block_bytes
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +81,8 @@ class KQuantKernel:
         return out
 
     def quantize_activations(self, x: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x fp32 [T, in] -> (q int8 [parts, T, in], scale fp32 [parts, T, in/32]), as the kernel
-        quantizes it: x^ = sum over parts of scale * q."""
-        x = x.to(torch.float32).contiguous()
-        rows, cols = x.shape
-        q = torch.empty(rows, parts, cols, dtype=torch.int8)
-        scale = torch.empty(rows, parts, cols // 32, dtype=torch.float32)
-        if self._quantize(x.data_ptr(), rows, cols, parts, q.data_ptr(), scale.data_ptr()):
-            raise MemoryError("K-quant matmul: out of memory for the quantized activations")
-        return q.transpose(0, 1), scale.transpose(0, 1)
+        """x as the kernel quantizes it (see kvgen.model.kernels.qmatmul.quantized_activations)."""
+        return quantized_activations(self._quantize, x, parts, "K-quant matmul")
 
 
 class BoundKQuant:

@@ -1,7 +1,7 @@
 """GGUF quantized blocks -> PackedWeight, keeping every dequantized value exactly.
 
 `convert` reads a matrix's raw blocks (uint8 [out, bytes per row]) into the codes, scales and mins of
-kvgen.model.quant.formats: Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 in C (block_pack.c, which keeps their fp16
+kvgen.model.formats.packed: Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 in C (block_pack.c, which keeps their fp16
 scales as they are), the K-quants with the numpy converters below. gguf's own dequantizer computes
 the same fp32 products and sums, so `formats.dequantize` of the result equals
 `gguf.quants.dequantize` of the blocks bit for bit (the tests check every type):
@@ -28,8 +28,8 @@ from typing import NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvgen.model.quant.block_pack import BLOCK_TYPES, block_packer
-from kvgen.model.quant.formats import PackedWeight, pack
+from kvgen.model.kernels.block_pack import BLOCK_TYPES, block_packer
+from kvgen.model.formats.packed import PackedWeight, pack
 
 Q = GGMLQuantizationType
 QK_K = 256

@@ -1,6 +1,6 @@
 """GGUF K-quant matrices (Q4_K, Q5_K, Q6_K) in a layout close to the file's, for kquant.c.
 
-The generic format of kvgen.model.quant.formats widens a K-quant's per-super-block integers into
+The generic format of kvgen.model.formats.packed widens a K-quant's per-super-block integers into
 fp32 scales and mins per sub-block and Q5_K/Q6_K's codes to 8 bits: 6 / 10 / 10 bits a weight where
 the file takes 4.5 / 5.5 / 6.56. Decode reads every weight once a token, so those bytes cost
 directly. This layout keeps the file's integers (sc, m as bytes, d and dmin fp16 per 256 columns,
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
-from kvgen.model.quant.gguf_blocks import QK_K
+from kvgen.model.formats.gguf_blocks import QK_K
 
 Q = GGMLQuantizationType
 PANEL = 16   # rows per panel

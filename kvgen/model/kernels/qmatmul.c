@@ -1,10 +1,10 @@
 /* y = x @ W^T for weights kept quantized: integer dot products (AVX-512 VNNI, or AVX2), as ggml does.
  *
- * Built by kvgen/model/quant/kernel.py with explicit flags (AVX-512 F/BW/VL/VNNI, FMA, F16C; or AVX2,
+ * Built by kvgen/model/kernels/qmatmul.py with explicit flags (AVX-512 F/BW/VL/VNNI, FMA, F16C; or AVX2,
  * FMA, F16C; never -march=native, never AMX) and called through ctypes, only on CPUs that report
  * those features. qvec.h holds the two builds' vectors; the code below is written once for both.
  *
- * Weights [N, K] (layout in kvgen/model/quant/formats.py): unsigned codes u, an integer offset o,
+ * Weights [N, K] (layout in kvgen/model/formats/packed.py): unsigned codes u, an integer offset o,
  * and per group of G (32, or 16 for 8-bit) a scale s and an optional min m: w = s * (u - o) + m.
  * Rows come in panels of 16, stored span (32 columns) by span; unpacked, a span is 8 vectors c_g,
  * lane n holding columns 4g .. 4g + 3 of row n (4-bit codes: the low and high nibbles of 4 loads).
@@ -315,7 +315,7 @@ KERNELS(qmatmul_u8_g16_f32, 8, 16, 0)
 /* -- dequantizing, for many rows of x --------------------------------------------------------------
  * At prefill's hundreds of rows the integer kernel is compute-bound, and two parts of x cost it twice
  * the work. There W^ is dequantized once per call and x runs through a float kernel
- * (kvgen/model/quant/linear.py): in bf16 (bf16_matmul.c's layout) or in fp32 (f32_matmul.c's). Each
+ * (kvgen/model/linear.py): in bf16 (bf16_matmul.c's layout) or in fp32 (f32_matmul.c's). Each
  * value is w = s * (u - o) + m, one fp32 fused multiply-add ((u - o) and s * (u - o) are exact). */
 
 /* Qword i of v (row i's 4 bf16 values) to o + 32 i. */

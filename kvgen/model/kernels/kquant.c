@@ -1,10 +1,10 @@
 /* y = x @ W^T for GGUF K-quant weights (Q4_K, Q5_K, Q6_K) kept in a layout close to the file's:
  * integer dot products (AVX-512 VNNI), one pass of the weights for any number of rows of x.
  *
- * Built by kvgen/model/quant/kquant_kernel.py with explicit flags (AVX-512 F/BW/VL/VNNI, F16C; never
+ * Built by kvgen/model/kernels/kquant.py with explicit flags (AVX-512 F/BW/VL/VNNI, F16C; never
  * -march=native, never AMX) and loaded only on CPUs that report them.
  *
- * Layout (kvgen/model/quant/kquant_format.py packs it): rows in panels of 16 (the last padded with
+ * Layout (kvgen/model/formats/kquant.py packs it): rows in panels of 16 (the last padded with
  * zero rows), each panel stored super-block (256 columns) by super-block as one stream. A block:
  *     meta  320 bytes  Q4_K/Q5_K: sc uint8 [8 sub-blocks][16 rows], m uint8 [8][16], d fp16 [16],
  *                      dmin fp16 [16];  Q6_K: sc int8 [16 sub-blocks][16 rows], d fp16 [16], 32 zero

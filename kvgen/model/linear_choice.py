@@ -1,17 +1,20 @@
 """Which layer each of the model's projections gets, from what the loader handed over.
 
-    a float tensor            kvgen.model.linear.make_linear (BLAS, oneDNN, F.linear), or, with
-                              quantization "int8" / "int4", a packed copy (kvgen.model.quant) where
-                              its rows split into groups of 32 (others stay float, as llama.cpp
-                              keeps such tensors)
-    a GGUF matrix (raw blocks) kept packed: kvgen.model.quant's kernel for its type; a type no
-                              kernel format holds is dequantized to the model's dtype
+    a float tensor            make_linear: kvgen's fp32 / bf16 kernels (coded where the weights
+                              allow), OpenBLAS, oneDNN or F.linear, by device, dtype and CPU; or, with
+                              quantization "int8" / "int4", a packed copy (packed_linear) where its
+                              rows split into groups of 32 (others stay float, as llama.cpp keeps
+                              such tensors)
+    a GGUF matrix (raw blocks) kept packed: the K-quant layout where kquant.c runs, else the generic
+                              packed format for its type (kvgen.model.formats); a type no format
+                              holds is dequantized to the model's dtype
 
 Fused projections (q/k/v, gate/up) become one packed matrix when their formats stack (parts of one
 type packed in one pass by block_pack.c or kquant_pack.c, others stacked after), else one layer per
 part side by side (a Q4_K_M file keeps some v or down projections in Q6_K). The token
 embedding may stay packed too (sharing its table with a tied LM head): a step dequantizes only the
-rows it looks up.
+rows it looks up. `describe(layer)` gives (kernel, weight bytes) for the start-up log and
+`generate --json`.
 """
 
 from __future__ import annotations
@@ -21,33 +24,102 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
 from kvgen.loaders.progress import advance
-from kvgen.model.kernels import KernelCall
-from kvgen.model.kernels.bf16 import Bf16Tiles
-from kvgen.model.kernels.step import step_kernels
-from kvgen.model.linear import F32Linear, Linear, RowKernels, make_linear
-from kvgen.model.quant import formats
-from kvgen.model.quant.block_pack import BLOCK_TYPES, block_packer
-from kvgen.model.quant.float_weights import GROUP
-from kvgen.model.quant.formats import PackedWeight, concat_rows
-from kvgen.model.quant.gguf_blocks import convert
-from kvgen.model.quant.kquant_format import KINDS, KPacked
-from kvgen.model.quant.kquant_kernel import kquant_kernel
-from kvgen.model.quant.kquant_linear import KQuantLinear
-from kvgen.model.quant.linear import describe as describe_layer
-from kvgen.model.quant.linear import ManyRows, packed_linear, quantize_linear
+from kvgen.model.formats import packed as formats
+from kvgen.model.formats.float_weights import GROUP, quantize_int4, quantize_int8
+from kvgen.model.formats.gguf_blocks import convert
+from kvgen.model.formats.kquant import KINDS, KPacked
+from kvgen.model.formats.packed import PackedWeight, concat_rows, dequantize
+from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
+from kvgen.model.kernels.coded import coded_bf16_kernel, coded_f32_kernel, fits
+from kvgen.model.kernels.block_pack import BLOCK_TYPES, block_packer
+from kvgen.model.kernels.f32 import f32_kernel
+from kvgen.model.kernels.kquant import kquant_kernel
+from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, qmatmul_kernel
+from kvgen.model.linear import (BlasLinear, Bf16Linear, CodedBf16Linear, CodedF32Linear, ConcatLinear, F32Linear,
+                                KernelQuantLinear, KQuantLinear, Linear, ManyRows, OneDnnLinear, QuantLinear,
+                                TorchLinear, TorchQuantLinear, _onednn_bf16)
 
 Weight = torch.Tensor | GGUFWeight
 # How the packed kernels quantize activations: two int8 parts per 32 (~15 bits), which keeps top-1
 # agreement with the fp32 model at 100% on the real Q4_1 file where one part gives 97.8-98.2% (BENCHMARKS.md).
 ACTIVATIONS = "int8x2"
+CPU = torch.device("cpu")
+FLOAT_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, scratch: Bf16Tiles | None = None) -> Linear:
+    """The fastest kernel for the weight's device and dtype (see the module docstring); `scratch`, a
+    buffer the model's layers share, lets bf16 layers take oneDNN at many rows."""
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        if (coded := coded_f32_kernel()) is not None:
+            return CodedF32Linear(weight, bias, coded)
+        if (f32 := f32_kernel()) is not None:
+            return F32Linear(weight, bias, f32)
+        return BlasLinear(weight, bias)
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+        kernel = bf16_kernel()
+        if kernel is not None and fits(weight) and (coded := coded_bf16_kernel()) is not None:
+            return CodedBf16Linear(weight, bias, coded, kernel, scratch)
+        if kernel is not None:
+            return Bf16Linear(weight, bias, kernel, scratch)
+        if _onednn_bf16():
+            return OneDnnLinear(weight, bias)
+    return TorchLinear(weight, bias)
+
+
+def packed_linear(weight: PackedWeight, bias: torch.Tensor | None = None, device: torch.device = CPU,
+                  dtype: torch.dtype = torch.float32, activations: str = "int8",
+                  many_rows: ManyRows | None = None) -> Linear:
+    """The layer for a packed weight on `device` (see the module docstring). `dtype` is the float
+    layer's where a CPU lacks the kernel's features; `activations` how the kernel quantizes x;
+    `many_rows` (None: never) how many rows of x run on the weight dequantized per call (ManyRows)."""
+    if activations not in ACTIVATION_PARTS:
+        raise ValueError(f"activations {activations!r}: expected one of {', '.join(ACTIVATION_PARTS)}")
+    if device.type != "cpu":
+        return TorchQuantLinear(weight.to(device), None if bias is None else bias.to(device))
+    if qmatmul_kernel() is not None:
+        return KernelQuantLinear(weight, bias, activations, many_rows)
+    return make_linear(dequantize(weight).to(dtype), bias)
+
+
+def describe_layer(layer: Linear) -> tuple[str, int]:
+    """(kernel name, weight bytes) of one kvgen layer: a quantized layer's kernel, or the float
+    layer's class, and the bytes its weight takes as held."""
+    return (layer.kernel if isinstance(layer, QuantLinear) else type(layer).__name__), layer.weight_bytes
+
+
+def make_quantized_linear(ggml_type: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int],
+                          bias: torch.Tensor | None = None, device: torch.device = CPU,
+                          dtype: torch.dtype = torch.float32, activations: str = "int8") -> Linear:
+    """One GGUF matrix (raw blocks uint8 [out, bytes per row], `shape` (out, in)) as a layer that keeps
+    its values quantized, without a model around it (the tests' and tools' form of LayerBuilder.linear,
+    which also stacks parts and releases the file's pages); a type no kernel format holds is
+    dequantized with gguf to `dtype` and gets a float layer."""
+    packed = convert(ggml_type, raw, shape)
+    if packed is not None:
+        return packed_linear(packed, bias, device, dtype, activations)
+    weight = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, ggml_type).reshape(shape)))
+    return make_linear(weight.to(device, dtype), bias)
+
+
+def quantize_linear(weight: torch.Tensor, method: str, bias: torch.Tensor | None = None,
+                    activations: str = "int8", many_rows: ManyRows | None = None) -> Linear:
+    """A float weight [out, in] quantized by `method` ("int8" or "int4", see float_weights), on its
+    device."""
+    if method not in FLOAT_QUANTIZERS:
+        raise ValueError(f"quantization {method!r}: expected one of {', '.join(FLOAT_QUANTIZERS)}")
+    return packed_linear(FLOAT_QUANTIZERS[method](weight), bias, weight.device, weight.dtype, activations,
+                         many_rows)
 
 
 class LayerBuilder:
     """Builds the model's linear layers on `device` in `dtype`; `quantization` as EngineConfig has it,
-    `activations` how packed layers quantize x (a key of kvgen.model.quant.kernel.ACTIVATION_PARTS).
+    `activations` how packed layers quantize x (a key of kvgen.model.kernels.qmatmul.ACTIVATION_PARTS).
     Each weight is converted once, so a tied embedding and LM head share one table, packed or float."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, quantization: str = "none",
@@ -59,7 +131,7 @@ class LayerBuilder:
 
     def packed(self, weight: GGUFWeight) -> PackedWeight | KPacked | None:
         """The matrix in a kernel format, or None where no format holds its type: K-quants in
-        kquant.c's layout where that kernel runs, the rest in kvgen.model.quant.formats'."""
+        kquant.c's layout where that kernel runs, the rest in kvgen.model.formats.packed'."""
         if weight.name not in self._conversions:
             self._conversions[weight.name] = (kquant_kernel().pack(weight.ggml_type, [weight.raw])
                                               if self._keeps_k(weight.ggml_type) else
@@ -138,29 +210,6 @@ class LayerBuilder:
             return ConcatLinear([packed_linear(p, b, self.device, self.dtype, self.activations, self._many_rows)
                                  for p, b in zip(packed, biases)])
         return packed_linear(stacked, bias, self.device, self.dtype, self.activations, self._many_rows)
-
-
-class ConcatLinear(Linear):
-    """Several layers over the same input whose outputs are concatenated: y = [l1(x), l2(x), ...]."""
-
-    def __init__(self, parts: list[Linear]) -> None:
-        self.parts = parts
-        self.out_features = sum(p.out_features for p in parts)
-        self.in_features = parts[0].in_features
-        self.bias = None
-
-    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
-        return torch.cat([p(x, rows) for p in self.parts], dim=-1)
-
-    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
-        """The parts' calls, each writing its columns of `out`, as one call: where every part is a
-        K-quant layer (whose kernel writes into a column slice) and the step kernels load."""
-        step = step_kernels()
-        if step is None or not all(isinstance(p, KQuantLinear) for p in self.parts):
-            return None
-        columns = out.split([p.out_features for p in self.parts], dim=1)
-        calls = [p.call(x, c) for p, c in zip(self.parts, columns)]
-        return None if any(c is None for c in calls) else step.calls_as_one(calls)
 
 
 def describe(layer: Linear) -> tuple[str, int]:

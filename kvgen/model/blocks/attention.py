@@ -1,0 +1,96 @@
+"""Softmax attention over the KV cache: q/k/v in one matmul (biases where the architecture has them),
+optional per-head RMSNorm of q and k, RoPE of the layer's base, the backend's attention, o."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvgen.architectures.spec import AttentionSpec
+from kvgen.config import ModelConfig
+from kvgen.model.blocks.base import Block, BuildContext, FusedProgram, StepContext, register
+from kvgen.model.kernels.build import KernelCall
+from kvgen.model.linear import Linear
+
+
+@register(AttentionSpec.kind)
+class AttentionBlock(Block):
+    kind = AttentionSpec.kind
+
+    def __init__(self, spec: AttentionSpec, index: int, ctx: BuildContext) -> None:
+        cfg, w, build = ctx.config, ctx.weights, ctx.build
+        if spec.output_gate:
+            raise ValueError(f"{cfg.architecture}: gated attention output is not built yet")
+        p = f"model.layers.{index}.{spec.prefix}."
+        self.index, self.rope = index, ctx.rope_index(index)
+        self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.norm, self.rotate, self.eps = ctx.norm, ctx.rotate, cfg.rms_norm_eps
+        qkv_bias = build.float(torch.cat([w[p + n + "_proj.bias"] for n in "qkv"])) if cfg.qkv_bias else None
+        o_bias = build.float(w[p + "o_proj.bias"]) if cfg.o_bias else None
+        names = ["qkv_proj"] if spec.fused_qkv else [n + "_proj" for n in "qkv"]
+        self.qkv: Linear = build.linear([w[p + n + ".weight"] for n in names], qkv_bias)  # hidden -> (H + 2 KV) * D
+        self.o: Linear = build.linear([w[p + "o_proj.weight"]], o_bias)  # H * D -> hidden
+        self.q_norm: torch.Tensor | None = None  # [D], times the query scale
+        self.k_norm: torch.Tensor | None = None  # [D]
+        if spec.qk_norm:
+            self.q_norm = build.float(w[p + "q_norm.weight"].float() * query_scale(cfg))
+            self.k_norm = build.float(w[p + "k_norm.weight"])
+        elif cfg.attention_scale is not None and query_scale(cfg) != 1.0:
+            raise ValueError(f"{cfg.architecture}: a query scale other than 1/sqrt(head_dim) needs QK-norm to carry it")
+
+    def projections(self) -> dict[str, Linear]:
+        return {"qkv": self.qkv, "o": self.o}
+
+    def forward(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
+        q_size, kv_size = self.heads * self.dim, self.kv_heads * self.dim
+        qk, v = self.qkv(h, step.rows).split((q_size + kv_size, kv_size), dim=-1)
+        qk = self.rotate(self._qk_heads(qk), *step.tables[self.rope])  # q, k at once
+        q, k = qk.split((self.heads, self.kv_heads), dim=1)
+        attn = step.attention(self.index, q, k, v.view(-1, self.kv_heads, self.dim))
+        return self.o(attn.reshape(-1, q_size), step.rows)
+
+    def _qk_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """The q and k parts of a qkv row [T, (H + KV) * D] -> [T, H + KV, D], each head normed where
+        the architecture norms q and k."""
+        heads, dim = self.heads + self.kv_heads, self.dim
+        if self.q_norm is None:
+            return qk.view(-1, heads, dim)
+        q, k = qk.view(-1, heads, dim).split((self.heads, self.kv_heads), dim=1)
+        q = self.norm(q.reshape(-1, dim), self.q_norm, self.eps).view(-1, self.heads, dim)
+        k = self.norm(k.reshape(-1, dim), self.k_norm, self.eps).view(-1, self.kv_heads, dim)
+        return torch.cat((q, k), dim=1)
+
+    def reserve_buffers(self, program: FusedProgram) -> None:
+        q_size, kv_size = self.heads * self.dim, self.kv_heads * self.dim
+        program.buffer("qkv", (q_size + 2 * kv_size,)), program.buffer("attn", (q_size,))
+        if self.q_norm is not None:
+            program.buffer("qk", (self.heads + self.kv_heads, self.dim))
+
+    def fused_calls(self, program: FusedProgram) -> list[KernelCall | None] | None:
+        rows, heads, kv_heads, dim = program.rows, self.heads, self.kv_heads, self.dim
+        q_size, kv_size = heads * dim, kv_heads * dim
+        qkv = program.buffer("qkv", (q_size + 2 * kv_size,))
+        qk_rows = qkv[:, : q_size + kv_size]
+        qk = program.buffer("qk", (heads + kv_heads, dim)) if self.q_norm is not None else \
+            qk_rows.view(rows, heads + kv_heads, dim)
+        v = qkv[:, q_size + kv_size :].view(rows, kv_heads, dim)
+        attn = program.buffer("attn", (q_size,))
+        attend = program.attend_calls(self.index, qk[:, :heads], qk[:, heads:], v, attn.view(rows, heads, dim))
+        if attend is None:
+            return None
+        calls = [self.qkv.call(program.h, qkv)]
+        if self.q_norm is not None:
+            for r in range(rows):  # per row and part, over that row's heads, as the layered forward's rows
+                calls += [program.norm.call(qk_rows[r, :q_size].view(heads, dim), self.q_norm, self.eps, qk[r, :heads]),
+                          program.norm.call(qk_rows[r, q_size:].view(-1, dim), self.k_norm, self.eps, qk[r, heads:])]
+        return [*calls, program.rope.call(qk, *program.rope_tables(self.rope)), *attend,
+                self.o.call(attn, program.out)]
+
+
+def query_scale(config: ModelConfig) -> float:
+    """What q is multiplied by so that attention's 1/sqrt(head_dim) becomes `attention_scale`: folded
+    into q's norm weight (exactly 1 where, as in Gemma 3 270M, the two agree)."""
+    if config.attention_scale is None:
+        return 1.0
+    return config.attention_scale * math.sqrt(config.head_dim)

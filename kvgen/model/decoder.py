@@ -1,0 +1,105 @@
+"""One decoder for every architecture of kvgen.architectures (Llama 2/3, Mistral, SmolLM, Qwen2/3,
+Phi-3, Gemma 3): an embedding, layers composed of blocks as the architecture's description says
+(kvgen.model.blocks), a final norm and the LM head.
+
+Pure tensors: the model maps a flat batch of tokens (any mix of sequences) to hidden states and
+logits. Where K/V come from and go to, and which keys each layer's window lets a query see, is the
+job of the `Attention` backend passed to `forward`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+import torch
+
+from kvgen.config import ModelConfig
+from kvgen.model.attention import Attention
+from kvgen.model.blocks import BuildContext, StateBatch, StepContext
+from kvgen.model.blocks.embedding import embed, embedding_scale
+from kvgen.model.blocks.layer import DecoderLayer
+from kvgen.model.fused import DecodePrograms
+from kvgen.model.layers import RotaryEmbedding, make_rms_norm, make_rope
+from kvgen.model.linear import RowKernels
+from kvgen.model.linear_choice import ACTIVATIONS, Embedding, LayerBuilder, Weight, describe
+
+
+class DecoderModel:
+    """Weights plus the forward pass. Built from Hugging Face-named weights (see `kvgen.loaders`):
+    float tensors, or GGUF matrices kept packed (`LoadedModel.quantized`), which get quantized
+    linear layers (kvgen.model.linear_choice). `quantization` "int8" / "int4" packs float matrices;
+    `activations` is how packed layers quantize x (kvgen.model.linear_choice.ACTIVATIONS by default).
+    `fused_decode` lets decode steps run as one list of C kernel calls (kvgen.model.fused)."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Weight],
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 quantization: str = "none", fused_decode: bool = True, activations: str = ACTIVATIONS) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        build = LayerBuilder(self.device, dtype, quantization, activations)
+        head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+        self.lm_head = build.linear([head])
+        self.embed = Embedding(weights["model.embed_tokens.weight"], build,
+                               self.lm_head if config.tie_word_embeddings else None)
+        self.embed_scale = embedding_scale(config.arch, config, dtype)
+        layer_thetas = [config.rope_theta_of(i) for i in range(config.num_layers)]
+        thetas = [config.rope_theta, *sorted(set(layer_thetas) - {config.rope_theta})]
+        self.norm = make_rms_norm(self.device, dtype)
+        self.rotate = make_rope(self.device, dtype)  # may rotate in place: q/k are fresh buffers
+        context = BuildContext(config, weights, build, self.norm, self.rotate,
+                               lambda i: thetas.index(layer_thetas[i]))
+        self.layers = [DecoderLayer.build(config.arch.layer_spec(i, config), i, context)
+                       for i in range(config.num_layers)]
+        self.final_norm = build.float(weights["model.norm.weight"])
+        # ropes[0]: the global layers' base and scaling; a hybrid model's windowed layers may have their own.
+        self.ropes = [RotaryEmbedding(config if theta == config.rope_theta else
+                                      replace(config, rope_theta=theta, rope_scaling=None),
+                                      config.max_position_embeddings, self.device, dtype) for theta in thetas]
+        self.rope = self.ropes[0]
+        self.decode_programs = DecodePrograms(self, fused_decode)
+
+    def kernels(self) -> dict[str, tuple[str, int]]:
+        """Per projection role: (the kernel its layers run, their weight bytes over all layers)."""
+        roles: dict[str, list] = {}
+        for layer in self.layers:
+            for role, linear in layer.projections().items():
+                roles.setdefault(role, []).append(linear)
+        roles["lm_head"] = [self.lm_head]
+        report = {}
+        for role, layers in roles.items():
+            described = [describe(layer) for layer in layers]
+            kernels = sorted({kernel for kernel, _ in described})
+            report[role] = (" + ".join(kernels), sum(size for _, size in described))
+        return report
+
+    @property
+    def max_positions(self) -> int:
+        return self.rope.max_positions
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
+                rows: RowKernels | None = None, states: StateBatch | None = None) -> torch.Tensor:
+        """token_ids, positions [T] -> hidden states [T, hidden] after the final norm.
+        `rows`, if given, fixes each row's matmul kernel by its role (see kvgen.model.linear; the
+        layers of a fused decode step never depend on the rows beside a row). A decode step runs
+        from C where it can (kvgen.model.fused), with the same bits as the layers below. `states`:
+        the recurrent layers' state slots (kvgen.model.blocks.StateBatch), where the model has any."""
+        x = self.embed_tokens(token_ids)
+        program = self.decode_programs.find(token_ids.shape[0], attention)
+        if program is not None:
+            return program(x, positions, attention, rows, states)
+        step = StepContext(positions, [rope.tables(positions) for rope in self.ropes], attention, rows, states)
+        for layer in self.layers:
+            layer.forward(x, step)
+        return self.norm(x, self.final_norm, self.config.rms_norm_eps)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [T] -> [T, hidden], a fresh tensor (scaled for Gemma)."""
+        return embed(self.embed, self.embed_scale, token_ids)
+
+    def logits(self, hidden: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab] (soft-capped where the model says so)."""
+        logits = self.lm_head(hidden, rows).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits.div_(cap)).mul_(cap)
