@@ -12,6 +12,7 @@ from collections.abc import Callable
 from kvgen.bench.cli import register as register_bench
 from kvgen.chat.cli import register as register_chat
 from kvgen.eval.cli import register as register_eval
+from kvgen.models_cli import register as register_models
 from kvgen.server.cli import register as register_serve
 
 
@@ -51,5 +52,5 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 SUBSYSTEM_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    register_serve, register_chat, register_bench, register_eval, register_cache,
+    register_serve, register_chat, register_bench, register_eval, register_cache, register_models,
 )

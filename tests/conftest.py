@@ -295,3 +295,28 @@ def admissions(monkeypatch):
     parse = CachePolicy.parse.__func__
     monkeypatch.setattr(CachePolicy, "parse", classmethod(counted("parse", parse)))
     return calls
+
+# -- the real Qwen2.5-Coder-Instruct GGUFs (0.5B: 398 MB, 1.5B): fetched once into a cache ----------
+
+
+def _fetch_model(fetch: Path, name: str) -> Path:
+    """The file fetch.sh assembles (cached under ~/.cache/kvgen-test-models); fails with the reason."""
+    import subprocess
+
+    if not fetch.is_file():
+        pytest.fail(f"{fetch} is missing", pytrace=False)
+    done = subprocess.run(["bash", str(fetch)], capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        pytest.fail(f"fetching {name} failed: {done.stderr.strip()[-500:]}", pytrace=False)
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M: a real model with a real tool-calling (hermes) template."""
+    return _fetch_model(STORIES_DIR.parent / "qwen2.5-coder-0.5b-instruct" / "fetch.sh", "Qwen2.5-Coder-0.5B")
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_15b_gguf() -> Path:
+    return _fetch_model(STORIES_DIR.parent / "qwen2.5-coder-1.5b-instruct" / "fetch.sh", "Qwen2.5-Coder-1.5B")

@@ -14,7 +14,7 @@ On that graph, every import runs down the layers (issue 41), each layer importin
 and those below it, never one above:
 
     front ends   the commands and what only they use: cli, commands, options, option_space, kv_view,
-                 server, chat, bench, eval
+                 server, chat, bench, eval, models_cli (ls, pull)
     api          what a program calls: the package itself (`from kvgen import LLM`), llm, async_llm,
                  replicas (which hand their readings up to the server's /metrics, never the reverse)
     engine       engine/ (the step, its front ends' shared rules, speculation), distributed/ (TP ranks)
@@ -51,7 +51,8 @@ ALLOWED_CYCLES: set[frozenset[str]] = set()
 # Top to bottom; see the module's docstring.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("front ends", ("kvgen.__main__", "kvgen.cli", "kvgen.commands", "kvgen.options", "kvgen.option_space",
-                    "kvgen.kv_view", "kvgen.server", "kvgen.chat", "kvgen.bench", "kvgen.eval")),
+                    "kvgen.kv_view", "kvgen.server", "kvgen.chat", "kvgen.bench", "kvgen.eval",
+                    "kvgen.models_cli")),
     ("api", ("kvgen", "kvgen.llm", "kvgen.async_llm", "kvgen.replicas")),
     ("engine", ("kvgen.engine", "kvgen.distributed")),
     ("runner", ("kvgen.runner", "kvgen.phases", "kvgen.gpu")),

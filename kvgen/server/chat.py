@@ -17,9 +17,13 @@ content as JSON):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
 
 import jinja2
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvgen.errors import InvalidRequestError
@@ -40,21 +44,36 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """transformers' tojson: plain json.dumps, keys in their order, nothing HTML-escaped (Jinja's own
+    sorts the keys and writes < as \\u003c, so a tool's schema would reach the model unlike in training)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
 class ChatTemplate:
     """A compiled chat template for one tokenizer (a broken template fails here, at start-up)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.source = tokenizer.chat_template or PLAIN_TEMPLATE
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        env.filters["tojson"] = _tojson
         self._template = env.from_string(self.source)
 
-    def render(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = ()) -> str:
+    def render(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = (),
+               extra: Mapping[str, Any] | None = None) -> str:
         """The prompt text; a template that rejects the conversation raises InvalidRequestError. Tools
-        go in as HF passes them (`tools`: a list of {"type": "function", "function": {...}}, None if none)."""
+        go in as HF passes them (`tools`: a list of {"type": "function", "function": {...}}, None if none);
+        `extra` are more variables for the template (chat_template_kwargs, such as enable_thinking)."""
         try:
             return self._template.render(
+                **(extra or {}),
                 messages=[m.template_fields() for m in messages],
                 tools=[t.model_dump(exclude_none=True) for t in tools] or None,
                 bos_token=self.tokenizer.bos_token or "", eos_token=self.tokenizer.eos_token or "",

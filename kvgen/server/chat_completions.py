@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from kvgen.server.chat_parsed import ParsedChatFormat
 from kvgen.server.jobs import Choice, ChoiceDelta, Job, TokenLogprob, prepare_job
 from kvgen.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
@@ -26,9 +27,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state = serving_state(request, body.model)
     state.admit(body, 1)
     tools = body.tools or []
-    job = prepare_job(state, "chatcmpl", [state.chat_template.prompt_ids(body.messages, tools)], body)
-    return await respond(request, state, job, ChatFormat(job, state.model_name, tools, body.effective_tool_choice),
-                         body)
+    prompt = state.chat_template.render(body.messages, tools, body.chat_template_kwargs)
+    job = prepare_job(state, "chatcmpl", [state.chat_template.encode(prompt)], body)
+    fmt = ChatFormat(job, state.model_name, tools, body.effective_tool_choice)
+    if state.reasoning_parser is not None or state.tool_parser != "json":  # the model's own format
+        fmt = ParsedChatFormat(fmt, job, state, body, prompt)
+    return await respond(request, state, job, fmt, body)
 
 
 class ChatFormat:

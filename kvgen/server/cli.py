@@ -48,6 +48,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                    help=f"sequences waiting for the engine past which new requests get 429 "
                         f"(default: {DEFAULT_MAX_QUEUED_REQUESTS})")
+    g.add_argument("--reasoning-parser", default="auto", metavar="auto|none|NAME",
+                   help="how a reply's reasoning is read apart from its content: think (<think>...</think>: "
+                        "Qwen3, Qwen3.5, DeepSeek-R1), harmony (gpt-oss), none (default: auto, from the chat template)")
+    g.add_argument("--tool-call-parser", default="auto", metavar="auto|NAME",
+                   help="the format tool calls are read in: hermes, qwen3-xml, llama3-json, harmony, json "
+                        "(default: auto, from the chat template)")
     dp = serve.add_argument_group("data-parallel replicas (docs/serving.md)")
     dp.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                     help="engine processes on this machine, each with its own KV pool and cores (default: 1, "
@@ -68,7 +74,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default = getattr(defaults, name)
         limits.add_argument("--" + name.replace("_", "-"), type=int, default=default,
                             help=what + ("" if default is None else f" (default: {default})"))
+    g.add_argument("--model-memory", type=parse_bytes, metavar="BYTES",
+                   help="with several --model: the memory the loaded models may take together, e.g. 8GiB; "
+                        "the least recently used idle one is unloaded to make room (default: no limit)")
     add_engine_options(serve)
+    for action in serve._actions:  # --model is repeatable here: several models behind one port
+        if "--model" in action.option_strings:
+            action.__class__ = argparse._AppendAction
+            action.help += "; repeat it (or NAME=PATH) to serve several models, chosen by the request's model"
     serve.set_defaults(func=cmd_serve)
 
 
@@ -77,10 +90,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kvgen.server.app import create_app
 
-    if args.model_arg:
-        if args.model and args.model != args.model_arg:
-            raise KVGenError(f"two models given: {args.model_arg} and --model {args.model}")
-        args.model = args.model_arg
+    models = ([args.model_arg] if args.model_arg else []) + [m for m in args.model or [] if m != args.model_arg]
+    if len(models) > 1:
+        return _serve_several(args, models)
+    args.model = models[0] if models else None
     if args.data_parallel_size != 1:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
         engine = _replicas(args)
@@ -92,7 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = RequestLimits(**{name: getattr(args, name) for name in LIMIT_HELP})
     app = create_app(engine, model_name=args.served_model_name or _model_name(args.model),
                      api_key=args.api_key, max_request_bytes=args.max_request_bytes, limits=limits,
-                     max_queued_requests=args.max_queued_requests, dashboard=not args.no_dashboard)
+                     max_queued_requests=args.max_queued_requests, dashboard=not args.no_dashboard,
+                     reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
     one_engine = args.data_parallel_size == 1
     if one_engine:  # an engine that breaks (its tensor-parallel group did) ends the server, gracefully:
@@ -104,6 +118,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine.close()
     if one_engine and engine.failure:
         raise KVGenError(engine.failure)
+    return 0
+
+
+def _serve_several(args: argparse.Namespace, models: list[str]) -> int:
+    """Several models behind one port (kvgen.server.model_router), each loaded on first use."""
+    import uvicorn
+
+    from kvgen.llm import open_engine
+    from kvgen.options import engine_config
+    from kvgen.server.app import make_state
+    from kvgen.server.model_router import ModelRouter, create_router_app
+    from kvgen.server.openai_responses import ResponseStore
+
+    if args.data_parallel_size != 1 or args.served_model_name:
+        raise KVGenError("several --model: name each as NAME=PATH (not --served-model-name); no --data-parallel-size")
+    named = [m.split("=", 1) if "=" in m and "/" not in m.split("=", 1)[0] else [_model_name(m), m] for m in models]
+    config = engine_config(args)
+    limits = RequestLimits(**{name: getattr(args, name) for name in LIMIT_HELP})
+
+    def build(path: str):  # noqa: ANN202 - an Engine
+        return open_engine(path, config, args.tokenizer, args.gguf_file)[0]
+
+    responses = ResponseStore()  # one store for all models: it outlives a model's unloading
+
+    def state(llm, name: str):  # noqa: ANN202 - a ServerState
+        return make_state(llm, model_name=name, api_key=args.api_key, limits=limits,
+                          max_queued_requests=args.max_queued_requests, reasoning_parser=args.reasoning_parser,
+                          tool_call_parser=args.tool_call_parser, responses=responses)
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    router = ModelRouter([(n, p) for n, p in named], build, state, budget=args.model_memory,
+                         kv_estimate=args.kv_cache_memory or 0)
+    print(f"{len(named)} models, loaded on first use: {', '.join(n for n, _ in named)}", file=sys.stderr)
+    app = create_router_app(router, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run()
     return 0
 
 

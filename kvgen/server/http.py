@@ -14,26 +14,36 @@ from kvgen.server.limits import LimitExceededError
 from kvgen.server.state import APIError, server_state
 
 
+def _answer(path: str, error: APIError) -> Response:
+    """The error in the shape of the API asked: Anthropic's under /v1/messages, else OpenAI's."""
+    if path.startswith("/v1/messages"):
+        from kvgen.server.anthropic_messages import anthropic_error
+
+        return anthropic_error(error)
+    return error.response()
+
+
 def add_error_handlers(app: FastAPI) -> None:
-    async def api_error(_: Request, exc: APIError) -> Response:
-        return exc.response()
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return _answer(request.url.path, exc)
 
     async def invalid_request(request: Request, exc: InvalidRequestError) -> Response:
         if isinstance(exc, LimitExceededError):
             server_state(request).metrics.on_reject("over_limit")
-        return APIError(400, str(exc)).response()
+        return _answer(request.url.path, APIError(400, str(exc)))
 
-    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         described = [_describe(e) for e in exc.errors()]
         message = "; ".join(f"{param}: {text}" if param else text for param, text in described)
-        return APIError(400, message, param=described[0][0] if described else None).response()
+        return _answer(request.url.path, APIError(400, message, param=described[0][0] if described else None))
 
-    async def http_error(_: Request, exc: HTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail), type="invalid_request_error" if exc.status_code < 500
-                        else "server_error").response()
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return _answer(request.url.path, APIError(exc.status_code, str(exc.detail),
+                                                  type="invalid_request_error" if exc.status_code < 500
+                                                  else "server_error"))
 
-    async def server_error(_: Request, exc: Exception) -> Response:
-        return APIError(500, f"internal error: {exc}", type="server_error").response()
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return _answer(request.url.path, APIError(500, f"internal error: {exc}", type="server_error"))
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(InvalidRequestError, invalid_request)
@@ -78,7 +88,7 @@ class BodySizeLimit:
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         error = APIError(413, f"the request body is over the server's limit of {self.max_bytes} bytes",
                          code="request_too_large")
-        await error.response()(scope, receive, send)
+        await _answer(scope.get("path", ""), error)(scope, receive, send)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

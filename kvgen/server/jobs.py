@@ -60,6 +60,7 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob]
     finish_reason: str | None
     prompt_logprobs: list[TokenLogprob] | None = None
+    last_token_id: int | None = None  # the delta's last token (a stop token, or not: a stop string ended it)
 
 
 @dataclass
@@ -185,7 +186,8 @@ class RequestTracker:
                     deltas.append(ChoiceDelta(self.first_index + c.index, "", 0, [], "length"))
             elif c.new_text or c.new_token_ids or c.finish_reason:
                 deltas.append(ChoiceDelta(self.first_index + c.index, c.new_text, len(c.new_token_ids),
-                                          self._new_logprobs(c), c.finish_reason))
+                                          self._new_logprobs(c), c.finish_reason,
+                                          last_token_id=c.new_token_ids[-1] if c.new_token_ids else None))
             self.reported_finish[c.index] = c.finish_reason is not None
         return deltas
 

@@ -26,6 +26,8 @@ _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop
                     "speculative")
 
 
+MAX_TEMPLATE_KWARGS_BYTES = 4096
+
 # -- requests -----------------------------------------------------------------------------------
 
 
@@ -235,6 +237,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (templates that keep it read it)
 
     def template_fields(self) -> dict[str, Any]:
         """The message as chat templates read it (HF's layout: tool_calls with arguments as objects)."""
@@ -246,6 +249,8 @@ class ChatMessage(BaseModel):
             fields["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             fields["name"] = self.name
+        if self.reasoning_content is not None:
+            fields["reasoning_content"] = self.reasoning_content
         return fields
 
     def text(self) -> str:
@@ -270,6 +275,17 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # more variables for the chat template, as vLLM takes them: {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _small_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        if kwargs is not None and len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise ValueError(f"chat_template_kwargs is over {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+        if kwargs and any(k in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token") for k in kwargs):
+            raise ValueError("chat_template_kwargs may not set messages, tools, add_generation_prompt or the tokens")
+        return kwargs
 
     @property
     def effective_tool_choice(self) -> ToolChoice:
@@ -367,6 +383,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -389,6 +406,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -28,6 +29,9 @@ class ServerState:
     chat_template: ChatTemplate
     limits: RequestLimits
     max_queued_requests: int
+    reasoning_parser: str | None = None  # kvgen.server.parsers: how replies are read (None: no reasoning)
+    tool_parser: str = "json"
+    responses: Any = None  # /v1/responses' store of earlier responses (kvgen.server.openai_responses)
 
     @property
     def engine(self) -> Engine:
@@ -63,7 +67,8 @@ def json_response(model: BaseModel, status: int = 200, headers: dict[str, str] |
 
 
 def server_state(request: Request) -> ServerState:
-    return request.app.state.kvgen
+    """The state of the model the request was routed to (several models), else the app's one."""
+    return getattr(request.state, "kvgen", None) or request.app.state.kvgen
 
 
 def serving_state(request: Request, model: str | None) -> ServerState:
@@ -76,10 +81,12 @@ def serving_state(request: Request, model: str | None) -> ServerState:
 
 
 async def check_api_key(request: Request) -> None:
+    """The key as a bearer token, or in Anthropic's `x-api-key` header."""
     key = server_state(request).api_key
     if key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
-                       code="invalid_api_key")
+    sent = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+    if not secrets.compare_digest(sent.encode(), key.encode()):
+        raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>' "
+                       "(or 'x-api-key: <key>')", code="invalid_api_key")

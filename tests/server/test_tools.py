@@ -150,7 +150,7 @@ def test_plain_template_renders_tools_calls_and_tool_messages(stories_dir):
             {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "3"}]]
     text = ChatTemplate(load_tokenizer(stories_dir / "tok512.bin")).render(messages, PARSED_TOOLS)
-    calls = '[{"function": {"arguments": {"a": 1, "b": 2}, "name": "add"}, "id": "call_1", "type": "function"}]'  # tojson sorts keys
+    calls = '[{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]'  # as HF: keys in order
     assert text == ("<|tools|>\nweather, add\n<|user|>\nWeather in Oslo?\n<|assistant|>\n" + calls
                     + "\n<|tool|>\n3\n<|assistant|>\n")
 
