@@ -42,8 +42,8 @@ def make_state(llm: AsyncLLM | ReplicaSet, *, model_name: str, api_key: str | No
                responses: ResponseStore | None = None) -> ServerState:
     """What the routes read for one served model (several models: one each, kvgen.server.model_router)."""
     template = llm.tokenizer.chat_template  # the parsers read replies in the format it teaches (auto)
-    return ServerState(llm=llm, model_name=model_name, api_key=api_key,
-                       metrics=ServerMetrics(llm.engine, ReplicaCollector(llm) if isinstance(llm, ReplicaSet) else None),
+    replicas = ReplicaCollector(llm) if isinstance(llm, ReplicaSet) else None
+    return ServerState(llm=llm, model_name=model_name, api_key=api_key, metrics=ServerMetrics(llm.engine, replicas),
                        chat_template=ChatTemplate(llm.tokenizer), limits=limits or RequestLimits(),
                        max_queued_requests=max_queued_requests,
                        reasoning_parser=resolve_reasoning_parser(reasoning_parser, template),
