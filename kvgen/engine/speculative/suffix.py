@@ -40,7 +40,7 @@ from kvgen.scheduling.sequence import Sequence
 DEPTH = 24  # the longest substring a tree holds (vLLM's suffix_decoding_max_tree_depth)
 MIN_PROB = 0.1  # stop proposing where the path's estimated probability falls below this
 FACTOR = 1.0  # at most FACTOR x the match length tokens are proposed (a 1-token match proposes 1)
-GLOBAL_TOKENS = 1 << 15  # the global tree's bound: tokens of recent outputs it holds
+GLOBAL_TOKENS = 1 << 14  # the global tree's bound: tokens of recent outputs it holds (~6 KB a token at most)
 MIN_OUTPUT = 2  # outputs shorter than this are not cached globally
 
 
