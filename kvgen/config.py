@@ -140,8 +140,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 # torch.distributed backends for tensor parallelism: "auto" is gloo on the CPU, NCCL on CUDA.
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 # Speculative decoding (kvgen.engine.speculative): "ngram" looks the next tokens up in the prompt and output
-# so far, "draft" asks a smaller model sharing the tokenizer; K tokens are verified per target pass.
-SPECULATIVE_METHODS = ("ngram", "draft")
+# so far, "draft" asks a smaller model sharing the tokenizer, "suffix" follows a suffix tree over the prompt,
+# the output so far and recent requests' outputs; up to K tokens are verified per target pass.
+SPECULATIVE_METHODS = ("ngram", "draft", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -232,7 +233,7 @@ class EngineConfig:
             raise ValueError("speculative_method 'draft' needs a draft_model (a checkpoint sharing the tokenizer)")
         if self.speculative_method == "draft" and self.tensor_parallel_size > 1:
             raise ValueError("speculative_method 'draft' runs in one process; with tensor_parallel_size > 1 use "
-                             "'ngram'")
+                             "'ngram' or 'suffix'")
         if self.draft_quantization not in QUANTIZATION_MODES:
             raise ValueError(f"draft_quantization must be one of {QUANTIZATION_MODES}, got {self.draft_quantization!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

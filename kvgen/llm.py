@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvgen.cache.kv_dtype import resolve_kv_dtype
 from kvgen.cache.sizing import format_bytes
 from kvgen.config import DTYPES, EngineConfig
 from kvgen.engine.base import Engine, Prompt
@@ -45,6 +46,7 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     across processes with tensor_parallel_size > 1 (a torchrun worker rank serves its part of every
     step inside this call and exits the process when rank 0 stops). A draft model for speculative
     decoding is loaded here, its quantization being draft_quantization."""
+    config = resolve_kv_dtype(loaded, config)  # every rank of a tensor-parallel group alike
     if config.tensor_parallel_size > 1:
         from kvgen.distributed.launch import build_tensor_parallel_engine
 

@@ -23,7 +23,7 @@ from kvgen.bench.bench_model import BenchModel, resolve
 from kvgen.bench.harness import available, harness
 from kvgen.bench.report import PLOTS, Report, emit
 from kvgen.bench.system import KvgenSystem, PeerUnavailable, System
-from kvgen.bench.tasks import MIN_PASSAGE_TOKENS, TASKS
+from kvgen.bench.tasks import CODE_TASK_TOKENS, MIN_PASSAGE_TOKENS, TASKS
 from kvgen.cache.sizing import parse_bytes
 from kvgen.config import DTYPES
 from kvgen.llm import open_engine
@@ -44,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="bytes copied to measure memory bandwidth (default: 1GiB)")
     p.add_argument("--task", choices=TASKS, default="random",
                    help="random prompt ids (default); repeat: repeat a 300+ token passage (input-grounded); "
-                        "free: a new story after the passage")
+                        "free: a new story after the passage; copy: copy a Python file; edit: a replayed multi-turn "
+                        "code-editing conversation over that file (kvgen/bench/tasks.py)")
     _add_compare(p)
 
     p = _mode(modes, "throughput", "many requests at once: requests/s and tokens/s", engine=True)
@@ -157,7 +158,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _latency(args: argparse.Namespace) -> Report:
     model, kvgen, settings = _setup(args)
     plain = _plain_kvgen(args)
-    longest = max(args.prompt_len, MIN_PASSAGE_TOKENS + 128 if args.task != "random" else 0) + args.gen_len
+    longest = max(args.prompt_len, {"random": 0, "copy": CODE_TASK_TOKENS, "edit": CODE_TASK_TOKENS}.get(
+        args.task, MIN_PASSAGE_TOKENS + 128)) + args.gen_len
     peers, unavailable = _peers(args, model, settings["dtype"], longest)
     weights = sum(size for _, size in kvgen.engine.model.kernels().values())
     report = latency.run(args, kvgen.engine.model_config, [kvgen, *plain, *peers], settings, weights,
@@ -242,7 +244,8 @@ def _setup(args: argparse.Namespace, **overrides) -> tuple[BenchModel, KvgenSyst
     if hasattr(engine, "capacity_report"):
         print(engine.capacity_report(), file=sys.stderr)
     settings = {"model": model.name, "model_path": str(model.path), "dtype": DTYPES[config.dtype],
-                "kv_cache": config.kv_cache, "seed": args.seed, "engine": dataclasses.asdict(config),
+                "kv_cache": config.kv_cache, "seed": args.seed,
+                "engine": dataclasses.asdict(getattr(engine, "config", config)),  # "auto" KV dtype resolved
                 "kvgen_load": dataclasses.asdict(stats) | {"kv_cache_bytes": kv_cache_bytes(engine)}}
     system = KvgenSystem(engine)
     system.load_s = stats.seconds

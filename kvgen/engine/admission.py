@@ -188,7 +188,7 @@ class Admission:
                                           "false with it, or run without speculative decoding")
         elif params.speculative:
             raise InvalidRequestError("speculative is set, but this engine runs without speculative decoding "
-                                      "(start it with --speculative-method ngram or draft)")
+                                      "(start it with --speculative-method ngram, draft or suffix)")
 
     def _check_context(self, num_prompt_tokens: int, params: SamplingParams, policy: CachePolicy) -> None:
         total = num_prompt_tokens + params.max_tokens

@@ -18,6 +18,7 @@ import time
 import torch
 
 from kvgen.cache.heavy_hitters import HeavyHitters
+from kvgen.cache.kv_dtype import resolve_kv_dtype
 from kvgen.cache.kv_manager import NULL_BLOCK
 from kvgen.cache.sizing import plan_kv
 from kvgen.cache.tiers.build import build_tiered_manager
@@ -44,7 +45,9 @@ class LLMEngine(Engine):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None = None,
                  executor: Executor | None = None) -> None:
         """`draft`: the draft model of speculative_method 'draft' (loaded by kvgen.llm.build_engine);
-        `executor`: where the model runs (this process unless given: kvgen.distributed builds rank 0's)."""
+        `executor`: where the model runs (this process unless given: kvgen.distributed builds rank 0's).
+        An "auto" KV dtype becomes the model's default here (kvgen.cache.kv_dtype: 16-bit on packed weights)."""
+        config = resolve_kv_dtype(loaded, config)
         super().__init__(loaded, config)
         self.executor = executor or Executor(loaded, config)
         self.model = self.executor.model

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from kvgen.bench.report import pyplot
+from kvgen.cache.kv_dtype import resolve_kv_dtype
 from kvgen.cache.policies import CachePolicy
 from kvgen.config import KV_CACHE_DTYPES, QUANTIZATION_MODES
 from kvgen.errors import KVGenError
@@ -150,10 +151,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         pools: list[str] = []
         for kv_cache_dtype in ["float32", *kv_dtypes]:
             config = dataclasses.replace(base, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
-            if config.kv_dtype in pools:  # auto is float32 under an fp32 model: run once
+            loaded = load(model, config, args.tokenizer, args.gguf_file)
+            config = resolve_kv_dtype(loaded, config)  # auto: float32 under an fp32 model, 16-bit on packed weights
+            if config.kv_dtype in pools:  # run each pool dtype once
                 continue
             pools.append(config.kv_dtype)
-            engine = build_engine(load(model, config, args.tokenizer, args.gguf_file), config)
+            engine = build_engine(loaded, config)
+            del loaded
             for name, text in texts:
                 token_ids = ppl.text_token_ids(engine.tokenizer, text)
                 length = min(lengths[-1], len(token_ids))

@@ -37,6 +37,31 @@ def test_text_tasks_hold_a_passage_and_differ_per_run():
         assert len({tuple(p) for p in prompts}) == 3
 
 
+def test_code_tasks_copy_the_file_and_replay_the_edit_conversation():
+    from kvgen.bench.tasks import CODE, EDITS, code_messages
+
+    code = CODE.read_text()
+    assert code in code_messages("copy", 0)[0].content
+    for turn in range(len(EDITS)):
+        messages = code_messages("edit", turn)
+        assert [m.role for m in messages] == ["user", "assistant"] * turn + ["user"]
+        assert messages[-1].content.endswith(EDITS[turn][0])
+        replies = [m.content for m in messages if m.role == "assistant"]
+        assert all(a != b for a, b in zip([code, *replies], replies))  # each reply is the file after one more edit
+    assert code_messages("edit", len(EDITS)) == code_messages("edit", 0)  # cycling
+    tokenizer = load_model(DEFAULT_MODEL).tokenizer
+    prompts = task_prompts("edit", tokenizer, 512, 3, 16, np.random.default_rng(0))
+    assert len(prompts[0]) < len(prompts[1]) < len(prompts[2])
+
+
+def test_latency_suffix_on_the_copy_task(tmp_path, smollm_gguf):
+    """On SmolLM2 (stories260K's context of 512 does not hold the file in its tokens)."""
+    data = bench(tmp_path, "latency", "--model", str(smollm_gguf), "--threads", "1", "--task", "copy", "--gen-len", "8", "--repeats", "1",
+                 "--bandwidth-size", "1MiB", "--speculative-method", "suffix", "--compare-speculation")
+    assert set(data["results"]) == {"kvgen", "kvgen-plain"} and data["settings"]["task"] == "copy"
+    assert data["speculative"]["verify_steps"] > 0
+
+
 def test_latency_compare_speculation_on_the_repeat_task(tmp_path, capsys):
     peers = ["--compare", "hf-lookup"]
     if importlib.util.find_spec("llama_cpp") is not None:

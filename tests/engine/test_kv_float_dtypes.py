@@ -150,7 +150,7 @@ def test_the_real_smollm2_file_over_half_pools(smollm_gguf, kv_dtype):
     prompts = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
                "Once upon a time, in a small village,"]
     budget = 64 << 20
-    reference = LLM(smollm_gguf, kv_cache_memory=budget, max_num_seqs=4)
+    reference = LLM(smollm_gguf, kv_cache_memory=budget, max_num_seqs=4, kv_cache_dtype="float32")  # not the default
     llm = LLM(smollm_gguf, kv_cache_memory=budget, max_num_seqs=4, kv_cache_dtype=kv_dtype)
     assert llm.engine.capacity_tokens == 2 * reference.engine.capacity_tokens
     want, got = reference.generate(prompts, greedy(64)), llm.generate(prompts, greedy(64))

@@ -148,9 +148,11 @@ def rounding(model_name: str, case: dict) -> float:
     int8 activations, summed (bf16 + int8 weights + an int8 pool on stories260K measured a gain of
     24 on that sum, 61 on its largest term alone; SmolLM2's bf16 contiguous path 34 on one bf16 u)."""
     pool = case["kv_cache_dtype"]
-    u_pool = 0.0 if pool in ("auto", case["dtype"], "float32") else KV_ROUNDING[pool]
     gguf_blocks = case["quantization"] == "auto" and model_name != "stories260K"
     quantized = case["quantization"] in ("int8", "int4") or gguf_blocks
+    if pool == "auto" and quantized and case["dtype"] == "float32" and case["kv_cache"] == "paged":
+        pool = "bfloat16"  # packed weights default to 16-bit pools (kvgen/cache/kv_dtype.py)
+    u_pool = 0.0 if pool in ("auto", case["dtype"], "float32") else KV_ROUNDING[pool]
     u_path = 2 * KV_ROUNDING["bfloat16"] if case["dtype"] == "bfloat16" else 0.0  # the reference's own batch too
     if case["dtype"] == "bfloat16" and case["tensor_parallel_size"] > 1:
         u_path += KV_ROUNDING["bfloat16"]  # each row-parallel layer's all-reduce rounds its partial sums

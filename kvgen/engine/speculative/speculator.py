@@ -19,6 +19,7 @@ from kvgen.engine.speculative.adaptive import AdaptiveSwitch
 from kvgen.engine.speculative.draft import DraftProposer
 from kvgen.engine.speculative.ngram import NgramProposer
 from kvgen.engine.speculative.proposer import Proposer
+from kvgen.engine.speculative.suffix import SuffixProposer
 from kvgen.loaders import LoadedModel
 from kvgen.sample.rejection import Verdict, verify
 from kvgen.scheduling.output import ScheduledChunk
@@ -148,6 +149,8 @@ def build_speculator(config: EngineConfig, target: ModelConfig, kv: KVCacheManag
         return None
     if config.speculative_method == "ngram":
         proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    elif config.speculative_method == "suffix":
+        proposer = SuffixProposer()
     elif draft is None:
         raise ValueError("speculative_method 'draft' needs its draft model loaded (kvgen.llm.build_engine does)")
     else:
