@@ -187,13 +187,14 @@ def fixed_splits(monkeypatch):
 @pytest.mark.parametrize("splits", [1, 3, 40])  # one (written directly), several, many (most empty)
 def test_decode_splits_ragged_batch(fixed_splits, splits):
     fixed_splits(splits)
-    _check([5, 37, 16, 70, 0], 1, heads=4, kv_heads=2, head_dim=64, compute=torch.float32, pool="float32")
+    # GQA 6: 16-key tiles, so 200 keys span 13 of 40 splits; 5 keys fit in one
+    _check([5, 37, 16, 200, 0], 1, heads=12, kv_heads=2, head_dim=64, compute=torch.float32, pool="float32")
 
 
 @pytest.mark.parametrize("compute,pool", [(c, p) for c, pools in POOLS.items() for p in pools])
 def test_decode_splits_every_pool_dtype(fixed_splits, compute, pool):
     fixed_splits(3)
-    _check([5, 90, 16], 1, heads=4, kv_heads=2, head_dim=64, compute=compute, pool=pool)
+    _check([5, 150, 16], 1, heads=4, kv_heads=2, head_dim=64, compute=compute, pool=pool)  # 64-key tiles: 3 used
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2), (12, 2), (16, 1)])  # GQA 1, 2, 6; 16 takes tl.dot
@@ -205,9 +206,9 @@ def test_decode_splits_gqa_ratios(fixed_splits, heads, kv_heads):
 
 @pytest.mark.parametrize("window", [8, 20, 40])
 def test_decode_splits_windows_cross_split_edges(fixed_splits, window):
-    fixed_splits(3)
-    _check([5, 40, 77, 130], 1, 4, 2, 64, torch.float32, "float32", window=window)
-    _check([10, 41, 3], 4, 4, 2, 64, torch.float32, "float32", window=window)  # ragged verify chunks
+    fixed_splits(3)  # GQA 6: 16-key tiles, so windows of 20 and 40 keys span 2 and 3 splits
+    _check([5, 40, 77, 130], 1, 12, 2, 64, torch.float32, "float32", window=window)
+    _check([10, 41, 3], 4, 12, 2, 64, torch.float32, "float32", window=window)  # ragged verify chunks
 
 
 def test_decode_splits_head_dim_128_bf16(fixed_splits):
