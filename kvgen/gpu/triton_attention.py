@@ -16,9 +16,15 @@ Three kernels:
 - `store_kv`: a step's K/V rows into the pools at their slots, rounded to the pool's float dtype to
   nearest even (bf16 by explicit bit arithmetic, so that Triton's interpreter, which truncates a
   bf16 cast, gives torch's bits too). Quantized pools are written by torch (PagedKVCache.write).
-- `paged_decode`: one program per (query row, KV head) holds the query heads of that KV head (GQA)
-  and runs an online softmax over its key range in tiles of BLOCK_N keys, reading K/V in place
-  through the block table; int8 / fp8 pools are scaled on load.
+- `paged_decode` (flash-decoding): one program per (query row, KV head, key split) holds the query
+  heads of that KV head (GQA: each K/V tile loaded once for the group; `tl.dot` when the group pads
+  to 16+ rows, a broadcast product below) and runs an online softmax over its split's share of the
+  row's key range in tiles of BLOCK_N keys, reading K/V in place through the block table; int8 /
+  fp8 pools are scaled on load. Each split leaves its max, sum and unnormalized output, and
+  `_decode_reduce_kernel` joins them by the log-sum-exp rule. `decode_splits` picks the split count
+  from things static in a CUDA graph (rows, KV heads, the block table's width); with one split the
+  kernel writes the output itself and no reduce runs (large batches: the old one-program-a-row
+  kernel, exactly).
 - `paged_prefill`: one program per (tile of BLOCK_M query rows of one sequence, query head), the
   same online softmax with `tl.dot` over [BLOCK_M, BLOCK_N] tiles (a prompt chunk, or a ragged
   batch of verify chunks).
