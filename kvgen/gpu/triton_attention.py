@@ -157,10 +157,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lo_ptr, hi_ptr, 
                  out.to(o_ptr.dtype.element_ty), mask=omask)
     else:
         # partials [rows, heads, splits] (max, sum) and [rows, heads, splits, D_P] (unnormalized output)
+        # the reduce reads only the splits that held keys, and split 0 always: the rest store nothing
+        # (the mask a vector: the interpreter refuses a scalar bool in it)
         part = (row * (GROUP * tl.num_programs(1)) + heads) * splits + split
-        tl.store(pm_ptr + part, m, mask=gmask)
-        tl.store(pl_ptr + part, total, mask=gmask)
-        tl.store(pacc_ptr + part[:, None] * D_P + d[None, :], acc, mask=omask)
+        keep = gmask & ((g * 0 + s_lo < s_hi) | (g * 0 + split == 0))
+        tl.store(pm_ptr + part, m, mask=keep)
+        tl.store(pl_ptr + part, total, mask=keep)
+        tl.store(pacc_ptr + part[:, None] * D_P + d[None, :], acc, mask=keep[:, None] & dmask[None, :])
 
 
 @triton.jit
