@@ -553,6 +553,11 @@ def _profile_table(args, fn, reps: int, sorts: list[tuple[str, list[str]]], row_
         kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
         info["device_events_per_call"] = len(kernels) / reps
         info["device_us_per_call"] = sum(e.time_range.elapsed_us() for e in kernels) / reps
+        by_kernel: dict = {}  # the paged attention kernels' own time (Triton names them after the function)
+        for e in kernels:
+            if "_decode" in e.name or "_prefill_kernel" in e.name or "_store_kv" in e.name:
+                by_kernel[e.name] = by_kernel.get(e.name, 0.0) + e.time_range.elapsed_us() / reps
+        info["attention_kernels_us_per_call"] = by_kernel
     except Exception as e:
         info["events_error"] = repr(e)[:200]
     return "\n".join(text), info
@@ -716,11 +721,17 @@ def check_profile(args) -> int:
     if bandwidth:
         data["bytes_floor_ms"] = 1000 * step_bytes / bandwidth
     replay = data.get("graph_replay_ms")
+    graph_kernels = data.get("profile_graph_replay", {}).get("attention_kernels_us_per_call", {})
+    decode_us = sum(v for name, v in graph_kernels.items() if "_decode" in name)  # split and reduce kernels
+    if decode_us:
+        data["decode_attention_us_per_layer"] = decode_us / model.config.num_layers
     line = (f"step {data['step_ms_median']:.2f} ms median ({1000 / data['step_ms_median']:.0f} tok/s; "
             f"generate {data['generate_ms_per_token']:.2f} ms/token)"
             + (f", graph replay alone {replay:.2f} ms" if replay else "")
             + (f", eager forward {data['eager_forward_ms']:.2f} ms" if data.get("eager_forward_ms") else "")
             + (f", bytes floor {data['bytes_floor_ms']:.2f} ms" if bandwidth else "")
+            + (f", decode attention {data['decode_attention_us_per_layer']:.1f} us/layer"
+               if data.get("decode_attention_us_per_layer") else "")
             + (f", {data['syncs_per_step']:.1f} host syncs a step" if data.get("syncs_per_step") is not None else ""))
     data.pop("partial", None)
     return report(args, "profile", True, line, data)

@@ -16,9 +16,15 @@ Three kernels:
 - `store_kv`: a step's K/V rows into the pools at their slots, rounded to the pool's float dtype to
   nearest even (bf16 by explicit bit arithmetic, so that Triton's interpreter, which truncates a
   bf16 cast, gives torch's bits too). Quantized pools are written by torch (PagedKVCache.write).
-- `paged_decode`: one program per (query row, KV head) holds the query heads of that KV head (GQA)
-  and runs an online softmax over its key range in tiles of BLOCK_N keys, reading K/V in place
-  through the block table; int8 / fp8 pools are scaled on load.
+- `paged_decode` (flash-decoding): one program per (query row, KV head, key split) holds the query
+  heads of that KV head (GQA: each K/V tile loaded once for the group; `tl.dot` when the group pads
+  to 16+ rows, a broadcast product below) and runs an online softmax over its split's share of the
+  row's key range in tiles of BLOCK_N keys, reading K/V in place through the block table; int8 /
+  fp8 pools are scaled on load. Each split leaves its max, sum and unnormalized output, and
+  `_decode_reduce_kernel` joins them by the log-sum-exp rule. `decode_splits` picks the split count
+  from things static in a CUDA graph (rows, KV heads, the block table's width); with one split the
+  kernel writes the output itself and no reduce runs (large batches: the old one-program-a-row
+  kernel, exactly).
 - `paged_prefill`: one program per (tile of BLOCK_M query rows of one sequence, query head), the
   same online softmax with `tl.dot` over [BLOCK_M, BLOCK_N] tiles (a prompt chunk, or a ragged
   batch of verify chunks).
@@ -73,32 +79,45 @@ def store_kv(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lo_ptr, hi_ptr, o_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lo_ptr, hi_ptr, o_ptr, pm_ptr, pl_ptr, pacc_ptr,
                    stride_qr, stride_qh, stride_ph, stride_ps, stride_bt,
                    stride_ksh, stride_kss, stride_vsh, stride_vss, stride_or, stride_oh,
-                   rows_per_seq, qk_scale,
+                   rows_per_seq, qk_scale, splits,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
                    D: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                   QUANT: tl.constexpr, KEY_GROUP: tl.constexpr):
+                   QUANT: tl.constexpr, KEY_GROUP: tl.constexpr, DIRECT: tl.constexpr,
+                   DOT: tl.constexpr, IEEE: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = row // rows_per_seq
     lo = tl.load(lo_ptr + row)
     hi = tl.load(hi_ptr + row)
+    # this split's share of [lo, hi): whole tiles of BLOCK_N keys, splits past the end are empty
+    chunk = tl.cdiv(tl.cdiv(hi - lo, splits), BLOCK_N) * BLOCK_N
+    s_lo = lo + split * chunk
+    s_hi = tl.minimum(s_lo + chunk, hi)
     g = tl.arange(0, GROUP_P)
     d = tl.arange(0, D_P)
     gmask = g < GROUP
     dmask = d < D
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * qk_scale
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if DOT:
+        if IEEE:
+            q = q.to(tl.float32) * qk_scale
+        else:
+            q = (q.to(tl.float32) * qk_scale).to(q.dtype)
+    else:
+        q = q.to(tl.float32) * qk_scale
     m = tl.full([GROUP_P], -1.0e30, tl.float32)
     total = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, D_P], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(s_lo, s_hi, BLOCK_N):
         cols = start + n
-        valid = cols < hi
+        valid = cols < s_hi
         block = tl.load(bt_ptr + seq * stride_bt + cols // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         slots = block * BLOCK_SIZE + cols % BLOCK_SIZE
         kv_mask = valid[:, None] & dmask[None, :]
@@ -110,17 +129,75 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lo_ptr, hi_ptr, 
                          mask=kv_mask & (d < (D // KEY_GROUP) * KEY_GROUP)[None, :], other=0.0)
             k = k * ks
             v = v * tl.load(vs_ptr + kv_head * stride_vsh + slots * stride_vss, mask=valid, other=0.0)[:, None]
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P, BLOCK_N], log2 units
+        if DOT:
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        else:
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P, BLOCK_N], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         total = total * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if DOT:
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         m = m_new
-    out = acc / tl.maximum(total, 1.0e-30)[:, None]
-    tl.store(o_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+    omask = gmask[:, None] & dmask[None, :]
+    if DIRECT:
+        out = acc / tl.maximum(total, 1.0e-30)[:, None]
+        tl.store(o_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=omask)
+    else:
+        # partials [rows, heads, splits] (max, sum) and [rows, heads, splits, D_P] (unnormalized output)
+        # the reduce reads only the splits that held keys, and split 0 always: the rest store nothing
+        # (the mask a vector: the interpreter refuses a scalar bool in it)
+        part = (row * (GROUP * tl.num_programs(1)) + heads) * splits + split
+        keep = gmask & ((g * 0 + s_lo < s_hi) | (g * 0 + split == 0))
+        tl.store(pm_ptr + part, m, mask=keep)
+        tl.store(pl_ptr + part, total, mask=keep)
+        tl.store(pacc_ptr + part[:, None] * D_P + d[None, :], acc, mask=keep[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(pm_ptr, pl_ptr, pacc_ptr, lo_ptr, hi_ptr, o_ptr, stride_or, stride_oh, heads, splits,
+                          D: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILE: tl.constexpr):
+    """One program per (row, head): the splits' partials joined by the log-sum-exp rule, in tiles of
+    SPLIT_TILE splits (an online max over the tiles). It reads only the splits that held keys (the
+    first ones: the split kernel's same cut of [lo, hi)), so a graph's upper-bound split count costs
+    the reduce nothing on short rows."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    keys = tl.load(hi_ptr + row) - tl.load(lo_ptr + row)
+    chunk = tl.cdiv(tl.cdiv(keys, splits), BLOCK_N) * BLOCK_N
+    used = tl.maximum(tl.cdiv(keys, tl.maximum(chunk, 1)), 1)
+    d = tl.arange(0, D_P)
+    t = tl.arange(0, SPLIT_TILE)
+    base = (row * heads + head) * splits
+    m = tl.full([1], -1.0e30, tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D_P], tl.float32)
+    for first in range(0, used, SPLIT_TILE):
+        idx = first + t
+        valid = idx < used
+        pm = tl.load(pm_ptr + base + idx, mask=valid, other=-1.0e30)
+        pl = tl.load(pl_ptr + base + idx, mask=valid, other=0.0)
+        pacc = tl.load(pacc_ptr + (base + idx)[:, None] * D_P + d[None, :], mask=valid[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(pm, axis=0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(pm - m_new)  # empty splits: m = -1e30, sum 0, output 0
+        total = total * alpha + tl.sum(w * pl, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * pacc, axis=0)
+        m = m_new
+    out = acc / tl.maximum(total, 1.0e-30)
+    tl.store(o_ptr + row * stride_or + head * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
@@ -205,12 +282,13 @@ def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, head_dim
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                     lo: torch.Tensor, hi: torch.Tensor, block_size: int, rows_per_seq: int,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, prefill: bool | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, prefill: bool | None = None,
+                    splits: int | None = None) -> torch.Tensor:
     """q [B * Q, heads, D] (row r belongs to sequence r // Q, Q = rows_per_seq) attends to key
     columns [lo[r], hi[r]) of its sequence's blocks -> [B * Q, heads, D] in q's dtype.
 
     Decode rows (Q = 1) and small verify chunks take the decode kernel; prompt chunks (or
-    `prefill=True`) the prefill kernel."""
+    `prefill=True`) the prefill kernel. `splits` (decode only) overrides `decode_splits`' choice."""
     rows, heads, head_dim = q.shape
     kv_heads = k_pool.shape[0]
     group = heads // kv_heads
@@ -226,10 +304,26 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
               *s_strides, out.stride(0), out.stride(1))
     use_prefill = rows_per_seq > 16 if prefill is None else prefill
     if not use_prefill:
-        _decode_kernel[(rows, kv_heads)](
-            q, k_pool, v_pool, ks, vs, block_table, lo, hi, out, *common, rows_per_seq, head_dim ** -0.5 * LOG2E,
-            BLOCK_SIZE=block_size, GROUP=group, GROUP_P=triton.next_power_of_2(group), D=head_dim, D_P=d_p,
-            BLOCK_N=_decode_block_n(triton.next_power_of_2(group), d_p), QUANT=quant, KEY_GROUP=key_group)
+        group_p = triton.next_power_of_2(group)
+        block_n = _decode_block_n(group_p, d_p)
+        if splits is None:
+            splits = decode_splits(rows, kv_heads, block_table.shape[1] * block_size, block_n, q.device)
+        direct = splits == 1
+        if direct:
+            pm = pl = pacc = out  # unused
+        else:
+            pm = torch.empty(rows * heads * splits, dtype=torch.float32, device=q.device)
+            pl = torch.empty_like(pm)
+            pacc = torch.empty(rows * heads * splits * d_p, dtype=torch.float32, device=q.device)
+        _decode_kernel[(rows, kv_heads, splits)](
+            q, k_pool, v_pool, ks, vs, block_table, lo, hi, out, pm, pl, pacc, *common, rows_per_seq,
+            head_dim ** -0.5 * LOG2E, splits,
+            BLOCK_SIZE=block_size, GROUP=group, GROUP_P=group_p, D=head_dim, D_P=d_p,
+            BLOCK_N=block_n, QUANT=quant, KEY_GROUP=key_group, DIRECT=direct, DOT=group_p >= 16,
+            IEEE=q.dtype == torch.float32 or _interpreted())
+        if not direct:
+            _decode_reduce_kernel[(rows, heads)](pm, pl, pacc, lo, hi, out, out.stride(0), out.stride(1), heads,
+                                                 splits, D=head_dim, D_P=d_p, BLOCK_N=block_n, SPLIT_TILE=16)
         return out
     block_m = 32 if head_dim <= 128 else 16
     tiles_per_seq = triton.cdiv(rows_per_seq, block_m)
@@ -245,6 +339,29 @@ def _decode_block_n(group_p: int, d_p: int) -> int:
     """Keys a decode tile holds: the [group, keys, D] product stays near 8K fp32 values a program
     (about 64 registers a thread at 4 warps), 16 to 64 keys."""
     return max(16, min(64, 8192 // (group_p * d_p)))
+
+
+DECODE_WAVES = 2  # decode programs aimed at per SM (several small programs fit on one SM)
+_SM_COUNT: dict[int, int] = {}
+
+
+def decode_splits(rows: int, kv_heads: int, max_keys: int, block_n: int, device: torch.device) -> int:
+    """Key splits a decode row's range is cut into (flash-decoding): enough (row, KV head, split)
+    programs to fill the SMs DECODE_WAVES times over, at most one split per BLOCK_N keys of `max_keys`.
+
+    `max_keys` is the block table's width times the block size, an upper bound on any row's range and
+    static within a captured CUDA graph (its table is [rung, width]), as are rows and kv_heads, so a
+    graph's split count never changes between replays. Each row cuts its own [lo, hi) into that many
+    tile-aligned parts; the parts past a short row's end are empty and cost one store."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _SM_COUNT:
+            _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        sms = _SM_COUNT[index]
+    else:
+        sms = 4  # the interpreter runs programs one by one: few splits keep CPU runs short
+    want = -(-(DECODE_WAVES * sms) // max(1, rows * kv_heads))
+    return max(1, min(want, -(-max_keys // block_n)))
 
 
 def _interpreted() -> bool:

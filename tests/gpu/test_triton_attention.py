@@ -172,3 +172,53 @@ def test_store_rounds_to_nearest_even_like_torch(pool, source):
     store_kv(got, slots, x)
     want.index_copy_(1, slots, x.transpose(0, 1).to(dtype))
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+# flash-decoding: the decode kernel cuts each row's key range into splits, a reduce kernel joins them
+@pytest.fixture
+def fixed_splits(monkeypatch):
+    from kvgen.gpu import triton_attention
+
+    def use(n):
+        monkeypatch.setattr(triton_attention, "decode_splits", lambda *args: n)
+    return use
+
+
+@pytest.mark.parametrize("splits", [1, 3, 40])  # one (written directly), several, many (most empty)
+def test_decode_splits_ragged_batch(fixed_splits, splits):
+    fixed_splits(splits)
+    # GQA 6: 16-key tiles, so 200 keys span 13 of 40 splits; 5 keys fit in one
+    _check([5, 37, 16, 200, 0], 1, heads=12, kv_heads=2, head_dim=64, compute=torch.float32, pool="float32")
+
+
+@pytest.mark.parametrize("compute,pool", [(c, p) for c, pools in POOLS.items() for p in pools])
+def test_decode_splits_every_pool_dtype(fixed_splits, compute, pool):
+    fixed_splits(3)
+    _check([5, 150, 16], 1, heads=4, kv_heads=2, head_dim=64, compute=compute, pool=pool)  # 64-key tiles: 3 used
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2), (12, 2), (16, 1)])  # GQA 1, 2, 6; 16 takes tl.dot
+def test_decode_splits_gqa_ratios(fixed_splits, heads, kv_heads):
+    fixed_splits(4)
+    _check([3, 100], 1, heads, kv_heads, 64, torch.float32, "float32")
+    _check([60], 1, heads, kv_heads, 64, torch.bfloat16, "bfloat16")
+
+
+@pytest.mark.parametrize("window", [8, 20, 40])
+def test_decode_splits_windows_cross_split_edges(fixed_splits, window):
+    fixed_splits(3)  # GQA 6: 16-key tiles, so windows of 20 and 40 keys span 2 and 3 splits
+    _check([5, 40, 77, 130], 1, 12, 2, 64, torch.float32, "float32", window=window)
+    _check([10, 41, 3], 4, 12, 2, 64, torch.float32, "float32", window=window)  # ragged verify chunks
+
+
+def test_decode_splits_head_dim_128_bf16(fixed_splits):
+    fixed_splits(5)
+    _check([7, 133], 1, 12, 2, 128, torch.bfloat16, "bfloat16")
+
+
+def test_decode_split_count():
+    from kvgen.gpu.triton_attention import decode_splits
+    cpu = torch.device("cpu")
+    assert decode_splits(1, 2, 4096, 16, cpu) == 4  # 2 * 4 "SMs" over 2 programs
+    assert decode_splits(1, 2, 32, 16, cpu) == 2  # no more splits than tiles
+    assert decode_splits(64, 2, 4096, 16, cpu) == 1
