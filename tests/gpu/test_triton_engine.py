@@ -40,7 +40,12 @@ def _tokens(triton: bool, policy: str = "full", eager: bool = False) -> list[lis
     return tokens
 
 
-@pytest.mark.parametrize("policy", ["full", "window:8", "sinks:2,8"])
+# The window through the whole engine is slow under the interpreter (~20 s a case) and the kernel tests
+# cross windows at every split edge already: slow here.
+WINDOW = pytest.param("window:8", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("policy", ["full", WINDOW, "sinks:2,8"])
 def test_triton_backend_gives_the_torch_paths_tokens(policy):
     assert _tokens(True, policy) == _tokens(False, policy)
 
@@ -60,7 +65,7 @@ def test_a_cpu_run_imports_no_triton_and_no_gpu_module():
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU stand-in for graphs; on CUDA the real graphs are tested above")
-@pytest.mark.parametrize("policy", ["full", "window:8"])
+@pytest.mark.parametrize("policy", ["full", WINDOW])
 def test_graph_bookkeeping_without_capture_gives_the_torch_paths_tokens(policy):
     """GraphDecoder's static buffers, padding to the ladder and key ranges, replayed without a graph."""
     from kvgen.gpu.graphs import GraphDecoder
