@@ -67,11 +67,41 @@ def _f32_layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return torch.cat([low_bytes, nibbles], dim=2).to(torch.uint8).contiguous()
 
 
-class CodedF32Matmul:
+class _CodedMatmul:
+    """What the two coded kernels share: the matmul call over `CodedArgs`, and its checks. A kernel
+    takes x in `x_dtype` and writes out in one of `out_dtypes`."""
+
+    name: str
+    x_dtype: torch.dtype
+    out_dtypes: tuple[torch.dtype, ...]
+
+    def call(self, x: torch.Tensor, packed: CodedWeight, out: torch.Tensor) -> KernelCall:
+        """out = x @ W^T (out [T, n] contiguous) as a KernelCall."""
+        assert x.shape[0] and out.is_contiguous() and out.shape[0] == x.shape[0]
+        return KernelCall(self._call, self._args(x, packed, out), keep=(x, packed, out))
+
+    @staticmethod
+    def packed_bytes(packed: CodedWeight) -> int:
+        return packed.nbytes
+
+    def _args(self, x: torch.Tensor, packed: CodedWeight, out: torch.Tensor) -> CodedArgs:
+        if x.dtype != self.x_dtype or not x.is_contiguous() or x.dim() != 2:
+            raise ValueError(f"{self.name} matmul: x must be contiguous {self.x_dtype} [T, K], "
+                             f"not {x.dtype} {list(x.shape)}")
+        if packed.shape != (out.shape[1], x.shape[1]):
+            raise ValueError(f"{self.name} matmul: x [{x.shape[1]} columns] does not fit the packed weight "
+                             f"{packed.shape}")
+        if out.dtype not in self.out_dtypes:
+            raise ValueError(f"{self.name} matmul: out must be one of {self.out_dtypes}, not {out.dtype}")
+        return CodedArgs.of(x, packed, out)
+
+
+class CodedF32Matmul(_CodedMatmul):
     """The kernel, with the fp32 kernel's interface (kvgen.model.kernels.f32.F32Matmul) on a coded
     weight (its codes: panels [ceil(N/32), K, 112])."""
 
     pack = staticmethod(pack_f32)
+    name, x_dtype, out_dtypes = "f32", torch.float32, (torch.float32,)
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._call = library.f32_coded_matmul_call
@@ -87,11 +117,6 @@ class CodedF32Matmul:
             raise MemoryError("f32 coded matmul: no memory for a decoded panel")
         return out
 
-    def call(self, x: torch.Tensor, packed: CodedWeight, out: torch.Tensor) -> KernelCall:
-        """out = x @ W^T (out fp32 [T, n] contiguous) as a KernelCall."""
-        assert x.shape[0] and out.is_contiguous() and out.shape[0] == x.shape[0]
-        return KernelCall(self._call, self._args(x, packed, out), keep=(x, packed, out))
-
     def rows(self, packed: CodedWeight, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight -> fp32 [T, K] (a tied embedding's lookup)."""
         ids = ids.to(torch.int64).contiguous()
@@ -99,17 +124,6 @@ class CodedF32Matmul:
         self._rows(*packed.pointers(), packed.shape[1], ids.data_ptr(), ids.shape[0], out.data_ptr())
         return out
 
-    @staticmethod
-    def packed_bytes(packed: CodedWeight) -> int:
-        return packed.nbytes
-
-    @staticmethod
-    def _args(x: torch.Tensor, packed: CodedWeight, out: torch.Tensor) -> CodedArgs:
-        if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2:
-            raise ValueError(f"f32 matmul: x must be contiguous fp32 [T, K], not {x.dtype} {list(x.shape)}")
-        if packed.shape != (out.shape[1], x.shape[1]) or out.dtype != torch.float32:
-            raise ValueError(f"f32 matmul: x [{x.shape[1]} columns] does not fit the packed weight {packed.shape}")
-        return CodedArgs.of(x, packed, out)
 
 
 @functools.cache
@@ -148,11 +162,12 @@ def _bf16_layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return torch.cat([low.flatten(2), nibbles.flatten(2)], dim=2).to(torch.uint8).contiguous()
 
 
-class CodedBf16Matmul:
+class CodedBf16Matmul(_CodedMatmul):
     """The kernel, with the bf16 kernel's interface (kvgen.model.kernels.bf16.Bf16Matmul) on a coded
     weight (its codes: tiles [ceil(N/4), K/64, 384])."""
 
     pack = staticmethod(pack_bf16)
+    name, x_dtype, out_dtypes = "bf16", torch.bfloat16, (torch.bfloat16, torch.float32)
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._call = library.bf16_coded_matmul_call
@@ -171,11 +186,6 @@ class CodedBf16Matmul:
         if x.shape[0]:
             self._call(ctypes.byref(self._args(x, packed, out)))
         return out
-
-    def call(self, x: torch.Tensor, packed: CodedWeight, out: torch.Tensor) -> KernelCall:
-        """out [T, out_features] (bf16 or fp32, contiguous) = this kernel on x, as a KernelCall."""
-        assert x.shape[0] and out.is_contiguous() and out.shape[0] == x.shape[0]
-        return KernelCall(self._call, self._args(x, packed, out), keep=(x, packed, out))
 
     def unpack(self, packed: CodedWeight, out_features: int, in_features: int, tiles: Bf16Tiles) -> torch.Tensor:
         """`packed` decoded to row-major bf16 [out_features, in_features], in `tiles`' buffer (for
@@ -200,20 +210,6 @@ class CodedBf16Matmul:
     def _decode(self, packed: CodedWeight, out: torch.Tensor, tiles_bf16_layout: bool) -> torch.Tensor:
         self._decode_into(*packed.pointers(), *packed.shape, out.data_ptr(), tiles_bf16_layout, torch.get_num_threads())
         return out
-
-    @staticmethod
-    def packed_bytes(packed: CodedWeight) -> int:
-        return packed.nbytes
-
-    @staticmethod
-    def _args(x: torch.Tensor, packed: CodedWeight, out: torch.Tensor) -> CodedArgs:
-        if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.dim() != 2:
-            raise ValueError(f"bf16 matmul: x must be contiguous bf16 [T, K], not {x.dtype} {list(x.shape)}")
-        if packed.shape != (out.shape[1], x.shape[1]):
-            raise ValueError(f"bf16 matmul: x [{x.shape[1]} columns] does not fit the packed weight {packed.shape}")
-        if out.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"bf16 matmul: out_dtype must be bfloat16 or float32, not {out.dtype}")
-        return CodedArgs.of(x, packed, out)
 
 
 @functools.cache
