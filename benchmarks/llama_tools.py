@@ -8,6 +8,8 @@
                           `$KVGEN_LLAMA_SERVER`, else beside the libraries llama-cpp-python loads
                           (`$LLAMA_CPP_LIB_PATH`, the same build), else on PATH
     quantize(...)         runs llama-quantize
+    gguf_tokenizer_dir    transformers' reading of a GGUF's tokenizer, saved as tokenizer.json (a real
+                          byte-level BPE the converter recognises), once
 
 Each raises `ToolError` with the step, the command and its output when it fails.
 """
@@ -93,6 +95,31 @@ def convert(hf_dir: Path, out: Path, outtype: str, cache: Path, extra: tuple[str
            "--outtype", outtype, *extra]
     _run(cmd, out, f"convert_hf_to_gguf.py --outtype {outtype} {' '.join(extra)} on {hf_dir}".replace("  ", " "), env)
     return out
+
+
+def gguf_tokenizer_dir(source: Path, out: Path) -> Path:
+    """`out` holding the tokenizer of the GGUF `source` as transformers rebuilds and saves it
+    (tokenizer.json + tokenizer_config.json, no chat template), built once."""
+    if (out / "tokenizer.json").is_file():
+        return out
+    if not source.is_file():
+        raise ToolError(f"{source} is missing: it is where the {out.name} tokenizer comes from")
+    with file_lock(out.parent / f".{out.name}.lock"):
+        if not (out / "tokenizer.json").is_file():
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+            tmp = Path(tempfile.mkdtemp(dir=out.parent))
+            tok.save_pretrained(tmp)
+            (tmp / "chat_template.jinja").unlink(missing_ok=True)
+            tmp.rename(out)
+    return out
+
+
+def qwen2_tokenizer_dir(cache: Path) -> Path:
+    """Qwen2's vocabulary (151936 tokens, from the converter's ggml-vocab-qwen2.gguf) as a tokenizer
+    directory the converter recognises ('qwen2'), in `cache`/tokenizers/qwen2."""
+    return gguf_tokenizer_dir(converter_dir(cache) / QWEN2_VOCAB, cache / "tokenizers" / "qwen2")
 
 
 def find_binary(program: str) -> Path:

@@ -7,6 +7,12 @@
     llama-1b       Llama-3.2-1B's shape (hidden 2048, 16 layers, MLP 8192, 32 heads over 8 KV heads,
                    vocabulary 128256, tied embeddings, RoPE base 500000), seeded random weights in bfloat16
     llama-3b       Llama-3.2-3B's shape (hidden 3072, 28 layers, MLP 8192, 24 heads over 8 KV heads)
+    qwen35-0.8b    Qwen3.5-0.8B's and -2B's text shapes (24 layers, three Gated DeltaNet layers of 16 key
+    qwen35-2b      and 16 value heads of 128 to one gated attention layer of 8 heads over 2 KV heads of
+                   256; hidden 1024 / 2048, MLP 3584 / 6144, vocabulary 248320, tied embeddings)
+    qwen3-30b-a3b  Qwen3-30B-A3B's layer at full width (hidden 2048, 128 experts of 768, top-8, 32 heads
+                   over 4 KV heads of 128, vocabulary 151936) with 8 of its 48 layers, which fit this
+                   machine beside llama.cpp's copy
     NAME:MIX       a generated architecture as llama.cpp's own converter and llama-quantize make a GGUF
                    of it, MIX one of QUANT_MIXES (e.g. llama-1b:Q4_K_M); built once, then cached
                    (benchmarks.random_models, benchmarks.llama_tools)
@@ -30,8 +36,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.random_models import (QUANT_MIXES, build_atomically, build_quantized_gguf, build_random_model,
-                                       save_placeholder_tokenizer)
+from benchmarks.random_models import (QUANT_MIXES, Family, build_atomically, build_quantized_gguf,
+                                       build_random_model, family_of, save_placeholder_tokenizer)
 from kvgen.bench.bench_model import DEFAULT_WEIGHTS_SEED, BenchModel, resolve_file
 from kvgen.paths import cache_root
 
@@ -40,7 +46,17 @@ __all__ = ["ARCHITECTURES", "QUANT_MIXES", "BenchModel", "build_random_model", "
 
 _LLAMA32 = dict(vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=8192,
                 rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, dtype="bfloat16")
-# transformers LlamaConfig fields of each generated architecture.
+# Qwen3.5's text config as Qwen/Qwen3.5-0.8B and -2B give it, but for the context (8192 is all a bench asks).
+_QWEN35 = dict(family=Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "qwen2", ("--no-mtp",)),
+               num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+               linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+               linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+               vocab_size=248320, tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-6,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
+               bos_token_id=151643, eos_token_id=151643, dtype="bfloat16")  # Qwen2's <|endoftext|>
+# Each generated architecture: its family's transformers config fields (LlamaConfig's unless `family`
+# names another: benchmarks.random_models.Family).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(
         hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -51,6 +67,15 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=64),
     "llama-3b": dict(_LLAMA32, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                      num_attention_heads=24, num_key_value_heads=8, head_dim=128),
+    "qwen35-0.8b": dict(_QWEN35, hidden_size=1024, intermediate_size=3584),
+    "qwen35-2b": dict(_QWEN35, hidden_size=2048, intermediate_size=6144),
+    "qwen3-30b-a3b": dict(
+        family=Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen2"), hidden_size=2048, num_hidden_layers=8,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        vocab_size=151936, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        max_position_embeddings=8192, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645,
+        dtype="bfloat16"),
 }
 
 
@@ -65,7 +90,8 @@ def resolve(model: str | None, seed: int = DEFAULT_WEIGHTS_SEED) -> BenchModel:
             build_atomically(hf, lambda tmp: build_random_model(ARCHITECTURES[name], seed, tmp))
         if mix is None:
             return BenchModel(name, hf)
-        gguf = build_quantized_gguf(hf, hf.with_name(f"{hf.name}-gguf") / f"{name}-{mix}.gguf", mix)
+        family, _ = family_of(ARCHITECTURES[name])
+        gguf = build_quantized_gguf(hf, hf.with_name(f"{hf.name}-gguf") / f"{name}-{mix}.gguf", mix, family)
         return BenchModel(model, gguf, gguf)
     return resolve_file(model)
 

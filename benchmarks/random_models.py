@@ -2,14 +2,18 @@
 
 `build_random_model` writes a Hugging Face directory tensor by tensor, without ever holding the model
 (a 3B checkpoint in bfloat16 is 6.4 GB; transformers would build it in float32 first): the names and
-shapes come from a LlamaForCausalLM on the meta device, each tensor is drawn from one seeded generator
-as transformers' own init draws it (matrices N(0, initializer_range), norms 1), and the safetensors are
-cut into shards of at most SHARD_BYTES. The dtype is the architecture's `dtype` (default float32).
+shapes come from the architecture's transformers model (its `Family`: LlamaForCausalLM unless it says
+otherwise) on the meta device, each tensor is drawn from one seeded generator as transformers' own
+init draws it (matrices N(0, initializer_range), vectors 1), and the safetensors are cut into shards
+of at most SHARD_BYTES. The dtype is the architecture's `dtype` (default float32).
 
 `build_quantized_gguf` makes the file a llama.cpp user would have: llama.cpp's `convert_hf_to_gguf.py`
 to BF16, then `llama-quantize` to the mix (benchmarks.llama_tools). The converter needs a vocabulary
-it recognises; the directory gets a SentencePiece placeholder for it (the pieces benchmarks.models'
-own GGUF writer uses: <unk> <s> </s>, 256 byte tokens, then ▁w<i>), so token ids mean the same.
+it recognises: for Llama a SentencePiece placeholder (the pieces benchmarks.models' own GGUF writer
+uses: <unk> <s> </s>, 256 byte tokens, then ▁w<i>), so token ids mean the same; for the Qwen families,
+whose converter reads only byte-level BPEs, Qwen2's real vocabulary (llama.cpp's ggml-vocab-qwen2.gguf),
+which the converter pads to the config's vocabulary with [PAD<i>] tokens. Benchmarks send token ids,
+so either vocabulary serves.
 
 Every file is built into a temporary sibling and renamed, so an interrupted build leaves nothing behind.
 """
@@ -21,6 +25,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,18 +61,39 @@ def build_atomically(path: Path, build: Callable[[Path], None], directory: bool 
 # -- Hugging Face directories ----------------------------------------------------------------------
 
 
-def build_random_model(architecture: dict[str, Any], seed: int, path: Path) -> None:
-    """Saves a seeded random-weight LlamaForCausalLM of `architecture` (LlamaConfig fields) and a
-    WordLevel tokenizer of its vocabulary into `path`."""
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig
+@dataclass(frozen=True)
+class Family:
+    """The transformers classes of a generated architecture, the vocabulary llama.cpp's converter is
+    given for it ("placeholder" SentencePiece or "qwen2" BPE) and the converter's extra flags."""
 
-    config = LlamaConfig(**architecture)
+    config_class: str = "LlamaConfig"
+    model_class: str = "LlamaForCausalLM"
+    vocabulary: str = "placeholder"
+    convert_flags: tuple[str, ...] = ()
+
+
+LLAMA = Family()
+
+
+def family_of(architecture: dict[str, Any]) -> tuple[Family, dict[str, Any]]:
+    """An architecture's `family` entry (Llama where it has none) and its config fields without it."""
+    fields = dict(architecture)
+    return fields.pop("family", LLAMA), fields
+
+
+def build_random_model(architecture: dict[str, Any], seed: int, path: Path) -> None:
+    """Saves a seeded random-weight model of `architecture` (its family's config fields, and optionally
+    `family`) and a WordLevel tokenizer of its vocabulary into `path`."""
+    import transformers
+    from safetensors.torch import save_file
+
+    family, fields = family_of(architecture)
+    config = getattr(transformers, family.config_class)(**fields)
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
     path.mkdir(parents=True, exist_ok=True)
     index: dict[str, str] = {}  # tensor -> the shard it is in, numbered as written
     total = 0
-    for number, shard in enumerate(_shards(_random_tensors(config, dtype, seed)), 1):
+    for number, shard in enumerate(_shards(_random_tensors(config, family, dtype, seed)), 1):
         save_file(shard, str(path / f"shard-{number}"), metadata={"format": "pt"})  # one shard in memory at a time
         index |= dict.fromkeys(shard, f"shard-{number}")
         total += sum(t.numel() * t.element_size() for t in shard.values())
@@ -80,26 +106,26 @@ def build_random_model(architecture: dict[str, Any], seed: int, path: Path) -> N
         weight_map = {tensor: names[shard] for tensor, shard in index.items()}
         (path / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    config.dtype, config.architectures = dtype, ["LlamaForCausalLM"]  # the converter picks its model by the latter
+    config.dtype, config.architectures = dtype, [family.model_class]  # the converter picks its model by the latter
     config.save_pretrained(path)
     save_placeholder_tokenizer(config.vocab_size, path)
 
 
-def weight_shapes(config) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every tensor LlamaForCausalLM saves for `config` (a tied lm_head left out)."""
-    from transformers import LlamaForCausalLM
+def weight_shapes(config, family: Family = LLAMA) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor the family's model saves for `config` (a tied lm_head left out)."""
+    import transformers
 
     with torch.device("meta"):
-        state = LlamaForCausalLM(config).state_dict()
+        state = getattr(transformers, family.model_class)(config).state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return {name: tuple(t.shape) for name, t in state.items()}
 
 
-def _random_tensors(config, dtype: torch.dtype, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _random_tensors(config, family: Family, dtype: torch.dtype, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
-    for name, shape in weight_shapes(config).items():
-        if len(shape) == 1:  # the norms' weights, as transformers initialises them
+    for name, shape in weight_shapes(config, family).items():
+        if len(shape) == 1:  # norms' weights as transformers initialises them; gates' biases and decays alike
             yield name, torch.ones(shape, dtype=dtype)
         else:
             yield name, torch.randn(shape, generator=generator).mul_(config.initializer_range).to(dtype)
@@ -162,7 +188,7 @@ def save_spm_placeholder(vocab_size: int, path: Path) -> None:
 # -- llama.cpp's GGUF files ------------------------------------------------------------------------
 
 
-def build_quantized_gguf(hf_dir: Path, out: Path, mix: str) -> Path:
+def build_quantized_gguf(hf_dir: Path, out: Path, mix: str, family: Family = LLAMA) -> Path:
     """`out`: the HF directory as llama.cpp makes a `mix` file of it (BF16 GGUF beside it, cached)."""
     if mix not in QUANT_MIXES:
         raise ValueError(f"unknown quantization mix {mix!r}; the bench makes {', '.join(QUANT_MIXES)}")
@@ -171,19 +197,23 @@ def build_quantized_gguf(hf_dir: Path, out: Path, mix: str) -> Path:
             return out
         bf16 = out.with_name(out.name.replace(mix, "BF16")) if mix != "BF16" else out
         if not bf16.is_file():
-            build_atomically(bf16, lambda tmp: _convert(hf_dir, tmp), directory=False)
+            build_atomically(bf16, lambda tmp: _convert(hf_dir, tmp, family), directory=False)
         if mix != "BF16":
             build_atomically(out, lambda tmp: llama_tools.quantize(bf16, tmp, mix), directory=False)
     return out
 
 
-def _convert(hf_dir: Path, out: Path) -> None:
+def _convert(hf_dir: Path, out: Path, family: Family) -> None:
     """convert_hf_to_gguf.py --outtype bf16 on a staged copy of `hf_dir` (links to its config and
-    weights) with the SentencePiece placeholder as its only tokenizer."""
+    weights) with the family's vocabulary as its only tokenizer."""
     config = json.loads((hf_dir / "config.json").read_text())
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".stage-") as stage:
         for f in hf_dir.iterdir():
             if f.name == "config.json" or f.name.startswith("model"):
                 (Path(stage) / f.name).symlink_to(f.resolve())
-        save_spm_placeholder(config["vocab_size"], Path(stage))
-        llama_tools.convert(Path(stage), out, "bf16", cache_root())
+        if family.vocabulary == "qwen2":
+            for f in llama_tools.qwen2_tokenizer_dir(cache_root()).iterdir():
+                shutil.copy(f, Path(stage) / f.name)
+        else:
+            save_spm_placeholder(config["vocab_size"], Path(stage))
+        llama_tools.convert(Path(stage), out, "bf16", cache_root(), family.convert_flags)

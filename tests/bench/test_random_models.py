@@ -80,3 +80,21 @@ def test_a_quantized_name_is_the_file_llama_cpp_makes(tmp_path, monkeypatch):
     assert models.resolve("tiny:q4_k_m").path.stat().st_mtime_ns == stamp
     config = load_model(model.path).config
     assert (config.hidden_size, config.num_layers, config.vocab_size, config.tie_word_embeddings) == (256, 2, 320, True)
+
+
+@pytest.mark.slow  # llama.cpp's converter and llama-quantize: ~25 s
+def test_a_qwen35_shape_is_made_by_llama_cpps_converter(tmp_path, monkeypatch):
+    """A family other than Llama: Qwen3.5's model saved by its transformers class, converted with
+    `--no-mtp` and Qwen2's real vocabulary (padded by the converter to the config's), then quantized."""
+    converter = llama_tools.converter_dir(cache_root())
+    (tmp_path / converter.name).symlink_to(converter)
+    monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path))
+    tiny = dict(models.ARCHITECTURES["qwen35-0.8b"], hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                vocab_size=152064)
+    monkeypatch.setitem(models.ARCHITECTURES, "tiny35", tiny)
+    reader = read_gguf(models.resolve("tiny35:Q4_K_M").path)
+    assert reader.metadata["general.architecture"] == "qwen35"
+    assert len(reader.metadata["tokenizer.ggml.tokens"]) == 152064
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.ssm_out.weight"] == QType.Q4_K and "blk.3.attn_gate.weight" not in types
+    assert types["blk.3.attn_q.weight"] == QType.Q4_K and types["blk.0.ssm_a"] == QType.F32

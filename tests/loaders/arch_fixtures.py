@@ -210,27 +210,17 @@ def convert(hf_dir: Path, out: Path, outtype: str = "f32", extra: tuple[str, ...
 # -- tokenizers ------------------------------------------------------------------------------------
 
 def _bpe_tokenizer_dir(kind: str) -> Path:
-    """A real byte-level BPE tokenizer as transformers rebuilds it from a GGUF and saves it
-    (tokenizer.json + tokenizer_config.json), cached:
+    """A real byte-level BPE tokenizer as transformers rebuilds it from a GGUF and saves it, cached:
     - "smollm2": SmolLM2's (49152 tokens), from the shared SmolLM2 GGUF; llama.cpp's converter
       recognises its pre-tokenizer as 'smollm' when transformers loads it as TokenizersBackend;
     - "qwen2": Qwen2's (151936 tokens), from llama.cpp's ggml-vocab-qwen2.gguf; transformers 5
       always loads a model_type=qwen2 directory's tokenizer as Qwen2Tokenizer, whose output the
       converter only recognises ('qwen2') with Qwen's own vocabulary."""
-    out = cache_root() / "tokenizers" / kind
-    if (out / "tokenizer.json").is_file():
-        return out
     source = SMOLLM2_GGUF if kind == "smollm2" else converter_dir() / QWEN2_VOCAB
-    if not source.is_file():
-        raise FixtureError(f"{source} is missing: it is where the {kind} tokenizer comes from")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    tmp = Path(tempfile.mkdtemp(dir=_mkdir(out.parent)))
-    tok.save_pretrained(tmp)
-    (tmp / "chat_template.jinja").unlink(missing_ok=True)
-    tmp.rename(out)
-    return out
+    try:
+        return llama_tools.gguf_tokenizer_dir(source, _mkdir(cache_root() / "tokenizers") / kind)
+    except llama_tools.ToolError as e:
+        raise FixtureError(str(e)) from None
 
 
 def _mkdir(p: Path) -> Path:
