@@ -41,7 +41,7 @@ GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")
 
 
 def load_gguf(
@@ -97,8 +97,6 @@ def _config(path: Path, arch: Architecture, meta: dict[str, Any], tensors: dict[
     try:
         hidden, heads = int(meta[p + "embedding_length"]), int(meta[p + "attention.head_count"])
         head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
-        if int(meta.get(p + "rope.dimension_count", head_dim)) != head_dim:
-            raise ValueError("partial rotary embeddings (rope.dimension_count != head dim) are not supported")
         config = ModelConfig(
             vocab_size=_vocab_size(p, meta, tensors),
             hidden_size=hidden,
@@ -120,7 +118,10 @@ def _config(path: Path, arch: Architecture, meta: dict[str, Any], tensors: dict[
             model_type=arch.name,
             architecture=arch.name,
         )
-        return replace(config, **arch.gguf_fields(p, meta, config)) if arch.gguf_fields else config
+        config = replace(config, **arch.gguf_fields(p, meta, config)) if arch.gguf_fields else config
+        if int(meta.get(p + "rope.dimension_count", head_dim)) != (config.rotary_dim or head_dim):
+            raise ValueError("partial rotary embeddings (rope.dimension_count != head dim) are not supported")
+        return config
     except KeyError as e:
         raise ModelLoadError(path, f"GGUF metadata key {e.args[0]} is missing") from None
     except (TypeError, ValueError) as e:
@@ -158,10 +159,12 @@ def _hf_name(path: Path, arch: Architecture, name: str) -> str:
         return GLOBAL_NAMES[name]
     block_names = arch.gguf_names
     m = _BLOCK_TENSOR.fullmatch(name)
-    if m is None or m.group(2) not in block_names:
+    layer, kind, suffix = m.groups() if m is not None else (None, None, None)
+    if f"{kind}.{suffix}" in block_names:  # a name mapped whole (qwen35's ssm_dt.bias -> dt_bias)
+        return f"model.layers.{layer}.{block_names[f'{kind}.{suffix}']}"
+    if m is None or kind not in block_names:
         raise ModelLoadError(path, f"unexpected tensor {name!r} for a {arch.gguf_name} GGUF")
-    layer, kind, suffix = m.groups()
-    return f"model.layers.{layer}.{block_names[kind]}.{suffix}"
+    return f"model.layers.{layer}.{block_names[kind]}" + (f".{suffix}" if suffix else "")
 
 
 def _read_tensors(path: Path, arch: Architecture, tensors: dict[str, ReaderTensor]) -> dict[str, GGUFWeight]:
