@@ -176,6 +176,17 @@ SPECS: dict[str, ArchSpec] = {
                          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                             "rope_theta": 1000000.0}}), "spm512-json",
         init_range=1.0, emb_norm=0.5),
+    # Mixtures of experts (issue 43): 8 experts of 32, every layer routed (no dense MLP layers).
+    # Qwen3-MoE: top-2 with renormalised weights, QK-norm per head (head_dim 128 as qwen3's, for the same reason).
+    "qwen3moe": ArchSpec("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _BASE | _SMOL | dict(
+        num_hidden_layers=2, head_dim=128, tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "smollm2"),
+    # OLMoE: top-4, weights not renormalised, QK-norm over the whole q and k projections; eps 1e-5, which
+    # the converter writes whatever the config says.
+    "olmoe": ArchSpec("OlmoeConfig", "OlmoeForCausalLM", _BASE | _SMOL | dict(
+        num_hidden_layers=2, intermediate_size=32, rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=4, norm_topk_prob=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), "smollm2"),
 }
 ARCHS = list(SPECS)
 GGUF_ARCHS = [a for a in ARCHS if SPECS[a].gguf]
