@@ -43,9 +43,12 @@ def stack_experts(weights: dict[str, torch.Tensor], config: ModelConfig, source:
 def _stacked(prefix: str, projection: str, experts: dict[int, torch.Tensor], config: ModelConfig,
              source: Any) -> torch.Tensor:
     missing = sorted(set(range(config.num_experts)) - set(experts))
-    if missing or len(experts) != config.num_experts:
-        raise ModelLoadError(source, f"{prefix}: {projection}_proj of experts {missing or sorted(experts)} "
-                                     f"does not match the config's {config.num_experts} experts")
+    if missing:
+        raise ModelLoadError(source, f"{prefix}: {projection}_proj is missing for experts {missing}")
+    extra = sorted(set(experts) - set(range(config.num_experts)))
+    if extra:
+        raise ModelLoadError(source, f"{prefix}: {projection}_proj of experts {extra}, past the config's "
+                                     f"{config.num_experts}")
     shapes = {tuple(t.shape) for t in experts.values()}
     if len(shapes) > 1:
         raise ModelLoadError(source, f"{prefix}: the experts' {projection}_proj differ in shape: {sorted(shapes)}")

@@ -51,6 +51,11 @@ of each GGUF agree with the HF directory, which `test_arch_fixtures.py` checks):
   * partial RoPE is rope.dimension_count (8 = 0.25 x key_length 32); rope.dimension_sections
     [11, 11, 10, 0] is the multimodal RoPE's split, which text positions (equal on every axis) ignore;
   * attn_q holds the query and its output gate interleaved per head, [heads x (q 32 | gate 32)], as HF.
+- Mixtures (`qwen3moe`, `olmoe`): the converter stacks the experts into ffn_{gate,up,down}_exps
+  [experts, out, in] and the router into ffn_gate_inp; OLMoE's file says rms eps 1e-5 whatever the
+  config did (the fixture uses 1e-5), and neither says whether the top-k weights are renormalised
+  (llama.cpp fixes it per architecture: qwen3moe yes, olmoe no). transformers 5.25 cannot read these
+  GGUFs back (see TRANSFORMERS_GGUF_ARCHS): the HF directory is the reference.
 - Gemma 4 (`gemma4`): the GGUF says the window pattern (attention.sliding_window_pattern), both head
   sizes (key_length 32 for global layers, key_length_swa 16), shared_kv_layers, per-layer input width
   and the soft-cap; the global layers' proportional partial RoPE is written as rope.dimension_count =
@@ -192,8 +197,10 @@ ARCHS = list(SPECS)
 GGUF_ARCHS = [a for a in ARCHS if SPECS[a].gguf]
 # GGUFs transformers 5.25 reads back into the same model: it has no GGUF mapping for qwen35, and reads
 # a gemma4 GGUF with its config defaults for what it does not map (head sizes 256/512, per-layer
-# inputs of 256, 262144 tokens), so the weights do not fit (see the module docstring).
-TRANSFORMERS_GGUF_ARCHS = [a for a in GGUF_ARCHS if a not in ("qwen35", "gemma4")]
+# inputs of 256, 262144 tokens), so the weights do not fit (see the module docstring). Nor the mixtures:
+# it reads a qwen3moe GGUF without expert_feed_forward_length (its default 768 does not fit the experts)
+# and has no olmoe mapping.
+TRANSFORMERS_GGUF_ARCHS = [a for a in GGUF_ARCHS if a not in ("qwen35", "gemma4", "qwen3moe", "olmoe")]
 
 
 def _log(msg: str) -> None:
