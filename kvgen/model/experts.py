@@ -21,6 +21,7 @@ from kvgen.loaders.gguf_tensors import GGUFWeight
 from kvgen.model.formats.gguf_blocks import convert
 from kvgen.model.formats.packed import PANEL, PackedWeight
 from kvgen.model.formats.packed import dequantize as dequantize_packed
+from kvgen.model.kernels.build import KernelCall
 from kvgen.model.kernels.moe import ExpertStackArgs, moe_kernel
 from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, qmatmul_kernel
 
@@ -126,6 +127,14 @@ class Experts:
             self.counts += torch.bincount(chosen.flatten(), minlength=self.num_experts)
             return moe_reference(x, chosen, weights, self.gate_up.dequantize(), self.down.dequantize())
         return kernel(x, logits, self.gate_up.args, self.down.args, self.top_k, self.norm_topk, self.counts)
+
+    def call(self, x: torch.Tensor, logits: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        """out = self(x, logits) as a C call over those fp32 buffers (the fused decode step), or None
+        where the kernel does not build."""
+        kernel = moe_kernel()
+        if kernel is None:
+            return None
+        return kernel.call(x, logits, self.gate_up.args, self.down.args, self.top_k, self.norm_topk, self.counts, out)
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,3 +61,19 @@ def test_prefix_caching_and_ngram_speculation_give_plain_tokens(arch_ckpt, arch)
     assert cached.engine.kv.prefix_hits >= 192
     speculative = kvgen_llm(ckpt.hf_dir, speculative_method="ngram", num_speculative_tokens=3)
     assert tokens(speculative, prompts) == plain
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_fused_decode_steps_give_the_layered_tokens(arch_ckpt, arch):
+    """Decode steps run the router and the expert kernel from the fused call list (fp32), with the
+    layer-by-layer forward's tokens; the packed Q8_0 experts likewise."""
+    ckpt = arch_ckpt(arch)
+    prompts = ragged_prompts()[:3]
+    for path, quantization in ((ckpt.hf_dir, "none"), (ckpt.gguf_q8, "auto")):
+        fused = LLM(path, quantization=quantization, block_size=16, num_kv_blocks=256)
+        layered = LLM(path, quantization=quantization, block_size=16, num_kv_blocks=256, fused_decode=False)
+        assert tokens(fused, prompts) == tokens(layered, prompts)
+        model = fused.engine.runner.model
+        assert model.decode_programs.fused_steps > 0 and all(layer.fuses() for layer in model.layers)
+        packed = model.layers[0].blocks[1].experts.gate_up.kernel.startswith("moe packed")
+        assert packed == (quantization == "auto")

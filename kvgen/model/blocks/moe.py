@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from kvgen.architectures.spec import MoESpec
-from kvgen.model.blocks.base import Block, BuildContext, StepContext, register
+from kvgen.model.blocks.base import Block, BuildContext, FusedProgram, StepContext, register
+from kvgen.model.kernels.build import KernelCall
 from kvgen.model.experts import Experts
 from kvgen.model.linear import Linear
 
@@ -29,3 +30,13 @@ class MoEBlock(Block):
     def forward(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
         logits = self.router(h, step.rows).float()
         return self.experts(h.float(), logits).to(h.dtype)
+
+    def reserve_buffers(self, program: FusedProgram) -> None:
+        program.buffer("router_logits", (self.experts.num_experts,))
+
+    def fused_calls(self, program: FusedProgram) -> list[KernelCall | None] | None:
+        """The router's call and the experts' (fp32 steps: the expert kernel reads and writes fp32)."""
+        if program.h.dtype != torch.float32:
+            return None
+        logits = program.buffer("router_logits", (self.experts.num_experts,))
+        return [self.router.call(program.h, logits), self.experts.call(program.h, logits, program.out)]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.model.kernels.build import build_library
+from kvgen.model.kernels.build import KernelCall, build_library
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +47,27 @@ class MoEKernel:
                  top_k: int, norm_topk: bool, counts: torch.Tensor) -> torch.Tensor:
         """x fp32 [T, hidden] and the router's logits fp32 [T, experts], both contiguous -> fp32
         [T, hidden]; counts int64 [experts] gets each expert's number of tokens added."""
-        tokens, experts = logits.shape
-        assert (x.dtype == logits.dtype == torch.float32 and x.is_contiguous() and logits.is_contiguous()
-                and x.shape == (tokens, down.N) and counts.dtype == torch.int64 and counts.shape == (experts,))
         out = torch.empty_like(x)
-        if tokens == 0:
-            return out
-        args = _Args(x.data_ptr(), logits.data_ptr(), tokens, experts, top_k, int(norm_topk), gate_up, down,
-                     out.data_ptr(), counts.data_ptr(), torch.get_num_threads())
-        if self._forward(ctypes.byref(args)):
+        if x.shape[0] and self._forward(ctypes.byref(self._args(x, logits, gate_up, down, top_k, norm_topk, counts,
+                                                                out))):
             raise MemoryError("mixture of experts: out of memory for a step's buffers")
         return out
+
+    def call(self, x: torch.Tensor, logits: torch.Tensor, gate_up: ExpertStackArgs, down: ExpertStackArgs,
+             top_k: int, norm_topk: bool, counts: torch.Tensor, out: torch.Tensor) -> KernelCall:
+        """out = self(x, logits, ...) as a KernelCall over those buffers (the fused decode step)."""
+        args = self._args(x, logits, gate_up, down, top_k, norm_topk, counts, out)
+        return KernelCall(self._forward, args, keep=(x, logits, counts, out))
+
+    @staticmethod
+    def _args(x: torch.Tensor, logits: torch.Tensor, gate_up: ExpertStackArgs, down: ExpertStackArgs, top_k: int,
+              norm_topk: bool, counts: torch.Tensor, out: torch.Tensor) -> _Args:
+        tokens, experts = logits.shape
+        assert (x.dtype == logits.dtype == out.dtype == torch.float32 and x.is_contiguous() and logits.is_contiguous()
+                and out.is_contiguous() and x.shape == out.shape == (tokens, down.N) and counts.dtype == torch.int64
+                and counts.shape == (experts,))
+        return _Args(x.data_ptr(), logits.data_ptr(), tokens, experts, top_k, int(norm_topk), gate_up, down,
+                     out.data_ptr(), counts.data_ptr(), torch.get_num_threads())
 
 
 @functools.cache
