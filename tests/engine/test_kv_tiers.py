@@ -184,13 +184,6 @@ def test_a_server_killed_mid_write_leaves_nothing_that_is_read(tmp_path, caplog)
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_hybrid_model_is_refused_in_one_line(hf_model):
-    gemma = hf_model("gemma3-hybrid")[0]
-    with pytest.raises(ValueError, match="hybrid") as refused:
-        LLM(gemma, block_size=4, num_kv_blocks=64, kv_offload_memory=1 << 20)
-    assert "\n" not in str(refused.value)
-
-
 def test_smollm2_real_file_host_tier_equals_the_plain_cache(smollm_gguf):
     doc = ("The quick brown fox jumps over the lazy dog while the farmer watches from the porch and "
            "thinks about the harvest, the weather and the price of wheat at the market in town. ") * 4
