@@ -60,7 +60,7 @@ class LLMEngine(Engine):
         self.executor.init_kv(self.kv_plan, self.kv, self.heavy_hitters)
         self.runner = self.executor.runner
         if config.kv_tiers:
-            attach_pools(self.kv, [kind.cache for kind in self.runner.kinds])
+            attach_pools(self.kv, [kind.cache for kind in self.runner.kinds], config.kv_offload_dtype)
         self.speculator: Speculator | None = build_speculator(config, loaded.config, self.kv, draft)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv,
                                    self.speculator.lookahead if self.speculator is not None else None)

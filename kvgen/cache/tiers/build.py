@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from kvgen.cache.sizing import KVPlan
+from kvgen.cache.sizing import QUANTIZED_KV, KVPlan
 from kvgen.cache.tiers.disk import DiskTier
 from kvgen.cache.tiers.host import HostTier
 from kvgen.cache.tiers.hybrid import TieredHybridKVManager, kind_root
 from kvgen.cache.tiers.identity import model_identity
 from kvgen.cache.tiers.manager import TieredKVManager, Tiers
-from kvgen.cache.tiers.pool_io import PoolIO
+from kvgen.cache.tiers.pool_io import Int8PoolIO, PoolIO
 from kvgen.config import EngineConfig
 
 
@@ -20,6 +20,9 @@ def tier_refusal(config: EngineConfig, plan: KVPlan) -> str | None:
         return "KV tiers need the pools in one process: not with --tensor-parallel-size > 1"
     if config.speculative_method == "draft":
         return "KV tiers do not restore a draft model's pools: not with --speculative-method draft"
+    if config.kv_offload_dtype == "int8" and plan.kv_dtype in QUANTIZED_KV:
+        return (f"--kv-offload-dtype int8 is for float KV pools: a {plan.kv_dtype} pool's blocks go to the tiers "
+                "as they are (leave it auto)")
     return None
 
 
@@ -34,7 +37,8 @@ def build_tiered_manager(config: EngineConfig, plan: KVPlan, model_config: objec
     if config.kv_cache_dir is not None:
         layout = {"kv_dtype": plan.kv_dtype, "block_size": plan.block_size, "num_layers": plan.num_layers,
                   "layer_bytes_per_token": plan.layer_bytes_per_token, "kinds": plan.kinds,
-                  "compute_dtype": compute_dtype, "quantization": config.quantization}
+                  "compute_dtype": compute_dtype, "quantization": config.quantization,
+                  "offload_dtype": config.kv_offload_dtype}
         disk = DiskTier(config.kv_cache_dir, config.kv_cache_disk, model_identity(model_config, weights, layout))
     tiers = Tiers(host, disk)
     if not plan.kinds:
@@ -43,7 +47,9 @@ def build_tiered_manager(config: EngineConfig, plan: KVPlan, model_config: objec
     return TieredHybridKVManager(kinds, list(plan.kinds), config.max_num_batched_tokens)
 
 
-def attach_pools(manager: TieredKVManager | TieredHybridKVManager, caches: list[object]) -> None:
-    """Gives each kind's manager the bytes of its pools (a runner's `kinds`' caches, the global kind first)."""
+def attach_pools(manager: TieredKVManager | TieredHybridKVManager, caches: list[object], offload_dtype: str) -> None:
+    """Gives each kind's manager the bytes of its pools (a runner's `kinds`' caches, the global kind first),
+    as the tiers store them (`offload_dtype`: the pool's own bytes, or int8)."""
+    io = Int8PoolIO if offload_dtype == "int8" else PoolIO
     for kind, cache in zip(getattr(manager, "kinds", [manager]), caches):
-        kind.attach(PoolIO(cache))
+        kind.attach(io(cache))
