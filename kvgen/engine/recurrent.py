@@ -59,7 +59,7 @@ def build_state_pool(model: ModelConfig, config: EngineConfig) -> StatePool:
     """Slots for up to `max_num_seqs` sequences within DEFAULT_KV_MEMORY (at least one), a checkpoint row
     of 1 + K positions each where the engine speculates, and prefix snapshots within a quarter of it."""
     positions = config.num_speculative_tokens + 1 if config.speculative_method else 0
-    one = StatePool(model.recurrent, len(model.recurrent_layers), 1).bytes_per_sequence
+    one = len(model.recurrent_layers) * model.recurrent.bytes()  # a sequence's state, fp32
     budget = max(DEFAULT_KV_MEMORY // one, 1 + positions + SNAPSHOT_SHARE)  # in sequences' states
     slots = max(1, min(config.max_num_seqs, budget * (SNAPSHOT_SHARE - 1) // SNAPSHOT_SHARE // (1 + positions)))
     snapshots = min(SNAPSHOTS_PER_SLOT * slots, budget // SNAPSHOT_SHARE) if config.enable_prefix_caching else 0
@@ -79,6 +79,13 @@ class RecurrentSteps:
 
     def __init__(self, pool: StatePool, slots: StateSlots) -> None:
         self.pool, self.slots = pool, slots
+
+    def stats(self) -> dict[str, int]:
+        """The state pool's part of EngineStats."""
+        pool = self.pool
+        return {"state_slots_used": pool.num_used, "state_slots_total": pool.num_slots,
+                "state_bytes_used": pool.num_used * pool.bytes_per_sequence, "state_bytes_total": pool.total_bytes,
+                "state_snapshots": pool.num_snapshots}
 
     def begin_step(self, chunks: list[ScheduledChunk]) -> None:
         """A checkpoint row for each verify chunk (its draft filled in already)."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvgen.architectures import BY_GGUF_NAME, known_names
+from kvgen.architectures import BY_GGUF_NAME, NOT_YET, known_names
 from kvgen.architectures.spec import Architecture, float32_value
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
@@ -58,6 +58,8 @@ def load_gguf(
     reader = _open(path)
     meta = _metadata(path, reader)
     arch = BY_GGUF_NAME.get(meta.get("general.architecture"))
+    if meta.get("general.architecture") in NOT_YET:
+        raise ModelLoadError(path, NOT_YET[meta["general.architecture"]])
     if arch is None:
         raise ModelLoadError(path, f"architecture {meta.get('general.architecture')!r} is not supported "
                                    f"(kvgen runs: {known_names()})")
