@@ -67,6 +67,7 @@ def load_gguf(
     config = _config(path, arch, meta, tensors)
     if tokenizer is None:  # before the weights: a bad vocabulary is reported without dequantizing first
         tokenizer = gguf_tokenizer(path, meta, arch.name)
+    mtp = {name: read_tensor(tensors.pop(name), name) for name in _mtp_names(tensors, config)}
     raw = _read_tensors(path, arch, tensors)
     names = check_weights({name: w.shape for name, w in raw.items()}, config, path)
     raw = {name: raw[name] for name in names}
@@ -77,7 +78,14 @@ def load_gguf(
         raw = {name: plan.take(name, w) for name, w in raw.items()}
     quantized = {n: w for n, w in raw.items() if keep_quantized and _is_quantized_matrix(w)}
     weights = {n: _dequantize(path, w).to(device=device, dtype=dtype) for n, w in raw.items() if n not in quantized}
-    return LoadedModel(config, weights, tokenizer, str(path), quantized, shard=plan)
+    return LoadedModel(config, weights, tokenizer, str(path), quantized, shard=plan, mtp=mtp)
+
+
+def _mtp_names(tensors: dict[str, ReaderTensor], config: ModelConfig) -> list[str]:
+    """The tensors of the multi-token-prediction layers after the decoder's (blk.N with N >= its layers,
+    `nextn.*` among them): kept raw beside the model for speculation, not part of it."""
+    return [name for name in tensors if config.mtp_layers and (m := re.match(r"blk\.(\d+)\.", name))
+            and int(m.group(1)) >= config.num_layers]
 
 
 def _open(path: Path) -> GGUFFile:
