@@ -46,14 +46,35 @@ class ModelConfig:
     attention_scale: float | None = None
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma's option)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Gemma 4: per layer, its head size and KV heads (window and global layers differ; empty: head_dim
+    # and num_kv_heads everywhere) and the layer whose K/V it attends over (itself, or for a layer
+    # sharing K/V its donor: kvgen.cache.shared_kv; empty: itself); per-layer inputs of
+    # `per_layer_input_size` from a table of `per_layer_vocab_size` rows (0: none).
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_kv_donors: tuple[int, ...] = ()
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    attention_k_eq_v: bool = False  # Gemma 4: the global layers' V is their key projection (no v_proj)
+    double_wide_mlp: bool = False  # Gemma 4: the layers sharing K/V have MLPs of 2 x intermediate_size
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_key_value_heads ({self.num_kv_heads}) must divide num_attention_heads ({self.num_heads})"
             )
-        if self.layer_windows and len(self.layer_windows) != self.num_layers:
-            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        for name in ("layer_windows", "layer_head_dims", "layer_kv_heads", "layer_kv_donors"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {self.num_layers} layers")
+        self._check_kv_donors()
+
+    def _check_kv_donors(self) -> None:
+        """A layer reads the K/V of an earlier layer that holds its own, of the same window and shape."""
+        for i, donor in enumerate(self.layer_kv_donors):
+            if donor != i and not (0 <= donor < i and self.kv_donor(donor) == donor
+                                   and self.window(donor) == self.window(i)
+                                   and self.head_dim_of(donor) == self.head_dim_of(i)):
+                raise ValueError(f"layer {i} cannot read the K/V of layer {donor}")
 
     @property
     def arch(self) -> Architecture:
@@ -73,6 +94,21 @@ class ModelConfig:
         if self.local_rope_theta is not None and self.window(layer) is not None:
             return self.local_rope_theta
         return self.rope_theta
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def kv_donor(self, layer: int) -> int:
+        """The layer whose cached K/V `layer` attends over: itself unless it shares an earlier one's."""
+        return self.layer_kv_donors[layer] if self.layer_kv_donors else layer
+
+    @property
+    def kv_holders(self) -> list[int]:
+        """The layers that hold K/V in the cache (every layer but those sharing an earlier one's)."""
+        return [i for i in range(self.num_layers) if self.kv_donor(i) == i]
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: object = "config.json") -> "ModelConfig":
