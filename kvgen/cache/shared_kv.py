@@ -47,6 +47,18 @@ class SharedKVShape:
         return cls(tuple(types), config.get("num_kv_shared_layers", 0), {SLIDING: config["head_dim"], FULL: full_dim},
                    {SLIDING: config["num_key_value_heads"], FULL: full_heads}, config["sliding_window"])
 
+    @classmethod
+    def from_model_config(cls, config) -> SharedKVShape | None:
+        """From a kvgen.config.ModelConfig (a GGUF's too) whose layers share K/V, else None."""
+        if not config.layer_kv_donors or config.kv_holders == list(range(config.num_layers)):
+            return None
+        types = tuple(SLIDING if config.window(i) is not None else FULL for i in range(config.num_layers))
+        first = {kind: types.index(kind) for kind in set(types)}
+        return cls(types, config.num_layers - len(config.kv_holders),
+                   {kind: config.head_dim_of(i) for kind, i in first.items()},
+                   {kind: config.kv_heads_of(i) for kind, i in first.items()},
+                   next(w for i in range(config.num_layers) if (w := config.window(i)) is not None))
+
     @property
     def donors(self) -> list[int]:
         return kv_donors(list(self.layer_types), self.num_kv_shared_layers)

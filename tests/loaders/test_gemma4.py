@@ -1,0 +1,146 @@
+"""Gemma 4 (text) through the paged engine, against transformers (fp32, greedy) on the random fixture:
+6 layers, windows of 8, head sizes 16 (window) and 32 (global, proportional RoPE), the last 2 layers
+reading the K/V of an earlier one, per-layer inputs, soft-capped logits. From the HF directory and from
+llama.cpp's GGUF of it: prompts of 10, 200 and 700 tokens (past the window and the 64-token chunk), 32
+new tokens, chunked prefill on and off, one at a time and as a ragged batch of six. The engine's cache
+features give the plain run's tokens, and the sharing layers hold no blocks."""
+
+import json
+import logging
+
+import pytest
+
+from kvgen import LLM, SamplingParams
+from kvgen.cache.shared_kv import SharedKVShape
+from kvgen.cache.sizing import plan_kv
+from kvgen.config import EngineConfig, ModelConfig
+from kvgen.errors import ModelLoadError
+from tests.cache.test_shared_kv import E2B
+from tests.loaders.arch_fixtures import FixtureError, hf_greedy, with_context
+
+N = 32
+LENGTHS = (10, 200, 700)
+RAGGED = (10, 200, 700, 37, 123, 451)
+GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+
+
+def prompt(length: int, seed: int = 0) -> list[int]:
+    """`length` ids of the fixture's 512, past its specials."""
+    return [3 + (i * 37 + 11 * seed + 5) % 500 for i in range(length)]
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    """The gemma4 fixture with 1024 positions (its own 512 end before a 700-token prompt's answer)."""
+    try:
+        return with_context("gemma4", 1024)
+    except FixtureError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """prompt -> transformers' 32 greedy tokens from the HF directory, each computed once."""
+    memo: dict[tuple[int, ...], list[int]] = {}
+
+    def tokens(ids: list[int]) -> list[int]:
+        if tuple(ids) not in memo:
+            memo[tuple(ids)] = hf_greedy(ckpt.hf_dir, ids, N)
+        return memo[tuple(ids)]
+
+    return tokens
+
+
+def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    outs = llm.generate(prompts, params)
+    assert llm.engine.kv.num_used_blocks == 0
+    llm.engine.kv.check_invariants()
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("chunk", [64, 2048], ids=["chunked", "whole"])
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_paged_engine_gives_transformers_tokens(ckpt, reference, source, chunk):
+    llm = LLM(ckpt.hf_dir if source == "hf" else ckpt.gguf, quantization="none", block_size=16,
+              max_num_batched_tokens=chunk)
+    for length in LENGTHS:
+        assert generate(llm, [prompt(length)]) == [reference(prompt(length))], length
+    ragged = [prompt(length, seed) for seed, length in enumerate(RAGGED)]
+    assert generate(llm, ragged) == [reference(p) for p in ragged]
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    """Prompts sharing a 96-token start, and their tokens through the plain engine (no prefix cache)."""
+    system = prompt(96, 7)
+    prompts = [system + prompt(n, seed) for seed, n in enumerate((60, 21, 140))]
+    llm = LLM(ckpt.hf_dir, quantization="none", block_size=4, num_kv_blocks=256, enable_prefix_caching=False)
+    return prompts, generate(llm, prompts)
+
+
+def test_sharing_layers_hold_no_blocks_and_prefix_hits_give_the_plain_tokens(ckpt, plain):
+    prompts, tokens = plain
+    llm = LLM(ckpt.hf_dir, quantization="none", block_size=4, num_kv_blocks=256, max_num_batched_tokens=32)
+    holders = [list(kind.layers) for kind in llm.engine.runner.kinds]
+    assert sorted(sum(holders, [])) == [0, 1, 2, 3]  # layers 4 and 5 read 3's and 2's K/V
+    assert [len(kind.cache.k) for kind in llm.engine.runner.kinds] == [1, 3]
+    assert llm.engine.kv_plan.bytes_per_token == 2 * 2 * 4 * (32 + 3 * 16)  # K and V, 2 KV heads, fp32
+    assert generate(llm, prompts) == tokens
+    assert generate(llm, prompts) == tokens  # the second time through the prefix cache
+    assert llm.engine.kv.prefix_hits > 0
+
+
+def test_preemption_n3_and_speculation_give_the_plain_tokens(ckpt, plain):
+    prompts, tokens = plain
+    tight = LLM(ckpt.hf_dir, quantization="none", block_size=4, num_kv_blocks=70, max_num_batched_tokens=16)
+    assert generate(tight, prompts) == tokens
+    assert tight.engine.scheduler.num_preemptions > 0
+    llm = LLM(ckpt.hf_dir, quantization="none", block_size=4, num_kv_blocks=256)
+    out = llm.generate([prompts[0]], SamplingParams(n=3, temperature=0, max_tokens=N, ignore_eos=True))[0]
+    assert [c.token_ids for c in out.outputs] == [tokens[0]] * 3
+    assert llm.engine.kv.num_used_blocks == 0
+    ngram = LLM(ckpt.hf_dir, quantization="none", block_size=4, num_kv_blocks=256, speculative_method="ngram",
+                num_speculative_tokens=3, adaptive_speculation=False)
+    assert generate(ngram, prompts) == tokens
+    assert ngram.engine.speculator.counters.verify_steps > 0
+
+
+def test_fused_decode_runs_the_layers_unfused_and_says_so(ckpt, caplog):
+    with caplog.at_level(logging.INFO, logger="kvgen.model.fused"):
+        llm = LLM(ckpt.hf_dir, quantization="none")
+    assert any("6 of 6 layers have a block without a fused form" in r.message for r in caplog.records)
+    fused = generate(llm, [prompt(40)])
+    assert fused == generate(LLM(ckpt.hf_dir, quantization="none", fused_decode=False), [prompt(40)])
+
+
+def e2b_config() -> ModelConfig:
+    return ModelConfig.from_hf(E2B | {"vocab_size": 262144, "intermediate_size": 6144, "use_double_wide_mlp": True,
+                                      "max_position_embeddings": 131072, "vocab_size_per_layer_input": 262144})
+
+
+def test_e2b_kv_at_8k_is_the_donors_share():
+    """What the engine allocates for a Gemma 4 E2B shape: pools for the 15 of 35 layers that hold K/V
+    (12 window layers of head size 256, 3 global of 512, one KV head), so one 8k sequence holds the
+    donors' share of kvgen.cache.shared_kv, plus the window pool's slack (a step's chunk and two
+    blocks of the window layers: kvgen.cache.hybrid.LayerKind.tokens_held)."""
+    config = e2b_config()
+    assert config.kv_holders == list(range(15))
+    plan = plan_kv(config, EngineConfig(block_size=16, max_num_seqs=1, max_num_batched_tokens=64), 8192)
+    assert [len(kind.layers) for kind in plan.kinds] == [3, 12]
+    assert plan.kind_layer_bytes == (2 * 512 * 4, 2 * 256 * 4)
+    held = sum(len(k.layers) * b * k.tokens_held(8192, 64, 16) for k, b in zip(plan.kinds, plan.kind_layer_bytes))
+    shape = SharedKVShape.from_hf_config(E2B)
+    assert SharedKVShape.from_model_config(config) == shape
+    donors, every_layer = shape.sequence_bytes(8192), shape.sequence_bytes(8192, shared=False)
+    slack = 12 * 2 * 256 * 4 * (64 + 2 * 16)
+    print(f"\nE2B at 8k, fp32: {held:,} bytes per sequence; the donors' share {donors:,} (+ {slack:,} of window "
+          f"slack); every layer holding its own {every_layer:,}")
+    assert donors <= held <= donors + slack < every_layer / 2
+
+
+def test_moe_and_unknown_fields_are_refused_in_one_line(tmp_path, ckpt):
+    config = json.loads((ckpt.hf_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"enable_moe_block": True}))
+    with pytest.raises(ModelLoadError, match="MoE arrives with issue 43") as refused:
+        LLM(tmp_path, quantization="none")
+    assert "\n" not in str(refused.value)
