@@ -123,7 +123,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: object = "config.json") -> "ModelConfig":
-        """Builds the config from a Hugging Face `config.json` dict (transformers 4.x and 5.x layouts)."""
+        """Builds the config from a Hugging Face `config.json` dict (transformers 4.x and 5.x layouts);
+        of a multimodal checkpoint, its text model's (`text_part`)."""
+        cfg = text_part(cfg)
         model_type = cfg.get("model_type", "llama")
         arch = BY_HF_MODEL_TYPE.get(model_type)
         if arch is None:
@@ -161,6 +163,13 @@ class ModelConfig:
             return replace(config, **arch.hf_fields(cfg, config)) if arch.hf_fields else config
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(source, f"bad model config: {e!r}") from None
+
+
+def text_part(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a multimodal checkpoint (its `text_config`, where that names a
+    model kvgen runs: Gemma 4's ...ForConditionalGeneration), else `cfg` itself."""
+    text = cfg.get("text_config")
+    return text if isinstance(text, dict) and text.get("model_type") in BY_HF_MODEL_TYPE else cfg
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

@@ -144,3 +144,26 @@ def test_moe_and_unknown_fields_are_refused_in_one_line(tmp_path, ckpt):
     with pytest.raises(ModelLoadError, match="MoE arrives with issue 43") as refused:
         LLM(tmp_path, quantization="none")
     assert "\n" not in str(refused.value)
+
+
+def test_the_text_part_of_a_multimodal_checkpoint_runs(tmp_path, ckpt):
+    """Gemma4ForConditionalGeneration's layout (config under text_config, the text model's tensors
+    under model.language_model., towers beside it): kvgen runs the text model, with its tokens."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = {"model.language_model." + name[len("model."):]: w
+               for name, w in load_file(ckpt.hf_dir / "model.safetensors").items()}
+    save_file(weights | {"model.vision_tower.patch_embedder.weight": torch.zeros(4, 4),
+                         "model.embed_vision.embedding_projection.weight": torch.zeros(64, 4)},
+              tmp_path / "model.safetensors")
+    text_config = json.loads((ckpt.hf_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text_config,
+        "vision_config": {"model_type": "gemma4_vision"}, "tie_word_embeddings": True}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ckpt.hf_dir / name, tmp_path / name)
+    text = LLM(ckpt.hf_dir, quantization="none")
+    assert generate(LLM(tmp_path, quantization="none"), [prompt(40)]) == generate(text, [prompt(40)])
