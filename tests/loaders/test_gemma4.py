@@ -167,3 +167,60 @@ def test_the_text_part_of_a_multimodal_checkpoint_runs(tmp_path, ckpt):
         shutil.copy(ckpt.hf_dir / name, tmp_path / name)
     text = LLM(ckpt.hf_dir, quantization="none")
     assert generate(LLM(tmp_path, quantization="none"), [prompt(40)]) == generate(text, [prompt(40)])
+
+
+GEMMA4_SPECIALS = {500: "<|turn>", 501: "<turn|>", 502: "<|channel>", 503: "<channel|>"}  # ids no merge uses
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
+# What Gemma 4's own template (llama.cpp's models/templates/google-gemma-4-31B-it.jinja, rendered by
+# kvgen.server.chat.ChatTemplate) makes of CONVERSATION.
+RENDERED = ("<s><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi there<turn|>\n<|turn>model\nHello!<turn|>\n"
+            "<|turn>user\nCapital of France?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>")
+
+
+def chat_gguf(source, out, template: str | None):
+    """The fixture's GGUF with Gemma 4's turn tokens (control tokens in place of unused pieces) and
+    `template` as its chat template (None: none, as a file without one)."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    reader = gguf.GGUFReader(source)
+    tokens = list(reader.get_field("tokenizer.ggml.tokens").contents())
+    types = list(reader.get_field("tokenizer.ggml.token_type").contents())
+    for i, text in GEMMA4_SPECIALS.items():
+        tokens[i], types[i] = text, int(gguf.TokenType.CONTROL)
+    array = gguf.GGUFValueType.ARRAY
+    new = {"tokenizer.ggml.tokens": MetadataDetails(array, tokens, sub_type=gguf.GGUFValueType.STRING),
+           "tokenizer.ggml.token_type": MetadataDetails(array, types, sub_type=gguf.GGUFValueType.INT32)}
+    if template is not None:
+        new["tokenizer.chat_template"] = MetadataDetails(gguf.GGUFValueType.STRING, template)
+    copy_with_new_metadata(reader, gguf.GGUFWriter(out, "gemma4"), new, [])
+    return out
+
+
+@pytest.mark.parametrize("carried", [True, False], ids=["template-in-file", "builtin"])
+def test_chat_renders_gemma4_turns_and_stops_at_the_end_of_turn(tmp_path, ckpt, carried):
+    """The GGUF's chat template (or, for a file without one, kvgen's Gemma 4 one, which renders a text
+    conversation as Gemma 4's own does), <turn|> a stop token, and /v1/chat/completions over it."""
+    import openai
+
+    from kvgen.loaders.chat_templates import GEMMA4
+    from kvgen.server.app import create_app
+    from kvgen.server.chat import ChatTemplate
+    from kvgen.server.protocol import ChatMessage
+    from tests.server.test_server import running
+
+    path = chat_gguf(ckpt.gguf, tmp_path / "chat.gguf", GEMMA4 if carried else None)
+    llm = LLM(path, quantization="none")
+    tokenizer = llm.tokenizer
+    rendered = ChatTemplate(tokenizer).render([ChatMessage(**m) for m in CONVERSATION])
+    assert rendered == RENDERED
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    assert [i for i in ids if i in GEMMA4_SPECIALS] == [500, 501, 500, 501, 500, 501, 500, 501, 500, 502, 503]
+    assert llm.engine.model_config.eos_token_ids == (2, 501) and tokenizer.extra_stop_ids == {501}  # </s>, <turn|>
+    want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12))[0].text
+    with running(create_app(llm.engine, model_name="gemma4")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        result = client.chat.completions.create(model="gemma4", messages=CONVERSATION, max_tokens=12, temperature=0)
+    assert result.usage.prompt_tokens == len(ids)
+    assert result.choices[0].message.content == want
