@@ -138,12 +138,18 @@ def test_e2b_kv_at_8k_is_the_donors_share():
     assert donors <= held <= donors + slack < every_layer / 2
 
 
-def test_moe_and_unknown_fields_are_refused_in_one_line(tmp_path, ckpt):
+def test_moe_is_refused_in_one_line(tmp_path, ckpt):
+    """The MoE variant, from a HF config (enable_moe_block) and from a GGUF (expert_count)."""
+    import gguf
+
     config = json.loads((ckpt.hf_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config | {"enable_moe_block": True}))
-    with pytest.raises(ModelLoadError, match="MoE arrives with issue 43") as refused:
-        LLM(tmp_path, quantization="none")
-    assert "\n" not in str(refused.value)
+    moe_gguf = tmp_path / "moe.gguf"
+    copy_gguf(ckpt.gguf, moe_gguf, {"gemma4.expert_count": (gguf.GGUFValueType.UINT32, 8)})
+    for path in (tmp_path, moe_gguf):
+        with pytest.raises(ModelLoadError, match="MoE arrives with issue 43") as refused:
+            LLM(path, quantization="none")
+        assert "\n" not in str(refused.value)
 
 
 def test_the_text_part_of_a_multimodal_checkpoint_runs(tmp_path, ckpt):
@@ -178,11 +184,20 @@ RENDERED = ("<s><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi there<turn|>\n<
             "<|turn>user\nCapital of France?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>")
 
 
+def copy_gguf(source, out, fields: dict) -> None:
+    """`source` rewritten with `fields` (key -> (value type, value[, array element type])) set."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    copy_with_new_metadata(gguf.GGUFReader(source), gguf.GGUFWriter(out, "gemma4"),
+                           {key: MetadataDetails(kind, value, sub_type=sub[0] if sub else None)
+                            for key, (kind, value, *sub) in fields.items()}, [])
+
+
 def chat_gguf(source, out, template: str | None):
     """The fixture's GGUF with Gemma 4's turn tokens (control tokens in place of unused pieces) and
     `template` as its chat template (None: none, as a file without one)."""
     import gguf
-    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
     reader = gguf.GGUFReader(source)
     tokens = list(reader.get_field("tokenizer.ggml.tokens").contents())
@@ -190,11 +205,11 @@ def chat_gguf(source, out, template: str | None):
     for i, text in GEMMA4_SPECIALS.items():
         tokens[i], types[i] = text, int(gguf.TokenType.CONTROL)
     array = gguf.GGUFValueType.ARRAY
-    new = {"tokenizer.ggml.tokens": MetadataDetails(array, tokens, sub_type=gguf.GGUFValueType.STRING),
-           "tokenizer.ggml.token_type": MetadataDetails(array, types, sub_type=gguf.GGUFValueType.INT32)}
+    fields = {"tokenizer.ggml.tokens": (array, tokens, gguf.GGUFValueType.STRING),
+              "tokenizer.ggml.token_type": (array, types, gguf.GGUFValueType.INT32)}
     if template is not None:
-        new["tokenizer.chat_template"] = MetadataDetails(gguf.GGUFValueType.STRING, template)
-    copy_with_new_metadata(reader, gguf.GGUFWriter(out, "gemma4"), new, [])
+        fields["tokenizer.chat_template"] = (gguf.GGUFValueType.STRING, template)
+    copy_gguf(source, out, fields)
     return out
 
 
