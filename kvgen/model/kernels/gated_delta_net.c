@@ -1,54 +1,80 @@
-/* Gated DeltaNet decode: one token of B sequences, each reading and updating its own state in place in
- * a pool of states (kvgen/cache/state_pool.py), fp32. The math is kvgen/model/gated_delta_net.py's
- * delta_rule_step and conv1d_step; see there for the rule.
+/* Gated DeltaNet in C: the delta rule and the causal conv of any number of sequences, each with its own
+ * tokens (one for a decode step, a prompt chunk for a prefill), reading and updating each sequence's
+ * recurrent state and conv window in place in a pool of slots (kvgen/cache/state_pool.py), fp32. The
+ * math is kvgen/model/gated_delta_net.py's (delta_rule_recurrent, causal_conv1d); see there for the rule.
  *
- * Why C: torch's step makes five passes over each state [Hv, Dk, Dv] (decay, k^T S, the outer-product
- * add with its temporary, S^T q) and runs ~200 us for a Qwen3.5-0.8B layer at batch 1 (1 MB of state),
- * 3.5-9.6 ms at batch 8, where the state need be read once and written once. Here each (sequence, value
- * head) is one task of two passes over its Dk x Dv block (64 KB at 128 x 128, so the second pass reads
- * from L2):
+ * gdn_rule: one task per (sequence, value head). Its state S [Dk, Dv] is independent column by column
+ * (token t touches column v only through p[v], u[v] and o[v] below), so the task takes COLS columns
+ * at a time into a contiguous block (Dk x 32 fp32, 16 KB at Dk 128: it stays in L1) and runs all of
+ * the sequence's tokens on it before the next block; the pool is read once and written once however
+ * many tokens there are. Per token, with q, k unit vectors (q also scaled by Dk^-1/2) and d = exp(g):
  *
- *     pass 1   p[v] = sum_i k[i] S[i][v]                     (k^T S, before the decay)
- *              u[v] = beta * (x[v] - exp(g) p[v])             (the delta rule's write)
- *     pass 2   S[i][v] = exp(g) S[i][v] + k[i] u[v];  o[v] += q[i] S[i][v]
+ *     pass 1   p = k^T S,  r = q^T S                          (one read of the block)
+ *              u = beta (x - d p)                             (the delta rule's write)
+ *              o = d r + (q.k) u                              (= S_new^T q)
+ *     pass 2   S = d S + k u^T                                (one read and write of the block)
  *
- * q and k are L2-normalized per head (x / sqrt(sum x^2 + 1e-6)) and q scaled by Dk^-1/2 in the task;
- * value head h reads key head h / r ("grouped", Hugging Face's order) or h mod Hk ("tiled", a GGUF's).
- * Sums run in another order than torch's (and exp(g) multiplies k^T S instead of S first), so results
- * differ from torch's by rounding: tests/model/test_gated_delta_net_kernel.py holds them to a derived bound.
+ * q and k are L2-normalized per head (x / sqrt(sum x^2 + 1e-6)) once per token, before the blocks.
+ * Value head h reads key head h / r ("grouped", Hugging Face's order) or h mod Hk ("tiled", a GGUF's).
+ * With `kept`, the state after every token is written out too (a speculative verify's checkpoints).
+ * Sums run in another order than torch's (and o is formed from S before its update), so results differ
+ * from torch's by rounding: tests/model/test_gated_delta_net_kernel.py holds them to a derived bound.
  *
- * conv_step: the causal depthwise convolution (kernel K) and SiLU of one token per sequence, shifting
- * each sequence's window [C, K - 1] (in its pool slot) by one.
+ * gdn_conv: the causal depthwise convolution (kernel K) and SiLU; one task per (sequence, 256
+ * channels), its taps and the old window transposed to rows so that the channel loops vectorize; each
+ * sequence's window [C, K - 1] becomes its last K - 1 inputs.
  *
- * Tasks are shared among `num_threads` OpenMP threads (torch's count, passed in).
+ * Tasks are shared among `num_threads` OpenMP threads (torch's count, passed in), dynamically: a
+ * ragged batch's sequences differ in length.
  *
- * Measured (tests/model/test_gated_delta_net_kernel.py -m slow, one thread, a 2-core machine shared with
- * other jobs, so +-50%): a Qwen3.5-0.8B-shaped layer, 16 key heads x 128,
- *     value heads  batch   delta step torch -> C     conv step torch -> C
- *     16           1       198-424 us -> 53-98        72-154 us -> 14
- *     32           1       633-1069 us -> 184-203     89-176 us -> 18
- *     16           8       3505-5360 us -> 515-524    489 us -> 54
- *     32           8       7709-13878 us -> 1222-2225 710-1553 us -> 138
- * (4-10x; ~12 us of each C figure is the Python wrapper's checks and the ctypes call).
+ * Measured (benchmarks/delta_net_prefill.py; a Qwen3.5-0.8B-shaped layer, 16 + 16 heads of 128, a
+ * 512-token prompt, conv + gates + rule + gated norm, on a 2-core machine under a load of ~6, so the
+ * ratios hold better than the times): torch's chunked form 221 ms/layer -> C 62 (3.6x) on one thread,
+ * 369 -> 63 (5.8x) on two. Decode (tests/model/test_gated_delta_net_kernel.py -m slow) runs as fast as
+ * the two-pass step this replaced: one token runs on the pool in place, without the block copies.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #ifdef __AVX512F__
 #include "exp16.h"
 #endif
 
-#define MAX_DIM 1024 /* Dk, Dv up to this (Qwen3.5: 128); gdn_step returns 1 beyond it */
+#define MAX_DIM 1024   /* Dk, Dv up to this (Qwen3.5: 128); gdn_rule returns 1 beyond it */
+#define LANES 16       /* floats in one vector below (AVX-512's; the compiler splits it where narrower) */
+#define COLS 32        /* state columns a task keeps in L1 across a sequence's tokens */
+#define VECS (COLS / LANES)
+#define CONV_GROUP 256 /* channels per conv task */
+#define MAX_KERNEL 8   /* conv kernel sizes up to this (Qwen3.5: 4); gdn_conv returns 1 beyond it */
 
-struct gdn_step_args {
-    const float *q, *k;   /* [B, Hk, Dk], rows qk_stride floats apart (q and k of one sequence share it) */
-    const float *v;       /* [B, Hv, Dv], rows v_stride floats apart */
-    const float *g, *beta; /* [B, Hv] contiguous: log decay (<= 0) and rate */
-    float *states;        /* the pool: [num_slots, Hv, Dk, Dv] */
-    const int64_t *slots; /* [B]: each sequence's slot in the pool */
-    float *out;           /* [B, Hv, Dv] contiguous */
-    int64_t batch, k_heads, v_heads, k_dim, v_dim, qk_stride, v_stride;
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef float unaligned_vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+
+/* Sequence n's rows: starts[n] .. starts[n + 1] - 1, or row n alone where there are no starts (decode). */
+static void sequence_rows(const int64_t *starts, int64_t n, int64_t *first, int64_t *count) {
+    *first = starts ? starts[n] : n;
+    *count = starts ? starts[n + 1] - starts[n] : 1;
+}
+
+static int64_t longest_sequence(const int64_t *starts, int64_t sequences) {
+    int64_t longest = sequences > 0 ? 1 : 0;
+    for (int64_t n = 0; starts && n < sequences; n++)
+        if (starts[n + 1] - starts[n] > longest) longest = starts[n + 1] - starts[n];
+    return longest;
+}
+
+struct gdn_rule_args {
+    const float *q, *k;    /* [rows, Hk, Dk], rows qk_stride floats apart (q and k share it) */
+    const float *v;        /* [rows, Hv, Dv], rows v_stride floats apart */
+    const float *g, *beta; /* [rows, Hv] contiguous: log decay (<= 0) and rate */
+    float *states;         /* the pool: [num_slots, Hv, Dk, Dv] */
+    const int64_t *slots;  /* [sequences]: each sequence's slot in the pool */
+    const int64_t *starts; /* [sequences + 1]: sequence n's rows, or NULL: one row per sequence */
+    float *out;            /* [rows, Hv, Dv] contiguous */
+    float *kept;           /* NULL, or [rows, Hv, Dk, Dv] contiguous: the state after each row */
+    int64_t sequences, k_heads, v_heads, k_dim, v_dim, qk_stride, v_stride;
     int32_t tiled, normalize, num_threads;
 };
 
@@ -63,51 +89,120 @@ static void unit(const float *restrict x, int64_t n, float scale, int normalize,
     for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * scale;
 }
 
-int gdn_step(const struct gdn_step_args *a) {
-    if (a->k_dim > MAX_DIM || a->v_dim > MAX_DIM) return 1;
-    const int64_t Dk = a->k_dim, Dv = a->v_dim, Hv = a->v_heads, Hk = a->k_heads, ratio = Hv / Hk;
-    const float q_scale = 1.f / sqrtf((float)Dk);
-#pragma omp parallel for num_threads(a->num_threads) schedule(static)
-    for (int64_t task = 0; task < a->batch * Hv; task++) {
-        const int64_t b = task / Hv, h = task % Hv, kh = a->tiled ? h % Hk : h / ratio;
-        float q[MAX_DIM], k[MAX_DIM], u[MAX_DIM], o[MAX_DIM];
-        unit(a->q + b * a->qk_stride + kh * Dk, Dk, q_scale, a->normalize, q);
-        unit(a->k + b * a->qk_stride + kh * Dk, Dk, 1.f, a->normalize, k);
-        float *restrict S = a->states + (a->slots[b] * Hv + h) * Dk * Dv;
-        const float *restrict x = a->v + b * a->v_stride + h * Dv;
-        const float decay = expf(a->g[b * Hv + h]), beta = a->beta[b * Hv + h];
-        for (int64_t j = 0; j < Dv; j++) u[j] = 0.f, o[j] = 0.f;
-        for (int64_t i = 0; i < Dk; i++) {
-            const float ki = k[i];
-            const float *restrict row = S + i * Dv;
-#pragma omp simd
-            for (int64_t j = 0; j < Dv; j++) u[j] += ki * row[j];
+/* One token on COLS columns of a state: rows B + i * stride, i < Dk (columns past the head's Dv are
+ * zeros, as are x's there, and stay zeros); x, o [COLS]. Even and odd rows sum apart in pass 1, two
+ * chains of FMAs. */
+static void rule_token(float *restrict B, int64_t stride, int64_t Dk, const float *restrict q, const float *restrict k,
+                       float qk, const vec *restrict x, float decay, float beta, vec *restrict o) {
+#define ROW(i, c) (*(unaligned_vec *)(B + (i) * stride + (c) * LANES))
+    vec p0[VECS] = {0}, p1[VECS] = {0}, r0[VECS] = {0}, r1[VECS] = {0}, u[VECS];
+    int64_t i = 0;
+    for (; i + 2 <= Dk; i += 2)
+        for (int c = 0; c < VECS; c++) {
+            const vec s0 = ROW(i, c), s1 = ROW(i + 1, c);
+            p0[c] += k[i] * s0, r0[c] += q[i] * s0;
+            p1[c] += k[i + 1] * s1, r1[c] += q[i + 1] * s1;
         }
-#pragma omp simd
-        for (int64_t j = 0; j < Dv; j++) u[j] = beta * (x[j] - decay * u[j]);
-        for (int64_t i = 0; i < Dk; i++) {
-            const float ki = k[i], qi = q[i];
-            float *restrict row = S + i * Dv;
-#pragma omp simd
-            for (int64_t j = 0; j < Dv; j++) {
-                const float s = decay * row[j] + ki * u[j];
-                row[j] = s;
-                o[j] += qi * s;
-            }
-        }
-        float *restrict y = a->out + (b * Hv + h) * Dv;
-        for (int64_t j = 0; j < Dv; j++) y[j] = o[j];
+    for (; i < Dk; i++)
+        for (int c = 0; c < VECS; c++) p0[c] += k[i] * ROW(i, c), r0[c] += q[i] * ROW(i, c);
+    for (int c = 0; c < VECS; c++) {
+        u[c] = beta * (x[c] - decay * (p0[c] + p1[c]));
+        o[c] = decay * (r0[c] + r1[c]) + qk * u[c];
     }
-    return 0;
+    for (i = 0; i < Dk; i++)
+        for (int c = 0; c < VECS; c++) ROW(i, c) = decay * ROW(i, c) + k[i] * u[c];
+#undef ROW
 }
 
-struct conv_step_args {
-    const float *x;       /* [B, C], rows x_stride floats apart */
-    const float *weight;  /* [C, K] */
-    float *windows;       /* the pool: [num_slots, C, K - 1] */
-    const int64_t *slots; /* [B] */
-    float *out;           /* [B, C] contiguous */
-    int64_t batch, channels, kernel, x_stride;
+/* A block [Dk, COLS] from columns j0 .. j0 + width - 1 of a state [Dk, Dv] (zeros past width), and back. */
+static void block_load(float *restrict B, const float *restrict S, int64_t Dk, int64_t Dv, int64_t j0, int64_t width) {
+    for (int64_t i = 0; i < Dk; i++) {
+        const float *restrict row = S + i * Dv + j0;
+        if (width == COLS)
+            for (int c = 0; c < VECS; c++) *(vec *)(B + i * COLS + c * LANES) = *(const unaligned_vec *)(row + c * LANES);
+        else
+            for (int64_t j = 0; j < COLS; j++) B[i * COLS + j] = j < width ? row[j] : 0.f;
+    }
+}
+
+static void block_store(const float *restrict B, float *restrict S, int64_t Dk, int64_t Dv, int64_t j0, int64_t width) {
+    for (int64_t i = 0; i < Dk; i++) {
+        float *restrict row = S + i * Dv + j0;
+        if (width == COLS)
+            for (int c = 0; c < VECS; c++) *(unaligned_vec *)(row + c * LANES) = *(const vec *)(B + i * COLS + c * LANES);
+        else
+            for (int64_t j = 0; j < width; j++) row[j] = B[i * COLS + j];
+    }
+}
+
+/* Per thread: a state block [Dk, COLS], then the unit q and k [T, Dk] and q.k [T] of a task's tokens. */
+static size_t rule_scratch_floats(const struct gdn_rule_args *a, int64_t longest) {
+    return (size_t)a->k_dim * COLS + (size_t)longest * (2 * a->k_dim + 1);
+}
+
+static void rule_task(const struct gdn_rule_args *a, int64_t n, int64_t h, float *scratch) {
+    const int64_t Dk = a->k_dim, Dv = a->v_dim, Hv = a->v_heads, Hk = a->k_heads;
+    const int64_t kh = a->tiled ? h % Hk : h / (Hv / Hk);
+    int64_t first, T;
+    sequence_rows(a->starts, n, &first, &T);
+    float *block = scratch;
+    float *qs = scratch + Dk * COLS, *ks = qs + T * Dk, *qk = ks + T * Dk;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t row = (first + t) * a->qk_stride + kh * Dk;
+        unit(a->q + row, Dk, 1.f / sqrtf((float)Dk), a->normalize, qs + t * Dk);
+        unit(a->k + row, Dk, 1.f, a->normalize, ks + t * Dk);
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < Dk; i++) dot += qs[t * Dk + i] * ks[t * Dk + i];
+        qk[t] = dot;
+    }
+    float *S = a->states + (a->slots[n] * Hv + h) * Dk * Dv;
+    for (int64_t j0 = 0; j0 < Dv; j0 += COLS) {
+        const int64_t width = Dv - j0 < COLS ? Dv - j0 : COLS;
+        /* one token (decode) reads the block once either way: it runs in place, without the copies */
+        const int in_place = T == 1 && width == COLS && !a->kept;
+        float *B = in_place ? S + j0 : block;
+        if (!in_place) block_load(block, S, Dk, Dv, j0, width);
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t row = first + t;
+            vec x[VECS] = {0}, o[VECS];
+            memcpy(x, a->v + row * a->v_stride + h * Dv + j0, width * sizeof(float));
+            rule_token(B, in_place ? Dv : COLS, Dk, qs + t * Dk, ks + t * Dk, qk[t], x, expf(a->g[row * Hv + h]),
+                       a->beta[row * Hv + h], o);
+            memcpy(a->out + (row * Hv + h) * Dv + j0, o, width * sizeof(float));
+            if (a->kept) block_store(block, a->kept + (row * Hv + h) * Dk * Dv, Dk, Dv, j0, width);
+        }
+        if (!in_place) block_store(block, S, Dk, Dv, j0, width);
+    }
+}
+
+int gdn_rule(const struct gdn_rule_args *a) {
+    if (a->k_dim > MAX_DIM || a->v_dim > MAX_DIM) return 1;
+    const size_t floats = rule_scratch_floats(a, longest_sequence(a->starts, a->sequences));
+    int failed = 0;
+#pragma omp parallel num_threads(a->num_threads)
+    {
+        float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < a->sequences * a->v_heads; task++)
+            if (scratch) rule_task(a, task / a->v_heads, task % a->v_heads, scratch);
+        free(scratch);
+    }
+    return failed ? 2 : 0;
+}
+
+struct gdn_conv_args {
+    const float *x;        /* [rows, C], rows x_stride floats apart */
+    const float *weight;   /* [C, K] */
+    float *windows;        /* the pool: [num_slots, C, K - 1] */
+    const int64_t *slots;  /* [sequences] */
+    const int64_t *starts; /* [sequences + 1], or NULL: one row per sequence */
+    float *out;            /* [rows, C] contiguous */
+    int64_t sequences, channels, kernel, x_stride;
     int32_t num_threads;
 };
 
@@ -124,33 +219,40 @@ static void silu_in_place(float *restrict y, int64_t n) {
     for (; c < n; c++) y[c] = y[c] / (1.f + expf(-y[c]));
 }
 
-int conv_step(const struct conv_step_args *a) {
-    const int64_t C = a->channels, K = a->kernel, W = K - 1;
-#pragma omp parallel for num_threads(a->num_threads) schedule(static)
-    for (int64_t b = 0; b < a->batch; b++) {
-        const float *restrict x = a->x + b * a->x_stride;
-        float *restrict window = a->windows + a->slots[b] * C * W;
-        const float *restrict f = a->weight;
-        float *restrict y = a->out + b * C;
-        if (K == 4) { /* Qwen3.5's kernel: unrolled, so that the channel loop vectorizes */
-#pragma omp simd
-            for (int64_t c = 0; c < C; c++) {
-                float *w = window + c * 3;
-                const float w0 = w[0], w1 = w[1], w2 = w[2], xc = x[c];
-                y[c] = w0 * f[c * 4] + w1 * f[c * 4 + 1] + w2 * f[c * 4 + 2] + xc * f[c * 4 + 3];
-                w[0] = w1, w[1] = w2, w[2] = xc;
-            }
-        } else {
-            for (int64_t c = 0; c < C; c++) {
-                float *restrict w = window + c * W;
-                float sum = 0.f;
-                for (int64_t i = 0; i < W; i++) sum += w[i] * f[c * K + i];
-                y[c] = sum + x[c] * f[c * K + W];
-                for (int64_t i = 0; i + 1 < W; i++) w[i] = w[i + 1];
-                if (W > 0) w[W - 1] = x[c];
-            }
-        }
-        silu_in_place(y, C);
+/* Channels c0.. (up to CONV_GROUP) of sequence n. Input s of the sequence (s < 0: the window's). */
+static void conv_task(const struct gdn_conv_args *a, int64_t n, int64_t c0) {
+    const int64_t C = a->channels, K = a->kernel, W = K - 1, width = C - c0 < CONV_GROUP ? C - c0 : CONV_GROUP;
+    float taps[MAX_KERNEL][CONV_GROUP], past[MAX_KERNEL][CONV_GROUP]; /* [K, width], [W, width] */
+    float *window = a->windows + a->slots[n] * C * W + c0 * W;
+    for (int64_t j = 0; j < width; j++) {
+        for (int64_t i = 0; i < K; i++) taps[i][j] = a->weight[(c0 + j) * K + i];
+        for (int64_t i = 0; i < W; i++) past[i][j] = window[j * W + i];
     }
+    int64_t first, T;
+    sequence_rows(a->starts, n, &first, &T);
+#define INPUT(s) ((s) >= 0 ? a->x + (first + (s)) * a->x_stride + c0 : past[W + (s)])
+    for (int64_t t = 0; t < T; t++) {
+        float *restrict y = a->out + (first + t) * C + c0;
+        for (int64_t j = 0; j < width; j++) y[j] = 0.f;
+        for (int64_t i = 0; i < K; i++) {
+            const float *restrict in = INPUT(t - W + i);
+#pragma omp simd
+            for (int64_t j = 0; j < width; j++) y[j] += taps[i][j] * in[j];
+        }
+        silu_in_place(y, width);
+    }
+    for (int64_t i = 0; i < W; i++) {
+        const float *in = INPUT(T - W + i);
+        for (int64_t j = 0; j < width; j++) window[j * W + i] = in[j];
+    }
+#undef INPUT
+}
+
+int gdn_conv(const struct gdn_conv_args *a) {
+    if (a->kernel < 1 || a->kernel > MAX_KERNEL) return 1;
+    const int64_t groups = (a->channels + CONV_GROUP - 1) / CONV_GROUP;
+#pragma omp parallel for num_threads(a->num_threads) schedule(dynamic)
+    for (int64_t task = 0; task < a->sequences * groups; task++)
+        conv_task(a, task / groups, task % groups * CONV_GROUP);
     return 0;
 }

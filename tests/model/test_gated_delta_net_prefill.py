@@ -1,0 +1,141 @@
+"""The C prefill of Gated DeltaNet (kvgen/model/kernels/gated_delta_net.c's gdn_rule and gdn_conv over each
+sequence's tokens) against the torch forms: delta_rule_recurrent and delta_rule_chunked, causal_conv1d,
+one sequence at a time, for ragged batches of sequences of 1, few (3-17) and many (64-700) tokens, each
+starting from its own slot of a pool and leaving its state and window there.
+
+Bounds (tests/model/test_gated_delta_net.py's rule_bound, derived there): the kernel runs the recurrent
+map token by token, so against delta_rule_recurrent both forms make dot products of n = Dk terms per token
+and solve no system (chunk 0, kappa 1). The kernel forms o_t from the state before its update,
+exp(g) q^T S + (q.k) u: two Dk-term dot products whose rounding is that of S_t^T q's, within the n of one
+form's share (the bound counts two forms, each erring within n eps (sqrt(Dk) max|S| + max|v|) per token).
+Against delta_rule_chunked the chunked form's own share is the larger one (n = Dk + C, its kappa): the
+bound between the two torch forms covers it. The conv: K-term sums of products, so
+2 K eps max|input| max_c sum|w_c| (silu's slope is below 1.1); its windows are copies, compared exactly.
+"""
+
+import pytest
+import torch
+
+from kvgen.model.gated_delta_net import causal_conv1d, delta_rule_chunked, delta_rule_recurrent, gates
+from kvgen.model.kernels.gated_delta_net import gated_delta_net_kernel
+from tests.model.test_gated_delta_net import EPS32, rule_bound, solve_amplification
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = gated_delta_net_kernel()
+    assert k is not None, "the Gated DeltaNet kernel did not build (see the log)"
+    return k
+
+
+def ragged_inputs(lengths, k_heads, v_heads, k_dim, v_dim, gen):
+    """q, k, v as views into one mixed row per token [rows, 2 Hk Dk + Hv Dv] (the conv's output, as a
+    layer hands them over), g and beta from Qwen3.5's formula and ranges, and starts [N + 1]."""
+    rows = sum(lengths)
+    kd = k_heads * k_dim
+    mixed = torch.randn(rows, 2 * kd + v_heads * v_dim, generator=gen)
+    q, k = mixed[:, :kd].view(rows, k_heads, k_dim), mixed[:, kd:2 * kd].view(rows, k_heads, k_dim)
+    v = mixed[:, 2 * kd:].view(rows, v_heads, v_dim)
+    A_log = torch.empty(v_heads).uniform_(0.01, 16, generator=gen).log()
+    g, beta = gates(torch.randn(rows, v_heads, generator=gen), torch.randn(rows, v_heads, generator=gen),
+                    torch.randn(v_heads, generator=gen), A_log=A_log)
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return q, k, v, g, beta, starts
+
+
+CASES = [  # lengths of the sequences of one call, Hk, Hv, Dk, Dv, head order
+    ([1], 2, 4, 16, 8, "grouped"),
+    ([5], 2, 4, 128, 128, "tiled"),                   # Qwen3.5's head size
+    ([700], 2, 4, 16, 8, "grouped"),
+    ([3, 64, 1, 17], 2, 6, 32, 48, "tiled"),          # Dv: one block of 32 columns and a part
+    ([65, 0, 200, 9], 1, 4, 16, 40, "grouped"),       # a sequence with no tokens in the batch
+    ([17, 130, 4], 4, 4, 64, 32, "grouped"),          # no sharing
+    ([3, 11], 2, 4, 128, 128, "grouped"),
+]
+
+
+@pytest.mark.parametrize(("lengths", "k_heads", "v_heads", "k_dim", "v_dim", "order"), CASES)
+def test_rule_over_ragged_sequences_matches_both_torch_forms(kernel, lengths, k_heads, v_heads, k_dim, v_dim, order):
+    gen = torch.Generator().manual_seed(sum(lengths) + v_dim)
+    q, k, v, g, beta, starts = ragged_inputs(lengths, k_heads, v_heads, k_dim, v_dim, gen)
+    num_slots = len(lengths) + 3
+    pool = torch.randn(num_slots, v_heads, k_dim, v_dim, generator=gen) * 0.3
+    slots = torch.randperm(num_slots, generator=gen)[:len(lengths)]  # scattered rows of the pool
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    before = pool.clone()
+    out, kept = kernel.rule_tokens(q, k, v, g, beta, pool, slots, starts, order)
+    assert kept is None and torch.equal(pool[untouched], before[untouched])
+    for n, slot in enumerate(slots.tolist()):
+        rows = slice(int(starts[n]), int(starts[n + 1]))
+        T = rows.stop - rows.start
+        if T == 0:
+            assert torch.equal(pool[slot], before[slot])
+            continue
+        args = (q[rows], k[rows], v[rows], g[rows], beta[rows], before[slot])
+        ref_out, states = delta_rule_recurrent(*args, v_head_order=order, keep_states=True)
+        chunked_out, chunked_state = delta_rule_chunked(*args, v_head_order=order)
+        seen = torch.cat([before[slot][None], states])
+        recurrent_bound = rule_bound(T, k_dim, v[rows], seen, 1.0, chunk=0)
+        chunked_bound = rule_bound(T, k_dim, v[rows], seen, solve_amplification(k[rows], g[rows], beta[rows], v_heads))
+        err_r = max(float((out[rows] - ref_out).abs().max()), float((pool[slot] - states[-1]).abs().max()))
+        err_c = max(float((out[rows] - chunked_out).abs().max()), float((pool[slot] - chunked_state).abs().max()))
+        print(f"\nT={T} Hk={k_heads} Hv={v_heads} Dk={k_dim} Dv={v_dim} {order}: vs recurrent {err_r:.2e} "
+              f"(bound {recurrent_bound:.2e}), vs chunked {err_c:.2e} (bound {chunked_bound:.2e})")
+        assert err_r <= recurrent_bound and err_c <= chunked_bound
+
+
+@pytest.mark.parametrize(("lengths", "v_dim"), [([1], 32), ([4, 9], 40), ([3], 128)])
+def test_kept_states_are_the_states_after_each_token(kernel, lengths, v_dim):
+    """A verify chunk's checkpoints: the state after every row, as delta_rule_recurrent's keep_states."""
+    gen = torch.Generator().manual_seed(len(lengths) * v_dim)
+    q, k, v, g, beta, starts = ragged_inputs(lengths, 2, 4, 64, v_dim, gen)
+    pool = torch.randn(len(lengths), 4, 64, v_dim, generator=gen) * 0.3
+    before = pool.clone()
+    out, kept = kernel.rule_tokens(q, k, v, g, beta, pool, torch.arange(len(lengths)), starts, keep_states=True)
+    for n in range(len(lengths)):
+        rows = slice(int(starts[n]), int(starts[n + 1]))
+        _, states = delta_rule_recurrent(q[rows], k[rows], v[rows], g[rows], beta[rows], before[n], keep_states=True)
+        bound = rule_bound(rows.stop - rows.start, 64, v[rows], torch.cat([before[n][None], states]), 1.0, chunk=0)
+        assert float((kept[rows] - states).abs().max()) <= bound
+        assert torch.equal(kept[rows.stop - 1], pool[n])  # the last checkpoint is the state left in the slot
+
+
+@pytest.mark.parametrize("lengths", [[1], [2, 1, 3], [17, 0, 64], [700]])
+def test_conv_over_ragged_sequences_matches_causal_conv1d(kernel, lengths):
+    """Windows continue from each slot and end as each sequence's last K - 1 inputs (from the old window
+    where a sequence has fewer tokens); channels cross the kernel's 256-channel tasks."""
+    gen = torch.Generator().manual_seed(len(lengths) + sum(lengths))
+    channels, width = 300, 4
+    weight = torch.randn(channels, width, generator=gen)
+    x = torch.randn(sum(lengths), channels + 5, generator=gen)[:, :channels]  # rows strided, columns contiguous
+    pool = torch.randn(len(lengths) + 2, channels, width - 1, generator=gen)
+    slots = torch.randperm(len(lengths) + 2, generator=gen)[:len(lengths)]
+    before = pool.clone()
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    out = kernel.conv_tokens(x, weight, pool, slots, starts)
+    for n, slot in enumerate(slots.tolist()):
+        rows = slice(int(starts[n]), int(starts[n + 1]))
+        if rows.stop == rows.start:  # no tokens: the window stays (causal_conv1d takes none)
+            assert torch.equal(pool[slot], before[slot])
+            continue
+        ref, window = causal_conv1d(x[rows], weight, before[slot])
+        tol = 2 * width * EPS32 * float((x.abs().max() + before.abs().max()) * weight.abs().sum(-1).max())
+        assert float((out[rows] - ref).abs().max()) <= tol
+        assert torch.equal(pool[slot], window)
+
+
+def test_bad_batches_are_refused(kernel):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g, beta, starts = ragged_inputs([3, 2], 2, 4, 16, 8, gen)
+    pool = torch.zeros(3, 4, 16, 8)
+    with pytest.raises(ValueError, match="two sequences"):
+        kernel.rule_tokens(q, k, v, g, beta, pool, torch.tensor([1, 1]), starts)
+    with pytest.raises(ValueError, match="starts"):
+        kernel.rule_tokens(q, k, v, g, beta, pool, torch.tensor([0, 1]), torch.tensor([0, 4, 3]))
+    with pytest.raises(ValueError, match="starts"):
+        kernel.rule_tokens(q, k, v, g, beta, pool, torch.tensor([0, 1]), torch.tensor([0, 3, 6]))
+    with pytest.raises(IndexError):
+        kernel.rule_tokens(q, k, v, g, beta, pool, torch.tensor([0, 3]), starts)
+    with pytest.raises(ValueError, match="kernel sizes"):
+        kernel.conv_tokens(torch.zeros(5, 4), torch.zeros(4, 9), torch.zeros(2, 4, 8), torch.tensor([0, 1]), starts)
