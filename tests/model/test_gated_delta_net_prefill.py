@@ -3,13 +3,14 @@ sequence's tokens) against the torch forms: delta_rule_recurrent and delta_rule_
 one sequence at a time, for ragged batches of sequences of 1, few (3-17) and many (64-700) tokens, each
 starting from its own slot of a pool and leaving its state and window there.
 
-Bounds (tests/model/test_gated_delta_net.py's rule_bound, derived there): the kernel runs the recurrent
-map token by token, so against delta_rule_recurrent both forms make dot products of n = Dk terms per token
-and solve no system (chunk 0, kappa 1). The kernel forms o_t from the state before its update,
-exp(g) q^T S + (q.k) u: two Dk-term dot products whose rounding is that of S_t^T q's, within the n of one
-form's share (the bound counts two forms, each erring within n eps (sqrt(Dk) max|S| + max|v|) per token).
-Against delta_rule_chunked the chunked form's own share is the larger one (n = Dk + C, its kappa): the
-bound between the two torch forms covers it. The conv: K-term sums of products, so
+Bounds (tests/model/test_gated_delta_net.py's rule_bound, derived there): the kernel runs the chunked
+form with chunks of GROUP (4) tokens (gated_delta_net.c's rule_group; a sequence's last T mod 4 tokens,
+and all where the states after each are kept, one at a time), forming o_t from the state before the
+chunk's update as decays * q^T S + sum (decays) (q.k_b) u_b: dot products of at most n = Dk + GROUP terms
+and a unit triangular system of GROUP rows solved by substitution, within one form's share of
+rule_bound(chunk=GROUP, kappa of those systems), against delta_rule_recurrent (n = Dk, kappa 1, the
+smaller share). Against delta_rule_chunked (C = 64) that form's share is the larger one: the bound
+between the two torch forms covers it. The conv: K-term sums of products, so
 2 K eps max|input| max_c sum|w_c| (silu's slope is below 1.1); its windows are copies, compared exactly.
 """
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from kvgen.model.gated_delta_net import causal_conv1d, delta_rule_chunked, delta_rule_recurrent, gates
-from kvgen.model.kernels.gated_delta_net import gated_delta_net_kernel
+from kvgen.model.kernels.gated_delta_net import GROUP, gated_delta_net_kernel
 from tests.model.test_gated_delta_net import EPS32, rule_bound, solve_amplification
 
 
@@ -76,7 +77,8 @@ def test_rule_over_ragged_sequences_matches_both_torch_forms(kernel, lengths, k_
         ref_out, states = delta_rule_recurrent(*args, v_head_order=order, keep_states=True)
         chunked_out, chunked_state = delta_rule_chunked(*args, v_head_order=order)
         seen = torch.cat([before[slot][None], states])
-        recurrent_bound = rule_bound(T, k_dim, v[rows], seen, 1.0, chunk=0)
+        kappa = solve_amplification(k[rows], g[rows], beta[rows], v_heads, chunk=GROUP)
+        recurrent_bound = rule_bound(T, k_dim, v[rows], seen, kappa, chunk=GROUP)
         chunked_bound = rule_bound(T, k_dim, v[rows], seen, solve_amplification(k[rows], g[rows], beta[rows], v_heads))
         err_r = max(float((out[rows] - ref_out).abs().max()), float((pool[slot] - states[-1]).abs().max()))
         err_c = max(float((out[rows] - chunked_out).abs().max()), float((pool[slot] - chunked_state).abs().max()))

@@ -14,11 +14,22 @@
  *              o = d r + (q.k) u                              (= S_new^T q)
  *     pass 2   S = d S + k u^T                                (one read and write of the block)
  *
+ * GROUP (4) tokens share each pass (rule_group): pass 1 makes all their p and r from the same S, each
+ * token's prediction then adds the earlier tokens' writes through the dots k_a.k_b and q_a.k_b, and pass
+ * 2 writes the group's updates at once, one decay for all. The state's work per token and column falls
+ * from 4 vector operations (2 FMAs in pass 1, a multiply and an FMA in pass 2) to 3.25, the floor being
+ * 3; on the Zen 4 host, whose AVX-512 issues one 512-bit FMA a cycle, the rule is FMA-bound: CPU time of
+ * a 512-token Qwen3.5-0.8B layer's rule, one thread, 15.5 ms one token at a time, 15.5 with 2 at a
+ * time, 12.3 with 4, 12.9 with 6; 16 columns with 4 or 8 tokens, 14.3 / 15.5; 48 with 4, 13.5. A group
+ * is a chunk of the chunked form (kvgen/model/gated_delta_net.py) of 4 tokens: its rounding is held to
+ * that form's bound with C = 4. A sequence's last T mod 4 tokens, decode's one, and every token where
+ * the states after each are kept go one at a time.
+ *
  * q and k are L2-normalized per head (x / sqrt(sum x^2 + 1e-6)) once per token, before the blocks.
  * Value head h reads key head h / r ("grouped", Hugging Face's order) or h mod Hk ("tiled", a GGUF's).
  * With `kept`, the state after every token is written out too (a speculative verify's checkpoints).
  * Sums run in another order than torch's (and o is formed from S before its update), so results differ
- * from torch's by rounding: tests/model/test_gated_delta_net_kernel.py holds them to a derived bound.
+ * from torch's by rounding: tests/model/test_gated_delta_net_prefill.py holds them to a derived bound.
  *
  * gdn_conv: the causal depthwise convolution (kernel K) and SiLU; one task per (sequence, 256
  * channels), its taps and the old window transposed to rows so that the channel loops vectorize; each
@@ -46,6 +57,7 @@
 #define LANES 16       /* floats in one vector below (AVX-512's; the compiler splits it where narrower) */
 #define COLS 32        /* state columns a task keeps in L1 across a sequence's tokens */
 #define VECS (COLS / LANES)
+#define GROUP 4        /* tokens per pass over a block (rule_group) */
 #define CONV_GROUP 256 /* channels per conv task */
 #define MAX_KERNEL 8   /* conv kernel sizes up to this (Qwen3.5: 4); gdn_conv returns 1 beyond it */
 
@@ -89,28 +101,49 @@ static void unit(const float *restrict x, int64_t n, float scale, int normalize,
     for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * scale;
 }
 
-/* One token on COLS columns of a state: rows B + i * stride, i < Dk (columns past the head's Dv are
- * zeros, as are x's there, and stay zeros); x, o [COLS]. Even and odd rows sum apart in pass 1, two
- * chains of FMAs. */
-static void rule_token(float *restrict B, int64_t stride, int64_t Dk, const float *restrict q, const float *restrict k,
-                       float qk, const vec *restrict x, float decay, float beta, vec *restrict o) {
+/* n tokens (n <= GROUP, a constant where it is called) on COLS columns of a state: rows B + i * stride,
+ * i < Dk (columns past the head's Dv are zeros, as are x's there, and stay zeros). q, k [n, Dk] unit
+ * vectors; qk, kk [n, GROUP]: qk[a][b] = q_a.k_b (b <= a), kk[a][b] = k_a.k_b (b < a); x, o [n, VECS].
+ * Pass 1 reads the block once for all n tokens; token a then predicts from those sums and the earlier
+ * tokens' writes u_b (k_a^T S_a = decays * k_a^T S + sum_b decay(b -> a) (k_a.k_b) u_b); pass 2 writes
+ * all n updates at once: S = decays * S + sum_b decay(after b) k_b u_b^T. */
+static inline __attribute__((always_inline)) void rule_group(
+    float *restrict B, int64_t stride, int64_t Dk, const int n, const float *restrict q, const float *restrict k,
+    const float *restrict qk, const float *restrict kk, const vec *restrict x, const float *restrict g,
+    const float *restrict beta, vec *restrict o) {
 #define ROW(i, c) (*(unaligned_vec *)(B + (i) * stride + (c) * LANES))
-    vec p0[VECS] = {0}, p1[VECS] = {0}, r0[VECS] = {0}, r1[VECS] = {0}, u[VECS];
-    int64_t i = 0;
-    for (; i + 2 <= Dk; i += 2)
+    vec p[GROUP][VECS], r[GROUP][VECS], u[GROUP][VECS];
+    for (int a = 0; a < n; a++)
+        for (int c = 0; c < VECS; c++) p[a][c] = r[a][c] = (vec){0};
+    for (int64_t i = 0; i < Dk; i++)
         for (int c = 0; c < VECS; c++) {
-            const vec s0 = ROW(i, c), s1 = ROW(i + 1, c);
-            p0[c] += k[i] * s0, r0[c] += q[i] * s0;
-            p1[c] += k[i + 1] * s1, r1[c] += q[i + 1] * s1;
+            const vec s = ROW(i, c);
+            for (int a = 0; a < n; a++) p[a][c] += k[a * Dk + i] * s, r[a][c] += q[a * Dk + i] * s;
         }
-    for (; i < Dk; i++)
-        for (int c = 0; c < VECS; c++) p0[c] += k[i] * ROW(i, c), r0[c] += q[i] * ROW(i, c);
-    for (int c = 0; c < VECS; c++) {
-        u[c] = beta * (x[c] - decay * (p0[c] + p1[c]));
-        o[c] = decay * (r0[c] + r1[c]) + qk * u[c];
+    float decay[GROUP], through[GROUP + 1] = {1.f}; /* through[a]: the product of the first a decays */
+    for (int a = 0; a < n; a++) decay[a] = expf(g[a]), through[a + 1] = through[a] * decay[a];
+    for (int a = 0; a < n; a++)
+        for (int c = 0; c < VECS; c++) {
+            vec predicted = through[a + 1] * p[a][c], out = through[a + 1] * r[a][c];
+            float span = decay[a]; /* the decays of tokens b + 1 .. a */
+            for (int b = a - 1; b >= 0; b--) {
+                predicted += span * kk[a * GROUP + b] * u[b][c], out += span * qk[a * GROUP + b] * u[b][c];
+                span *= decay[b];
+            }
+            u[a][c] = beta[a] * (x[a * VECS + c] - predicted);
+            o[a * VECS + c] = out + qk[a * GROUP + a] * u[a][c];
+        }
+    float span = 1.f; /* the decays after token a */
+    for (int a = n - 1; a >= 0; a--) {
+        for (int c = 0; c < VECS; c++) u[a][c] *= span;
+        span *= decay[a];
     }
-    for (i = 0; i < Dk; i++)
-        for (int c = 0; c < VECS; c++) ROW(i, c) = decay * ROW(i, c) + k[i] * u[c];
+    for (int64_t i = 0; i < Dk; i++)
+        for (int c = 0; c < VECS; c++) {
+            vec s = through[n] * ROW(i, c);
+            for (int a = 0; a < n; a++) s += k[a * Dk + i] * u[a][c];
+            ROW(i, c) = s;
+        }
 #undef ROW
 }
 
@@ -135,42 +168,71 @@ static void block_store(const float *restrict B, float *restrict S, int64_t Dk, 
     }
 }
 
-/* Per thread: a state block [Dk, COLS], then the unit q and k [T, Dk] and q.k [T] of a task's tokens. */
+/* Per thread: a state block [Dk, COLS], then a task's unit q and k [T, Dk] and their dots qk, kk [T, GROUP]. */
 static size_t rule_scratch_floats(const struct gdn_rule_args *a, int64_t longest) {
-    return (size_t)a->k_dim * COLS + (size_t)longest * (2 * a->k_dim + 1);
+    return (size_t)a->k_dim * COLS + (size_t)longest * 2 * (a->k_dim + GROUP);
+}
+
+static float dot(const float *restrict x, const float *restrict y, int64_t n) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) sum += x[i] * y[i];
+    return sum;
+}
+
+/* The unit q and k of a task's T tokens and the dots rule_group reads: tokens run in groups of GROUP
+ * from the first, the last T mod GROUP (and all with `kept`: it needs every token's state) one at a
+ * time -> how many run in groups. */
+static int64_t rule_prepare(const struct gdn_rule_args *a, int64_t first, int64_t T, int64_t kh, float *qs,
+                            float *ks, float *qk, float *kk) {
+    const int64_t Dk = a->k_dim, grouped = a->kept ? 0 : T - T % GROUP;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t row = (first + t) * a->qk_stride + kh * Dk, at = t < grouped ? t % GROUP : 0;
+        unit(a->q + row, Dk, 1.f / sqrtf((float)Dk), a->normalize, qs + t * Dk);
+        unit(a->k + row, Dk, 1.f, a->normalize, ks + t * Dk);
+        for (int64_t b = 0; b <= at; b++) {
+            const float *earlier = ks + (t - at + b) * Dk;
+            qk[t * GROUP + b] = dot(qs + t * Dk, earlier, Dk);
+            if (b < at) kk[t * GROUP + b] = dot(ks + t * Dk, earlier, Dk);
+        }
+    }
+    return grouped;
 }
 
 static void rule_task(const struct gdn_rule_args *a, int64_t n, int64_t h, float *scratch) {
     const int64_t Dk = a->k_dim, Dv = a->v_dim, Hv = a->v_heads, Hk = a->k_heads;
-    const int64_t kh = a->tiled ? h % Hk : h / (Hv / Hk);
     int64_t first, T;
     sequence_rows(a->starts, n, &first, &T);
-    float *block = scratch;
-    float *qs = scratch + Dk * COLS, *ks = qs + T * Dk, *qk = ks + T * Dk;
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t row = (first + t) * a->qk_stride + kh * Dk;
-        unit(a->q + row, Dk, 1.f / sqrtf((float)Dk), a->normalize, qs + t * Dk);
-        unit(a->k + row, Dk, 1.f, a->normalize, ks + t * Dk);
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < Dk; i++) dot += qs[t * Dk + i] * ks[t * Dk + i];
-        qk[t] = dot;
-    }
+    float *block = scratch, *qs = scratch + Dk * COLS, *ks = qs + T * Dk, *qk = ks + T * Dk, *kk = qk + T * GROUP;
+    const int64_t grouped = rule_prepare(a, first, T, a->tiled ? h % Hk : h / (Hv / Hk), qs, ks, qk, kk);
     float *S = a->states + (a->slots[n] * Hv + h) * Dk * Dv;
     for (int64_t j0 = 0; j0 < Dv; j0 += COLS) {
         const int64_t width = Dv - j0 < COLS ? Dv - j0 : COLS;
         /* one token (decode) reads the block once either way: it runs in place, without the copies */
         const int in_place = T == 1 && width == COLS && !a->kept;
         float *B = in_place ? S + j0 : block;
+        const int64_t stride = in_place ? Dv : COLS;
         if (!in_place) block_load(block, S, Dk, Dv, j0, width);
-        for (int64_t t = 0; t < T; t++) {
-            const int64_t row = first + t;
-            vec x[VECS] = {0}, o[VECS];
-            memcpy(x, a->v + row * a->v_stride + h * Dv + j0, width * sizeof(float));
-            rule_token(B, in_place ? Dv : COLS, Dk, qs + t * Dk, ks + t * Dk, qk[t], x, expf(a->g[row * Hv + h]),
-                       a->beta[row * Hv + h], o);
-            memcpy(a->out + (row * Hv + h) * Dv + j0, o, width * sizeof(float));
-            if (a->kept) block_store(block, a->kept + (row * Hv + h) * Dk * Dv, Dk, Dv, j0, width);
+        for (int64_t t = 0; t < T;) {
+            const int tokens = t < grouped ? GROUP : 1;
+            float g[GROUP], beta[GROUP];
+            vec x[GROUP][VECS] = {0}, o[GROUP][VECS];
+            for (int s = 0; s < tokens; s++) {
+                const int64_t row = first + t + s;
+                g[s] = a->g[row * Hv + h], beta[s] = a->beta[row * Hv + h];
+                memcpy(x[s], a->v + row * a->v_stride + h * Dv + j0, width * sizeof(float));
+            }
+            const float *qt = qs + t * Dk, *kt = ks + t * Dk, *qkt = qk + t * GROUP, *kkt = kk + t * GROUP;
+            if (tokens == GROUP)
+                rule_group(B, stride, Dk, GROUP, qt, kt, qkt, kkt, x[0], g, beta, o[0]);
+            else
+                rule_group(B, stride, Dk, 1, qt, kt, qkt, kkt, x[0], g, beta, o[0]);
+            for (int s = 0; s < tokens; s++) {
+                const int64_t row = first + t + s;
+                memcpy(a->out + (row * Hv + h) * Dv + j0, o[s], width * sizeof(float));
+                if (a->kept) block_store(block, a->kept + (row * Hv + h) * Dk * Dv, Dk, Dv, j0, width);
+            }
+            t += tokens;
         }
         if (!in_place) block_store(block, S, Dk, Dv, j0, width);
     }

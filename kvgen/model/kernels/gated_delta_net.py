@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gated_delta_net.c")
 MAX_DIM, MAX_KERNEL = 1024, 8  # gated_delta_net.c's
+GROUP = 4  # gated_delta_net.c's: a prefill's tokens go through the rule GROUP at a time (its rounding: tests)
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
