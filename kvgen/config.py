@@ -46,12 +46,23 @@ class ModelConfig:
     attention_scale: float | None = None
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma's option)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Mixtures of experts (kvgen.architectures.spec.MoESpec): 0 experts for a dense model.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_key_value_heads ({self.num_kv_heads}) must divide num_attention_heads ({self.num_heads})"
             )
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts per token ({self.experts_per_token}) must be in 1..{self.num_experts}")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
 
@@ -137,6 +148,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 # What the paged KV pools store: "auto" is the model's dtype; int8 and fp8 (e4m3) are quantized with
 # one scale per (token, KV head), dequantized as they are read.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+KV_OFFLOAD_DTYPES = ("auto", "int8")  # auto: the tiers hold the pool's own bytes
 # torch.distributed backends for tensor parallelism: "auto" is gloo on the CPU, NCCL on CUDA.
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 # Speculative decoding (kvgen.engine.speculative): "ngram" looks the next tokens up in the prompt and output
@@ -182,6 +194,7 @@ class EngineConfig:
     kv_offload_memory: int | None = None  # bytes of RAM for evicted prefix blocks (kvgen.cache.tiers)
     kv_cache_dir: str | None = None  # the disk tier's directory (kvgen.cache.tiers.disk)
     kv_cache_disk: int = 20 * 1024**3  # the disk tier's budget in bytes
+    kv_offload_dtype: str = "auto"  # what the tiers store: the pool's bytes, or int8 (kvgen.cache.tiers.pool_io)
 
     @property
     def kv_tiers(self) -> bool:
@@ -213,6 +226,8 @@ class EngineConfig:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self._check_speculative()
+        if self.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
+            raise ValueError(f"kv_offload_dtype must be one of {KV_OFFLOAD_DTYPES}, got {self.kv_offload_dtype!r}")
         if self.kv_tiers and self.kv_cache != "paged":
             raise ValueError("KV tiers (kv_offload_memory, kv_cache_dir) need the paged KV cache (--kv-cache paged)")
 
