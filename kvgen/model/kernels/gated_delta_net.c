@@ -32,8 +32,7 @@
  * from torch's by rounding: tests/model/test_gated_delta_net_prefill.py holds them to a derived bound.
  *
  * gdn_conv: the causal depthwise convolution (kernel K) and SiLU; one task per (sequence, 256
- * channels), its taps and the old window transposed to rows so that the channel loops vectorize; each
- * sequence's window [C, K - 1] becomes its last K - 1 inputs.
+ * channels); each sequence's window [C, K - 1] becomes its last K - 1 inputs.
  *
  * Tasks are shared among `num_threads` OpenMP threads (torch's count, passed in), dynamically: a
  * ragged batch's sequences differ in length.
@@ -281,33 +280,75 @@ static void silu_in_place(float *restrict y, int64_t n) {
     for (; c < n; c++) y[c] = y[c] / (1.f + expf(-y[c]));
 }
 
-/* Channels c0.. (up to CONV_GROUP) of sequence n. Input s of the sequence (s < 0: the window's). */
+/* y[j] = sum_i f[j][i] in[i][j] for j < width: taps f [width, K] as the weight holds them. */
+static void conv_row(float *restrict y, const float *restrict f, const float *const *in, int64_t K, int64_t width) {
+    if (K == 4) { /* Qwen3.5's kernel: unrolled, so that the channel loop vectorizes */
+        const float *restrict x0 = in[0], *restrict x1 = in[1], *restrict x2 = in[2], *restrict x3 = in[3];
+#pragma omp simd
+        for (int64_t j = 0; j < width; j++)
+            y[j] = x0[j] * f[j * 4] + x1[j] * f[j * 4 + 1] + x2[j] * f[j * 4 + 2] + x3[j] * f[j * 4 + 3];
+        return;
+    }
+    for (int64_t j = 0; j < width; j++) {
+        float sum = 0.f;
+        for (int64_t i = 0; i < K; i++) sum += in[i][j] * f[j * K + i];
+        y[j] = sum;
+    }
+}
+
+/* A window's channels [width, W] (as the pool holds them) to rows [W, width], and rows back; W = 3
+ * (Qwen3.5's) unrolled, so that the channel loops vectorize. */
+static void window_to_rows(float rows[][CONV_GROUP], const float *restrict window, int64_t W, int64_t width) {
+    if (W == 3) {
+#pragma omp simd
+        for (int64_t j = 0; j < width; j++)
+            rows[0][j] = window[j * 3], rows[1][j] = window[j * 3 + 1], rows[2][j] = window[j * 3 + 2];
+        return;
+    }
+    for (int64_t j = 0; j < width; j++)
+        for (int64_t i = 0; i < W; i++) rows[i][j] = window[j * W + i];
+}
+
+static void rows_to_window(float *restrict window, const float *const *rows, int64_t W, int64_t width) {
+    if (W == 3) {
+        const float *restrict r0 = rows[0], *restrict r1 = rows[1], *restrict r2 = rows[2];
+#pragma omp simd
+        for (int64_t j = 0; j < width; j++) window[j * 3] = r0[j], window[j * 3 + 1] = r1[j], window[j * 3 + 2] = r2[j];
+        return;
+    }
+    for (int64_t j = 0; j < width; j++)
+        for (int64_t i = 0; i < W; i++) window[j * W + i] = rows[i][j];
+}
+
+/* in[i] <- input t - W + i of a sequence whose rows start at `first`: a row of x, or before the
+ * sequence's first token one of its old window's (past [W, width]). */
+static void conv_inputs(const struct gdn_conv_args *a, int64_t first, int64_t t, int64_t c0,
+                        float past[][CONV_GROUP], const float **in) {
+    const int64_t W = a->kernel - 1;
+    for (int64_t i = 0; i < a->kernel; i++) {
+        const int64_t s = t - W + i;
+        in[i] = s >= 0 ? a->x + (first + s) * a->x_stride + c0 : past[W + s];
+    }
+}
+
+/* Channels c0.. (up to CONV_GROUP) of sequence n: the old window copied to rows first (past), so that
+ * every input is a row, and the new window can be written in place. */
 static void conv_task(const struct gdn_conv_args *a, int64_t n, int64_t c0) {
     const int64_t C = a->channels, K = a->kernel, W = K - 1, width = C - c0 < CONV_GROUP ? C - c0 : CONV_GROUP;
-    float taps[MAX_KERNEL][CONV_GROUP], past[MAX_KERNEL][CONV_GROUP]; /* [K, width], [W, width] */
+    float past[MAX_KERNEL][CONV_GROUP]; /* [W, width] */
     float *window = a->windows + a->slots[n] * C * W + c0 * W;
-    for (int64_t j = 0; j < width; j++) {
-        for (int64_t i = 0; i < K; i++) taps[i][j] = a->weight[(c0 + j) * K + i];
-        for (int64_t i = 0; i < W; i++) past[i][j] = window[j * W + i];
-    }
+    window_to_rows(past, window, W, width);
     int64_t first, T;
     sequence_rows(a->starts, n, &first, &T);
-#define INPUT(s) ((s) >= 0 ? a->x + (first + (s)) * a->x_stride + c0 : past[W + (s)])
+    const float *in[MAX_KERNEL];
     for (int64_t t = 0; t < T; t++) {
+        conv_inputs(a, first, t, c0, past, in);
         float *restrict y = a->out + (first + t) * C + c0;
-        for (int64_t j = 0; j < width; j++) y[j] = 0.f;
-        for (int64_t i = 0; i < K; i++) {
-            const float *restrict in = INPUT(t - W + i);
-#pragma omp simd
-            for (int64_t j = 0; j < width; j++) y[j] += taps[i][j] * in[j];
-        }
+        conv_row(y, a->weight + c0 * K, in, K, width);
         silu_in_place(y, width);
     }
-    for (int64_t i = 0; i < W; i++) {
-        const float *in = INPUT(T - W + i);
-        for (int64_t j = 0; j < width; j++) window[j * W + i] = in[j];
-    }
-#undef INPUT
+    conv_inputs(a, first, T, c0, past, in); /* inputs T - W .. T - 1: the new window */
+    rows_to_window(window, in, W, width);
 }
 
 int gdn_conv(const struct gdn_conv_args *a) {
