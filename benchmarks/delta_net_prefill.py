@@ -7,6 +7,9 @@ on the model's matmul kernels either way), on a benchmark model's linear-attenti
 Random inputs at the scales a layer sees (the conv's inputs ~N(0, 1), gates from Qwen3.5's formula);
 best of --repeats runs of each after one warm-up, torch and C interleaved so that load on a shared
 machine falls on both alike. Also a ragged batch: --tokens split over --sequences prompts in one call.
+Each figure is wall-clock ms and, beside it, the process's CPU ms (all threads, spinning OpenMP workers
+included): on a loaded machine the wall clock counts the time other jobs ran, the CPU time does not,
+so at one thread the CPU time is the steadier figure.
 """
 
 from __future__ import annotations
@@ -37,14 +40,23 @@ def random_layer(shape: RecurrentShape, gen: torch.Generator) -> DeltaNetLayer:
                          torch.randn(shape.v_dim, generator=gen))
 
 
-def best_ms(fn, repeats: int) -> float:
+def best_ms(fn, repeats: int) -> tuple[float, float]:
+    """(wall ms, CPU ms): the best of `repeats` calls of fn after one, each."""
     fn()
-    best = float("inf")
+    wall = cpu = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+        wall, cpu = min(wall, time.perf_counter() - start), min(cpu, time.process_time() - start_cpu)
+    return wall * 1e3, cpu * 1e3
+
+
+def compare(label: str, torch_fn, c_fn, repeats: int) -> None:
+    """Both forms, interleaved twice (each figure the best of both rounds), and their ratio."""
+    torch_runs, c_runs = zip(*[(best_ms(torch_fn, repeats), best_ms(c_fn, repeats)) for _ in range(2)])
+    (torch_wall, torch_cpu), (c_wall, c_cpu) = (map(min, zip(*torch_runs)), map(min, zip(*c_runs)))
+    print(f"  {label}: torch chunked {torch_wall:.1f} ms/layer (CPU {torch_cpu:.1f}), C {c_wall:.1f} (CPU {c_cpu:.1f}): "
+          f"{torch_wall / c_wall:.1f}x wall, {torch_cpu / c_cpu:.1f}x CPU")
 
 
 def main() -> None:
@@ -66,20 +78,14 @@ def main() -> None:
     mixed, z = torch.randn(T, shape.conv_dim, generator=gen), torch.randn(T, shape.v_heads * shape.v_dim, generator=gen)
     a, b = torch.randn(T, shape.v_heads, generator=gen), torch.randn(T, shape.v_heads, generator=gen)
     print(f"{args.model}: {shape}, {T} tokens, {args.threads} threads, best of {args.repeats}")
-    times: dict[str, list[float]] = {"torch chunked": [], "C": []}
-    for _ in range(2):  # interleaved
-        times["torch chunked"].append(best_ms(lambda: prefill(layer, mixed, z, a, b), args.repeats))
-        times["C"].append(best_ms(lambda: prefill(layer, mixed, z, a, b, kernel=kernel), args.repeats))
-    torch_ms, c_ms = min(times["torch chunked"]), min(times["C"])
-    print(f"  one prompt:  torch chunked {torch_ms:.1f} ms/layer, C {c_ms:.1f} ms/layer ({torch_ms / c_ms:.1f}x)")
+    compare("one prompt", lambda: prefill(layer, mixed, z, a, b), lambda: prefill(layer, mixed, z, a, b, kernel=kernel),
+            args.repeats)
     lengths = [T // args.sequences + (n < T % args.sequences) for n in range(args.sequences)]
     pools = (torch.zeros(args.sequences, *shape.conv_window), torch.zeros(args.sequences, *shape.state))
     slots = torch.arange(args.sequences)
-    ragged = {name: best_ms(lambda: prefill_ragged(layer, mixed, z, a, b, *pools, slots, lengths, kernel=k),
-                            args.repeats) for name, k in (("torch chunked", None), ("C", kernel))}
-    print(f"  {args.sequences} prompts of {lengths[0]} in one batch: torch chunked {ragged['torch chunked']:.1f} "
-          f"ms/layer, C {ragged['C']:.1f} ms/layer ({ragged['torch chunked'] / ragged['C']:.1f}x)")
-
+    compare(f"{args.sequences} prompts of {lengths[0]} in one batch",
+            lambda: prefill_ragged(layer, mixed, z, a, b, *pools, slots, lengths),
+            lambda: prefill_ragged(layer, mixed, z, a, b, *pools, slots, lengths, kernel=kernel), args.repeats)
 
 if __name__ == "__main__":
     main()

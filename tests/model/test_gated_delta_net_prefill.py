@@ -141,3 +141,24 @@ def test_bad_batches_are_refused(kernel):
         kernel.rule_tokens(q, k, v, g, beta, pool, torch.tensor([0, 3]), starts)
     with pytest.raises(ValueError, match="kernel sizes"):
         kernel.conv_tokens(torch.zeros(5, 4), torch.zeros(4, 9), torch.zeros(2, 4, 8), torch.tensor([0, 1]), starts)
+
+
+def test_threads_share_the_tasks_without_changing_a_bit(kernel):
+    """Tasks (a sequence's head, a sequence's 256 channels) are whole on one thread, so two threads give
+    one thread's results exactly, ragged lengths and a sequence with no tokens included."""
+    from tests.support.torch_threads import torch_threads
+
+    gen = torch.Generator().manual_seed(11)
+    lengths = [33, 0, 5, 90, 1]
+    q, k, v, g, beta, starts = ragged_inputs(lengths, 2, 4, 64, 64, gen)
+    mixed, weight = torch.randn(sum(lengths), 600, generator=gen), torch.randn(600, 4, generator=gen)
+    pools = (torch.randn(5, 4, 64, 64, generator=gen), torch.randn(5, 600, 3, generator=gen))
+    slots = torch.tensor([4, 0, 2, 1, 3])
+    results = []
+    for threads in (1, 2):
+        states, windows = (p.clone() for p in pools)
+        with torch_threads(threads):
+            out, _ = kernel.rule_tokens(q, k, v, g, beta, states, slots, starts, "tiled")
+            x = kernel.conv_tokens(mixed, weight, windows, slots, starts)
+        results.append((out, states, x, windows))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
