@@ -19,6 +19,7 @@ import torch
 from kvgen.config import RecurrentShape
 from kvgen.model.gated_delta_net import (V_HEAD_ORDERS, causal_conv1d, conv1d_step, delta_rule_chunked,
                                          delta_rule_recurrent, delta_rule_step, gated_rms_norm, gates)
+from kvgen.model.kernels.gated_delta_net import GatedNorm
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,8 @@ def prefill_ragged(layer: DeltaNetLayer, mixed: torch.Tensor, z: torch.Tensor, a
             pieces.append(y)
         return torch.cat(pieces) if pieces else z[:0]
     starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-    o, _ = _kernel_rule(layer, mixed, a, b, conv_pool, state_pool, slots, starts, kernel, keep_states=False)
-    return layer._finish(o, z, mixed.dtype)
+    y, _ = _kernel_layer(layer, mixed, z, a, b, conv_pool, state_pool, slots, starts, kernel, keep_states=False)
+    return y
 
 
 def verify(layer: DeltaNetLayer, mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -120,9 +121,9 @@ def verify(layer: DeltaNetLayer, mixed: torch.Tensor, z: torch.Tensor, a: torch.
     windows = inputs.unfold(1, K - 1, 1)[:, 1:].permute(1, 0, 2)            # [T, conv_dim, K - 1]
     if _runs_in_c(kernel, mixed):
         conv_pool, state_pool = _one_slot(layer, window, state)
-        o, states = _kernel_rule(layer, mixed, a, b, conv_pool, state_pool, _FIRST_SLOT, torch.tensor([0, T]), kernel,
-                                 keep_states=True)
-        return layer._finish(o, z, mixed.dtype), windows, states
+        y, states = _kernel_layer(layer, mixed, z, a, b, conv_pool, state_pool, _FIRST_SLOT, torch.tensor([0, T]),
+                                  kernel, keep_states=True)
+        return y, windows, states
     x, _ = causal_conv1d(mixed, layer.conv_weight, window)
     q, k, v = layer.split(x)
     g, beta = gates(a, b, layer.dt_bias, decay_rate=layer.decay_rate)
@@ -136,17 +137,14 @@ def decode(layer: DeltaNetLayer, mixed: torch.Tensor, z: torch.Tensor, a: torch.
     layer rows conv_pool [num_slots, conv_dim, K - 1], state_pool [num_slots, Hv, Dk, Dv] (StatePool.layer)
     updated in place at `slots` [B] -> y [B, Hv * Dv]. `kernel`: a GatedDeltaNetKernel
     (kvgen.model.kernels.gated_delta_net, fp32 on the CPU) or None for the torch forms."""
-    g, beta = gates(a, b, layer.dt_bias, decay_rate=layer.decay_rate)
     if _runs_in_c(kernel, mixed, conv_pool):
-        x = kernel.conv_step(mixed, layer.conv_weight, conv_pool, slots)
-        q, k, v = layer.split(x)
-        o = kernel.step(q, k, v, g, beta, state_pool, slots, layer.v_head_order)
-    else:
-        windows, states = conv_pool[slots], state_pool[slots]
-        x = conv1d_step(mixed, layer.conv_weight, windows)
-        q, k, v = layer.split(x)
-        o = delta_rule_step(q, k, v, g, beta, states, layer.v_head_order)
-        conv_pool[slots], state_pool[slots] = windows.to(conv_pool.dtype), states
+        return _kernel_layer(layer, mixed, z, a, b, conv_pool, state_pool, slots, None, kernel, keep_states=False)[0]
+    g, beta = gates(a, b, layer.dt_bias, decay_rate=layer.decay_rate)
+    windows, states = conv_pool[slots], state_pool[slots]
+    x = conv1d_step(mixed, layer.conv_weight, windows)
+    q, k, v = layer.split(x)
+    o = delta_rule_step(q, k, v, g, beta, states, layer.v_head_order)
+    conv_pool[slots], state_pool[slots] = windows.to(conv_pool.dtype), states
     return layer._finish(o, z, mixed.dtype)
 
 
@@ -174,13 +172,15 @@ def _one_slot(layer: DeltaNetLayer, window: torch.Tensor | None, state: torch.Te
     return conv_pool, state_pool
 
 
-def _kernel_rule(layer: DeltaNetLayer, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_pool: torch.Tensor,
-                 state_pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, kernel, keep_states: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The conv and the rule of N sequences' rows in C, the pool updated at `slots` -> (o [rows, Hv, Dv], the
-    states after each row with keep_states)."""
+def _kernel_layer(layer: DeltaNetLayer, mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor | None,
+                  kernel, keep_states: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The conv, the rule and the gated norm of N sequences' rows in C (starts None: one row each), the
+    pool updated at `slots` -> (y [rows, Hv * Dv], the states after each row with keep_states)."""
     x = kernel.conv_tokens(mixed, layer.conv_weight, conv_pool, slots, starts)
     q, k, v = layer.split(x)
     g, beta = gates(a, b, layer.dt_bias, decay_rate=layer.decay_rate)
-    return kernel.rule_tokens(q, k, v, g, beta, state_pool, slots, starts, layer.v_head_order,
-                              keep_states=keep_states)
+    gate = GatedNorm(z, layer.norm_weight.float().contiguous(), layer.eps)
+    y, states = kernel.rule_tokens(q, k, v, g, beta, state_pool, slots, starts, layer.v_head_order,
+                                   keep_states=keep_states, gate=gate)
+    return y.flatten(1), states

@@ -162,3 +162,23 @@ def test_threads_share_the_tasks_without_changing_a_bit(kernel):
             x = kernel.conv_tokens(mixed, weight, windows, slots, starts)
         results.append((out, states, x, windows))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize(("lengths", "v_dim"), [([1], 128), ([3, 17, 5], 40), ([64, 700], 128)])
+def test_rule_ends_with_the_gated_norm(kernel, lengths, v_dim):
+    """With a gate the kernel returns gated_rms_norm(o, z, w, eps) of its own o. Per element, the mean
+    of Dv squares (Dv eps relative, each side), the reciprocal square root (2 eps), three products and
+    SiLU (exp within an ulp, an add and a divide) differ by at most (Dv + 16) eps |y| between the two."""
+    from kvgen.model.gated_delta_net import gated_rms_norm
+    from kvgen.model.kernels.gated_delta_net import GatedNorm
+
+    gen = torch.Generator().manual_seed(v_dim + len(lengths))
+    q, k, v, g, beta, starts = ragged_inputs(lengths, 2, 4, 32, v_dim, gen)
+    pool = torch.randn(len(lengths), 4, 32, v_dim, generator=gen) * 0.3
+    slots = torch.arange(len(lengths))
+    z = torch.randn(sum(lengths), 4 * v_dim + 3, generator=gen)[:, :4 * v_dim]  # rows strided
+    weight = torch.randn(v_dim, generator=gen)
+    o, _ = kernel.rule_tokens(q, k, v, g, beta, pool.clone(), slots, starts)
+    y, _ = kernel.rule_tokens(q, k, v, g, beta, pool.clone(), slots, starts, gate=GatedNorm(z, weight, 1e-6))
+    ref = gated_rms_norm(o, z.unflatten(1, (4, v_dim)), weight, 1e-6)
+    assert bool(((y - ref).abs() <= (v_dim + 16) * EPS32 * ref.abs()).all())

@@ -27,7 +27,8 @@
  *
  * q and k are L2-normalized per head (x / sqrt(sum x^2 + 1e-6)) once per token, before the blocks.
  * Value head h reads key head h / r ("grouped", Hugging Face's order) or h mod Hk ("tiled", a GGUF's).
- * With `kept`, the state after every token is written out too (a speculative verify's checkpoints).
+ * With `kept`, the state after every token is written out too (a speculative verify's checkpoints);
+ * with `z`, the task ends with the layer's gated norm of its head's o, w * rmsnorm(o) * silu(z).
  * Sums run in another order than torch's (and o is formed from S before its update), so results differ
  * from torch's by rounding: tests/model/test_gated_delta_net_prefill.py holds them to a derived bound.
  *
@@ -83,11 +84,27 @@ struct gdn_rule_args {
     float *states;         /* the pool: [num_slots, Hv, Dk, Dv] */
     const int64_t *slots;  /* [sequences]: each sequence's slot in the pool */
     const int64_t *starts; /* [sequences + 1]: sequence n's rows, or NULL: one row per sequence */
-    float *out;            /* [rows, Hv, Dv] contiguous */
+    float *out;            /* [rows, Hv, Dv] contiguous: o, or with z the gated norm of o */
     float *kept;           /* NULL, or [rows, Hv, Dk, Dv] contiguous: the state after each row */
-    int64_t sequences, k_heads, v_heads, k_dim, v_dim, qk_stride, v_stride;
+    const float *z;        /* NULL, or the gate [rows, Hv * Dv], rows z_stride floats apart */
+    const float *norm_weight; /* [Dv], with z */
+    int64_t sequences, k_heads, v_heads, k_dim, v_dim, qk_stride, v_stride, z_stride;
+    float eps;             /* the gated norm's */
     int32_t tiled, normalize, num_threads;
 };
+
+/* y[c] = silu(y[c]) for c < n, e^x from exp16.h on AVX-512 (within an fp32 ulp of expf), else expf. */
+static void silu_in_place(float *restrict y, int64_t n) {
+    int64_t c = 0;
+#ifdef __AVX512F__
+    for (; c + 16 <= n; c += 16) {
+        const __m512 x = _mm512_loadu_ps(y + c);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        _mm512_storeu_ps(y + c, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    }
+#endif
+    for (; c < n; c++) y[c] = y[c] / (1.f + expf(-y[c]));
+}
 
 static void unit(const float *restrict x, int64_t n, float scale, int normalize, float *restrict y) {
     float squares = 0.f;
@@ -198,6 +215,21 @@ static int64_t rule_prepare(const struct gdn_rule_args *a, int64_t first, int64_
     return grouped;
 }
 
+/* out's row of each of a task's tokens <- w * rmsnorm(o) * silu(z), Qwen3.5's gated norm (as
+ * kvgen.model.gated_delta_net.gated_rms_norm in fp32), while the head's o is still in cache. */
+static void gated_norm(const struct gdn_rule_args *a, int64_t first, int64_t T, int64_t h) {
+    const int64_t Dv = a->v_dim;
+    float gate[MAX_DIM];
+    for (int64_t t = 0; t < T; t++) {
+        float *restrict o = a->out + ((first + t) * a->v_heads + h) * Dv;
+        memcpy(gate, a->z + (first + t) * a->z_stride + h * Dv, Dv * sizeof(float));
+        silu_in_place(gate, Dv);
+        const float r = 1.f / sqrtf(dot(o, o, Dv) / (float)Dv + a->eps);
+#pragma omp simd
+        for (int64_t j = 0; j < Dv; j++) o[j] = a->norm_weight[j] * (o[j] * r) * gate[j];
+    }
+}
+
 static void rule_task(const struct gdn_rule_args *a, int64_t n, int64_t h, float *scratch) {
     const int64_t Dk = a->k_dim, Dv = a->v_dim, Hv = a->v_heads, Hk = a->k_heads;
     int64_t first, T;
@@ -235,6 +267,7 @@ static void rule_task(const struct gdn_rule_args *a, int64_t n, int64_t h, float
         }
         if (!in_place) block_store(block, S, Dk, Dv, j0, width);
     }
+    if (a->z) gated_norm(a, first, T, h);
 }
 
 int gdn_rule(const struct gdn_rule_args *a) {
@@ -267,18 +300,6 @@ struct gdn_conv_args {
     int32_t num_threads;
 };
 
-/* y[c] = silu(y[c]) for c < n, e^x from exp16.h on AVX-512 (within an fp32 ulp of expf), else expf. */
-static void silu_in_place(float *restrict y, int64_t n) {
-    int64_t c = 0;
-#ifdef __AVX512F__
-    for (; c + 16 <= n; c += 16) {
-        const __m512 x = _mm512_loadu_ps(y + c);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        _mm512_storeu_ps(y + c, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-    }
-#endif
-    for (; c < n; c++) y[c] = y[c] / (1.f + expf(-y[c]));
-}
 
 /* y[j] = sum_i f[j][i] in[i][j] for j < width: taps f [width, K] as the weight holds them. */
 static void conv_row(float *restrict y, const float *restrict f, const float *const *in, int64_t K, int64_t width) {

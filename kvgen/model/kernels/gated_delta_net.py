@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,9 +31,10 @@ class _RuleArgs(ctypes.Structure):
     """`struct gdn_rule_args` of gated_delta_net.c, field for field."""
 
     _fields_ = [("q", _P), ("k", _P), ("v", _P), ("g", _P), ("beta", _P), ("states", _P), ("slots", _P),
-                ("starts", _P), ("out", _P), ("kept", _P), ("sequences", _I64), ("k_heads", _I64), ("v_heads", _I64),
-                ("k_dim", _I64), ("v_dim", _I64), ("qk_stride", _I64), ("v_stride", _I64), ("tiled", _I32),
-                ("normalize", _I32), ("num_threads", _I32)]
+                ("starts", _P), ("out", _P), ("kept", _P), ("z", _P), ("norm_weight", _P), ("sequences", _I64),
+                ("k_heads", _I64), ("v_heads", _I64), ("k_dim", _I64), ("v_dim", _I64), ("qk_stride", _I64),
+                ("v_stride", _I64), ("z_stride", _I64), ("eps", ctypes.c_float), ("tiled", _I32), ("normalize", _I32),
+                ("num_threads", _I32)]
 
 
 class _ConvArgs(ctypes.Structure):
@@ -74,6 +76,24 @@ def _check_starts(starts: torch.Tensor | None, sequences: int, rows: int) -> tor
     return starts
 
 
+@dataclass(frozen=True)
+class GatedNorm:
+    """The layer's gated norm for the rule to end with, w * rmsnorm(o) * silu(z) per value head
+    (kvgen.model.gated_delta_net.gated_rms_norm): z [rows, Hv * Dv] fp32 (rows may be strided), weight
+    [Dv] fp32 (plain w), eps."""
+
+    z: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+    def check(self, rows: int, v_heads: int, v_dim: int) -> None:
+        z, w = self.z, self.weight
+        if (z.dtype != torch.float32 or z.shape != (rows, v_heads * v_dim) or z.stride(1) != 1
+                or w.dtype != torch.float32 or w.shape != (v_dim,) or not w.is_contiguous()):
+            raise ValueError(f"gated norm: z [{rows}, {v_heads * v_dim}] fp32 with contiguous rows, weight [{v_dim}] "
+                             f"fp32; got {z.dtype} {list(z.shape)}, {w.dtype} {list(w.shape)}")
+
+
 def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -95,18 +115,19 @@ class GatedDeltaNetKernel:
 
     def rule_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     states: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor | None,
-                    v_head_order: str = "grouped", normalize_qk: bool = True, keep_states: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    v_head_order: str = "grouped", normalize_qk: bool = True, keep_states: bool = False,
+                    gate: GatedNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The rule over N sequences' tokens (a ragged prefill): q, k [rows, Hk, Dk], v [rows, Hv, Dv], g,
         beta [rows, Hv] as in `step`, sequence n's rows starts[n] .. starts[n + 1] - 1 (starts [N + 1];
-        None: one row each), its state states[slots[n]] updated in place -> (o [rows, Hv, Dv] fp32, with
-        keep_states the state after each row [rows, Hv, Dk, Dv], else None). As
-        kvgen.model.gated_delta_net.delta_rule_recurrent per sequence, up to rounding."""
+        None: one row each), its state states[slots[n]] updated in place -> (o [rows, Hv, Dv] fp32, or
+        with `gate` the layer's gated norm of it; with keep_states the state after each row [rows, Hv, Dk,
+        Dv], else None). As kvgen.model.gated_delta_net.delta_rule_recurrent (and gated_rms_norm) per
+        sequence, up to rounding."""
         slots = _check_slots(slots, states.shape[0], distinct=starts is not None)
         rows, (_, v_heads, k_dim, v_dim) = q.shape[0], states.shape
         out = torch.empty(rows, v_heads, v_dim)
         kept = torch.empty(rows, v_heads, k_dim, v_dim) if keep_states else None
-        call = self._rule_call(q, k, v, g, beta, states, slots, starts, out, kept, v_head_order, normalize_qk)
+        call = self._rule_call(q, k, v, g, beta, states, slots, starts, out, kept, v_head_order, normalize_qk, gate)
         status = self._rule(ctypes.byref(call.args))
         if status:
             raise (ValueError(f"gated delta net: head sizes over {MAX_DIM}") if status == 1 else
@@ -115,17 +136,19 @@ class GatedDeltaNetKernel:
 
     def step_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   states: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, v_head_order: str = "grouped",
-                  normalize_qk: bool = True) -> KernelCall:
-        """`step` into out [B, Hv, Dv] (fp32, contiguous) as a KernelCall over these tensors' memory, for a
-        fused decode step's call list (kvgen.model.kernels.step): whatever q, k, v, g, beta and slots hold
-        when it runs (g, beta fp32 contiguous and slots int64 contiguous already: they are not copied).
-        The pool belongs to its StatePool, which must outlive the call."""
+                  normalize_qk: bool = True, gate: GatedNorm | None = None) -> KernelCall:
+        """`step` into out [B, Hv, Dv] (fp32, contiguous; with `gate`, the gated norm of o) as a KernelCall
+        over these tensors' memory, for a fused decode step's call list (kvgen.model.kernels.step):
+        whatever q, k, v, g, beta, slots (and gate.z) hold when it runs (g, beta fp32 contiguous and slots
+        int64 contiguous already: they are not copied). The pool belongs to its StatePool, which must
+        outlive the call."""
         return self._rule_call(q, k, v, g, beta, states, slots.to(torch.int64).contiguous(), None, out, None,
-                               v_head_order, normalize_qk)
+                               v_head_order, normalize_qk, gate)
 
     def _rule_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    states: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor | None, out: torch.Tensor,
-                   kept: torch.Tensor | None, v_head_order: str, normalize_qk: bool) -> KernelCall:
+                   kept: torch.Tensor | None, v_head_order: str, normalize_qk: bool,
+                   gate: GatedNorm | None) -> KernelCall:
         num_slots, v_heads, k_dim, v_dim = states.shape
         rows, k_heads = q.shape[:2]
         qk_stride = _rows(q, k_heads, k_dim, "q")
@@ -143,11 +166,15 @@ class GatedDeltaNetKernel:
         if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in (out, kept)):
             raise ValueError("gated delta net step: out and kept are contiguous fp32")
         g, beta = g.float().contiguous(), beta.float().contiguous()
+        if gate is not None:
+            gate.check(rows, v_heads, v_dim)
+        z, weight = (None, None) if gate is None else (gate.z, gate.weight)
         args = _RuleArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), states.data_ptr(),
-                         slots.data_ptr(), _address(starts), out.data_ptr(), _address(kept), slots.shape[0], k_heads,
-                         v_heads, k_dim, v_dim, qk_stride, v_stride, int(v_head_order == "tiled"), int(normalize_qk),
-                         torch.get_num_threads())
-        return KernelCall(self._rule, args, keep=(q, k, v, g, beta, slots, starts, out, kept))
+                         slots.data_ptr(), _address(starts), out.data_ptr(), _address(kept), _address(z),
+                         _address(weight), slots.shape[0], k_heads, v_heads, k_dim, v_dim, qk_stride, v_stride,
+                         0 if z is None else z.stride(0), 0.0 if gate is None else gate.eps,
+                         int(v_head_order == "tiled"), int(normalize_qk), torch.get_num_threads())
+        return KernelCall(self._rule, args, keep=(q, k, v, g, beta, slots, starts, out, kept, z, weight))
 
     def conv_step(self, x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor,
                   slots: torch.Tensor) -> torch.Tensor:
