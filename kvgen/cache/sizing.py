@@ -159,9 +159,10 @@ def plan_kv(model: ModelConfig, config: EngineConfig, max_model_len: int) -> KVP
     hybrid model's budget is split between its kinds in proportion to what a full-length sequence
     holds in each (kvgen.cache.hybrid.split_budget), so that they run out together."""
     per_layer = kv_bytes_per_token_of(1, model.num_kv_heads, model.head_dim, config.kv_dtype)
+    kv_layers = len(model.kv_layers)  # recurrent layers keep a state instead (kvgen.cache.state_pool)
     kinds = layer_kinds([model.window(i) for i in range(model.num_layers)]) if model.is_hybrid else []
     needs = (sequence_bytes(kinds, per_layer, max_model_len, config.max_num_batched_tokens, config.block_size)
-             if kinds else [model.num_layers * per_layer * max_model_len])
+             if kinds else [kv_layers * per_layer * max_model_len])
     budget = config.kv_cache_memory
     if budget is None:
         budget = min(config.max_num_seqs * sum(needs), DEFAULT_KV_MEMORY)
@@ -171,9 +172,9 @@ def plan_kv(model: ModelConfig, config: EngineConfig, max_model_len: int) -> KVP
         blocks = [num_blocks_for_budget(share, config.block_size, per_layer * len(k.layers))
                   for share, k in zip(split_budget(budget, needs), kinds)]
     else:
-        blocks = [num_blocks_for_budget(budget, config.block_size, model.num_layers * per_layer)]
+        blocks = [num_blocks_for_budget(budget, config.block_size, kv_layers * per_layer)]
     if min(blocks) < 1:
         raise ValueError(f"the KV budget holds no block of {config.block_size} tokens in every kind of layer"
                          if kinds else f"the KV budget holds no block of {config.block_size} tokens "
-                         f"({model.num_layers * per_layer} bytes per token)")
-    return KVPlan(config.block_size, config.kv_dtype, per_layer, model.num_layers, tuple(blocks), tuple(kinds))
+                         f"({kv_layers * per_layer} bytes per token)")
+    return KVPlan(config.block_size, config.kv_dtype, per_layer, kv_layers, tuple(blocks), tuple(kinds))

@@ -55,10 +55,22 @@ def load_hf(
         shapes = {name: tuple(w.shape) for name, w in weights.items()}
     if tokenizer is None:
         tokenizer = load_hf_tokenizer(path, eos_token_ids=config.eos_token_ids)
+    if config.arch.hf_weight_name is not None:
+        weights, origins, shapes = _text_weights(config, weights, origins, shapes)
     if config.arch.norm_plus_one:
-        weights = {name: w.float() + 1.0 if is_norm_weight(name) else w for name, w in weights.items()}
+        plain = config.arch.plain_norms
+        weights = {name: w.float() + 1.0 if is_norm_weight(name) and not name.endswith(plain) else w
+                   for name, w in weights.items()}
     weights = finalize_weights(weights, config, path, device, dtype, origins=origins, shapes=shapes)
     return LoadedModel(config, weights, tokenizer, str(path), shard=plan)
+
+
+def _text_weights(config: ModelConfig, weights: dict, origins: dict, shapes: dict) -> tuple[dict, dict, dict]:
+    """The decoder's weights under its own names (a multimodal checkpoint's text part), the rest left."""
+    rename = {name: new for name in weights if (new := config.arch.hf_weight_name(name)) is not None}
+    return ({new: weights[old] for old, new in rename.items()},
+            {new: origins[old] for old, new in rename.items() if old in origins},
+            {new: shapes[old] for old, new in rename.items() if old in shapes})
 
 
 def load_hf_tokenizer(

@@ -20,8 +20,6 @@ class AttentionBlock(Block):
 
     def __init__(self, spec: AttentionSpec, index: int, ctx: BuildContext) -> None:
         cfg, w, build = ctx.config, ctx.weights, ctx.build
-        if spec.output_gate:
-            raise ValueError(f"{cfg.architecture}: gated attention output is not built yet")
         p = f"model.layers.{index}.{spec.prefix}."
         self.index, self.rope = index, ctx.rope_index(index)
         self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
