@@ -85,6 +85,7 @@ def test_sharing_layers_hold_no_blocks_and_prefix_hits_give_the_plain_tokens(ckp
     assert sorted(sum(holders, [])) == [0, 1, 2, 3]  # layers 4 and 5 read 3's and 2's K/V
     assert [len(kind.cache.k) for kind in llm.engine.runner.kinds] == [1, 3]
     assert llm.engine.kv_plan.bytes_per_token == 2 * 2 * 4 * (32 + 3 * 16)  # K and V, 2 KV heads, fp32
+    assert llm.engine.kv_plan.report().endswith("; 2 layers read an earlier layer's K/V (no blocks)")
     assert generate(llm, prompts) == tokens
     assert generate(llm, prompts) == tokens  # the second time through the prefix cache
     assert llm.engine.kv.prefix_hits > 0
