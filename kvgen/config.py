@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from kvgen.errors import ModelLoadError
-from kvgen.architectures import ARCHITECTURES, BY_HF_MODEL_TYPE, known_names
-from kvgen.architectures.spec import Architecture, rope_parameters, rope_scaling
+from kvgen.architectures import ARCHITECTURES, BY_HF_MODEL_TYPE, NOT_YET, known_names
+from kvgen.architectures.spec import Architecture, RecurrentShape, rope_parameters, rope_scaling
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,14 @@ class ModelConfig:
     local_rope_theta: float | None = None
     attention_scale: float | None = None
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma's option)
+    # Qwen3.5 (kvgen.architectures.qwen35): RoPE on the first `rotary_dim` dimensions of each head
+    # (None: all); its Gated DeltaNet layers' state shape, which layers they are, and how their
+    # tensors are stored ("gguf": value heads tiled, the decay rate itself; see GatedDeltaNetSpec)
+    rotary_dim: int | None = None
+    recurrent: RecurrentShape | None = None
+    recurrent_layers: tuple[int, ...] = ()
+    recurrent_layout: str = "hf"
+    mtp_layers: int = 0  # multi-token-prediction layers a GGUF carries after the decoder's (kept, unused)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     # Gemma 4: per layer, its head size and KV heads (window and global layers differ; empty: head_dim
     # and num_kv_heads everywhere) and the layer whose K/V it attends over (itself, or for a layer
@@ -118,8 +126,9 @@ class ModelConfig:
 
     @property
     def kv_holders(self) -> list[int]:
-        """The layers that hold K/V in the cache (every layer but those sharing an earlier one's)."""
-        return [i for i in range(self.num_layers) if self.kv_donor(i) == i]
+        """The layers that hold K/V in the cache: every layer but those sharing an earlier one's (Gemma 4)
+        and the recurrent ones, which keep a state instead (Qwen3.5: kvgen.cache.state_pool)."""
+        return [i for i in range(self.num_layers) if self.kv_donor(i) == i and i not in self.recurrent_layers]
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: object = "config.json") -> "ModelConfig":
@@ -128,6 +137,8 @@ class ModelConfig:
         cfg = text_part(cfg)
         model_type = cfg.get("model_type", "llama")
         arch = BY_HF_MODEL_TYPE.get(model_type)
+        if model_type in NOT_YET:
+            raise ModelLoadError(source, NOT_YET[model_type])
         if arch is None:
             raise ModelLoadError(source, f"model_type {model_type!r} is not supported (kvgen runs: {known_names()}; "
                                          "multimodal checkpoints need their text-only part)")
@@ -167,9 +178,12 @@ class ModelConfig:
 
 def text_part(cfg: dict[str, Any]) -> dict[str, Any]:
     """The text model's config of a multimodal checkpoint (its `text_config`, where that names a
-    model kvgen runs: Gemma 4's ...ForConditionalGeneration), else `cfg` itself."""
+    model kvgen runs: Gemma 4's and Qwen3.5's ...ForConditionalGeneration), tied as the outer config
+    says; else `cfg` itself."""
     text = cfg.get("text_config")
-    return text if isinstance(text, dict) and text.get("model_type") in BY_HF_MODEL_TYPE else cfg
+    if not (isinstance(text, dict) and text.get("model_type") in BY_HF_MODEL_TYPE):
+        return cfg
+    return text | {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
@@ -311,37 +325,3 @@ class EngineConfig:
 
 
 DEFAULT_KV_MEMORY = 1 << 30
-
-
-@dataclass(frozen=True)
-class RecurrentShape:
-    """One Gated DeltaNet layer's state, per sequence."""
-
-    k_heads: int
-    v_heads: int
-    k_dim: int
-    v_dim: int
-    conv_kernel: int = 4
-
-    def __post_init__(self) -> None:
-        if min(self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.conv_kernel) <= 0:
-            raise ValueError(f"a recurrent layer's sizes must be positive: {self}")
-        if self.v_heads % self.k_heads:
-            raise ValueError(f"{self.v_heads} value heads cannot share {self.k_heads} key heads evenly")
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
-
-    @property
-    def conv_window(self) -> tuple[int, int]:
-        return (self.conv_dim, self.conv_kernel - 1)
-
-    @property
-    def state(self) -> tuple[int, int, int]:
-        return (self.v_heads, self.k_dim, self.v_dim)
-
-    def bytes(self, state_bytes: int = 4, conv_bytes: int = 4) -> int:
-        """One sequence's bytes in this layer: its conv window and recurrent state (fp32 by default)."""
-        conv, heads = self.conv_window, self.state
-        return conv[0] * conv[1] * conv_bytes + heads[0] * heads[1] * heads[2] * state_bytes

@@ -24,6 +24,7 @@ from kvgen.cache.sizing import format_bytes
 from kvgen.config import DTYPES, EngineConfig
 from kvgen.engine.base import Engine, Prompt
 from kvgen.engine.llm_engine import LLMEngine
+from kvgen.engine.recurrent import recurrent_refusal
 from kvgen.engine.sequential import SequentialEngine
 from kvgen.loaders import LoadedModel, load_model
 from kvgen.loaders.hub import resolve_model
@@ -47,6 +48,9 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     step inside this call and exits the process when rank 0 stops). A draft model for speculative
     decoding is loaded here, its quantization being draft_quantization."""
     config = resolve_kv_dtype(loaded, config)  # every rank of a tensor-parallel group alike
+    refusal = recurrent_refusal(loaded.config, config)
+    if refusal is not None:
+        raise ValueError(refusal)
     if config.tensor_parallel_size > 1:
         from kvgen.distributed.launch import build_tensor_parallel_engine
 

@@ -63,7 +63,6 @@ class AttentionSpec(BlockSpec):
     qk_norm: bool = False
     qkv_bias: bool = False
     fused_qkv: bool = False  # the HF checkpoint stores one qkv_proj (Phi-3); kept fused, as kvgen runs it
-    output_gate: bool = False  # q carries a sigmoid gate on the output (Qwen3.5): no block runs it yet
     qk_norm_whole: bool = False  # QK-norm over the whole q and k projections, not per head (OLMoE)
     # Gemma 4: the layer's own head size and KV heads where kinds of layer differ (None: the config's),
     # V normed by RMS without a weight, K/V read from an earlier layer's cache (no k/v projections),
@@ -158,6 +157,76 @@ GGUF_MOE_NAMES = {
 
 
 @dataclass(frozen=True)
+class GatedAttentionSpec(AttentionSpec):
+    """Qwen3.5's full attention: q_proj also yields a per-head output gate (each head's rows are its
+    query then its gate), and the output is attn * sigmoid(gate) before o_proj; QK-norm, and RoPE on
+    the first `config.rotary_dim` dimensions of each head."""
+
+    kind: ClassVar[str] = "gated_attention"
+    qk_norm: bool = True
+
+    def tensors(self, config: Any) -> dict[str, tuple[int, ...]]:
+        shapes = super().tensors(config)
+        q = self.prefix + ".q_proj.weight"
+        return shapes | {q: (2 * shapes[q][0], shapes[q][1])}
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec(BlockSpec):
+    """Qwen3.5's linear attention (kvgen.model.gated_delta_net): in_proj_qkv / _z / _a / _b, a causal
+    depthwise conv, the delta rule over a per-sequence state, a gated norm and out_proj; its shape is
+    `config.recurrent`. A GGUF stores the decay rate -exp(A_log) as `decay_rate` and the conv as
+    [conv_dim, K] (`config.recurrent_layout` "gguf"), a HF checkpoint A_log and [conv_dim, 1, K]."""
+
+    kind: ClassVar[str] = "gated_delta_net"
+    prefix: str = "linear_attn"
+
+    def tensors(self, config: Any) -> dict[str, tuple[int, ...]]:
+        p, hidden, s = self.prefix + ".", config.hidden_size, config.recurrent
+        gguf = config.recurrent_layout == "gguf"
+        value = s.v_heads * s.v_dim
+        return {p + "in_proj_qkv.weight": (s.conv_dim, hidden), p + "in_proj_z.weight": (value, hidden),
+                p + "in_proj_a.weight": (s.v_heads, hidden), p + "in_proj_b.weight": (s.v_heads, hidden),
+                p + "conv1d.weight": (s.conv_dim, s.conv_kernel) if gguf else (s.conv_dim, 1, s.conv_kernel),
+                p + ("decay_rate" if gguf else "A_log"): (s.v_heads,), p + "dt_bias": (s.v_heads,),
+                p + "norm.weight": (s.v_dim,), p + "out_proj.weight": (hidden, value)}
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    """One Gated DeltaNet layer's state, per sequence."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int = 4
+
+    def __post_init__(self) -> None:
+        if min(self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.conv_kernel) <= 0:
+            raise ValueError(f"a recurrent layer's sizes must be positive: {self}")
+        if self.v_heads % self.k_heads:
+            raise ValueError(f"{self.v_heads} value heads cannot share {self.k_heads} key heads evenly")
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    @property
+    def conv_window(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def state(self) -> tuple[int, int, int]:
+        return (self.v_heads, self.k_dim, self.v_dim)
+
+    def bytes(self, state_bytes: int = 4, conv_bytes: int = 4) -> int:
+        """One sequence's bytes in this layer: its conv window and recurrent state (fp32 by default)."""
+        conv, heads = self.conv_window, self.state
+        return conv[0] * conv[1] * conv_bytes + heads[0] * heads[1] * heads[2] * state_bytes
+
+
+@dataclass(frozen=True)
 class PerLayerInputSpec(BlockSpec):
     """Gemma 4's per-layer input (E2B/E4B): proj(act(gate(x)) * per_layer_input), where the layer's
     per-layer input [T, P] comes from an embedding table of its own and a projection of the
@@ -228,6 +297,7 @@ class Architecture:
     gguf_interleaved_rope: bool = False  # llama.cpp's converter permuted the q/k rows
     hf_fields: ConfigFields | None = None
     gguf_fields: ConfigFields | None = None
+    plain_norms: tuple[str, ...] = ()  # norms stored as w where the others are 1 + w (Qwen3.5's gated norm)
     model_tensors: Callable[[Any], dict[str, tuple[int, ...]]] | None = None  # beside the layers' (config ->)
 
     def layer_spec(self, index: int, config: Any) -> LayerSpec:

@@ -170,11 +170,11 @@ def plan_kv(model: ModelConfig, config: EngineConfig, max_model_len: int) -> KVP
     holds in each (kvgen.cache.hybrid.split_budget), so that they run out together. Layers that
     read an earlier layer's K/V (Gemma 4) hold none: only the holders count."""
     per_layer = kv_bytes_per_token_of(1, model.num_kv_heads, model.head_dim, config.kv_dtype)
-    holders = model.kv_holders
+    holders = model.kv_holders  # recurrent layers keep a state instead (kvgen.cache.state_pool)
     kinds = layer_kinds([model.window(i) for i in range(model.num_layers)], holders) if model.is_hybrid else []
     kind_bytes = [kind_layer_bytes(model, k, config.kv_dtype) for k in kinds]
     needs = (sequence_bytes(kinds, kind_bytes, max_model_len, config.max_num_batched_tokens, config.block_size)
-             if kinds else [model.num_layers * per_layer * max_model_len])
+             if kinds else [len(holders) * per_layer * max_model_len])
     budget = config.kv_cache_memory
     if budget is None:
         budget = min(config.max_num_seqs * sum(needs), DEFAULT_KV_MEMORY)
@@ -184,11 +184,11 @@ def plan_kv(model: ModelConfig, config: EngineConfig, max_model_len: int) -> KVP
         blocks = [num_blocks_for_budget(share, config.block_size, b * len(k.layers))
                   for share, k, b in zip(split_budget(budget, needs), kinds, kind_bytes)]
     else:
-        blocks = [num_blocks_for_budget(budget, config.block_size, model.num_layers * per_layer)]
+        blocks = [num_blocks_for_budget(budget, config.block_size, len(holders) * per_layer)]
     if min(blocks) < 1:
         raise ValueError(f"the KV budget holds no block of {config.block_size} tokens in every kind of layer"
                          if kinds else f"the KV budget holds no block of {config.block_size} tokens "
-                         f"({model.num_layers * per_layer} bytes per token)")
+                         f"({len(holders) * per_layer} bytes per token)")
     return KVPlan(config.block_size, config.kv_dtype, per_layer, len(holders), tuple(blocks), tuple(kinds),
                   tuple(kind_bytes) if kind_bytes != [per_layer] * len(kinds) else (), model.num_layers - len(holders))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgen.cache.sizing import kv_bytes_per_token
-from kvgen.config import RecurrentShape
+from kvgen.config import ModelConfig, RecurrentShape
 
 
 def state_bytes_per_sequence(shape: RecurrentShape, num_layers: int, state_bytes: int = 4,
@@ -50,6 +50,14 @@ class HybridShape:
                    RecurrentShape(config["linear_num_key_heads"], config["linear_num_value_heads"],
                                   config["linear_key_head_dim"], config["linear_value_head_dim"],
                                   config.get("linear_conv_kernel_dim", 4)))
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> HybridShape | None:
+        """From a loaded config (a GGUF's metadata), None for a model without recurrent layers."""
+        if not config.recurrent_layers:
+            return None
+        return cls(len(config.kv_holders), len(config.recurrent_layers), config.num_kv_heads, config.head_dim,
+                   config.recurrent)
 
     @property
     def num_layers(self) -> int:

@@ -77,6 +77,7 @@ class KVLimits:
     tables: KVCacheManager | HybridKVManager
     capacity_tokens: int
     chunk: int
+    state_slots: int | None = None  # a recurrent model's: the most completions (n) one request may run
 
 
 class Admission:
@@ -203,6 +204,8 @@ class Admission:
                 + ("" if policy.kind != "full" else "; a bounded kv_policy such as sinks:4,508 can run longer"))
 
     def _check_pool(self, num_prompt_tokens: int, params: SamplingParams, policy: CachePolicy) -> None:
+        if self.kv.state_slots is not None and params.n > self.kv.state_slots:
+            raise InvalidRequestError(f"n = {params.n} completions exceed the {self.kv.state_slots} state slots")
         total = num_prompt_tokens + params.max_tokens
         peak = self._peak_tokens(total, policy)
         if not self.kv.tables.fits(peak):

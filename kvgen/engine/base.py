@@ -38,6 +38,12 @@ class EngineStats:
     spec_proposed: int = 0  # speculative tokens verified
     spec_accepted: int = 0  # of which kept
     spec_verify_steps: int = 0  # sequence-steps that verified a draft
+    # a recurrent model's state pool (kvgen.cache.state_pool), apart from the KV blocks: 0 without one
+    state_slots_used: int = 0
+    state_slots_total: int = 0
+    state_bytes_used: int = 0  # the used slots' state
+    state_bytes_total: int = 0  # slots, prefix snapshots and verify checkpoints
+    state_snapshots: int = 0
     # KV tiers below the pool (kvgen.cache.tiers): per tier, a dict of blocks and bytes held, hits,
     # bytes in and out and seconds spent; () without tiers
     kv_tiers: tuple[tuple[str, dict[str, float]], ...] = ()

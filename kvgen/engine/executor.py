@@ -37,8 +37,10 @@ log = logging.getLogger(__name__)
 
 def load_model(loaded: LoadedModel, config: EngineConfig) -> DecoderModel:
     """The model of `loaded` in this process, as `config` keeps its weights."""
-    return DecoderModel(loaded.config, {**loaded.weights, **loaded.quantized}, config.device,
-                      config.torch_dtype, config.quantization, config.fused_decode)
+    model = DecoderModel(loaded.config, {**loaded.weights, **loaded.quantized}, config.device,
+                         config.torch_dtype, config.quantization, config.fused_decode)
+    model.mtp = loaded.mtp
+    return model
 
 
 def log_weights(model: DecoderModel) -> None:

@@ -26,6 +26,8 @@ from kvgen.config import EngineConfig
 from kvgen.engine.admission import Admission, KVLimits
 from kvgen.engine.base import Engine, EngineStats, finite_rows
 from kvgen.engine.executor import Executor
+from kvgen.engine.recurrent import RecurrentSteps, build_state_pool, describe, draft_refusal, policy_refusal
+from kvgen.engine.recurrent import recurrent_refusal
 from kvgen.engine.speculative.speculator import Speculator, build_speculator
 from kvgen.engine.step_log import StepLog, split_tokens
 from kvgen.loaders import LoadedModel
@@ -34,6 +36,7 @@ from kvgen.sample.sampler import SamplerOutput, logprobs_of
 from kvgen.scheduling.output import SchedulerOutput
 from kvgen.scheduling.scheduler import Scheduler, SchedulerConfig
 from kvgen.scheduling.sequence import Request, RequestOutput, Sequence
+from kvgen.scheduling.state_slots import StateSlots
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,9 @@ class LLMEngine(Engine):
         `executor`: where the model runs (this process unless given: kvgen.distributed builds rank 0's).
         An "auto" KV dtype becomes the model's default here (kvgen.cache.kv_dtype: 16-bit on packed weights)."""
         config = resolve_kv_dtype(loaded, config)
+        refusal = recurrent_refusal(loaded.config, config) or (draft_refusal(draft.config) if draft else None)
+        if refusal is not None:
+            raise ValueError(refusal)
         super().__init__(loaded, config)
         self.executor = executor or Executor(loaded, config)
         self.model = self.executor.model
@@ -62,14 +68,28 @@ class LLMEngine(Engine):
         if config.kv_tiers:
             attach_pools(self.kv, [kind.cache for kind in self.runner.kinds], config.kv_offload_dtype)
         self.speculator: Speculator | None = build_speculator(config, loaded.config, self.kv, draft)
+        state_slots, self.recurrent = self._state_pool(loaded, config)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv,
-                                   self.speculator.lookahead if self.speculator is not None else None)
+                                   self.speculator.lookahead if self.speculator is not None else None, state_slots)
         self.admission = Admission(self.tokenizer, loaded.config, self.max_model_len,
-                                   KVLimits(self.kv, self.capacity_tokens, config.max_num_batched_tokens),
+                                   KVLimits(self.kv, self.capacity_tokens, config.max_num_batched_tokens,
+                                            state_slots.pool.num_slots if state_slots else None),
                                    speculative=self.speculator is not None,
-                                   policy_refusal=self.executor.policy_refusal, grammars=self.grammars)
+                                   policy_refusal=lambda policy: (policy_refusal(loaded.config, policy.kind)
+                                                                  or self.executor.policy_refusal(policy)),
+                                   grammars=self.grammars)
         self.step_log = StepLog()
         log.info("%s", self.capacity_report())
+
+    def _state_pool(self, loaded: LoadedModel, config: EngineConfig
+                    ) -> tuple[StateSlots | None, RecurrentSteps | None]:
+        """A recurrent model's state pool beside the KV pools (kvgen.engine.recurrent), given to the runner."""
+        if not loaded.config.recurrent_layers:
+            return None, None
+        pool = build_state_pool(loaded.config, config)
+        self.runner.state_pool = pool
+        slots = StateSlots(pool, config.block_size, config.enable_prefix_caching)
+        return slots, RecurrentSteps(pool, slots)
 
     def __getattr__(self, name: str) -> object:
         """What the engine lacks, its executor may have (a tensor-parallel group's `workers`, `shard_plans`)."""
@@ -97,6 +117,8 @@ class LLMEngine(Engine):
 
     def capacity_report(self) -> str:
         report = self.kv_plan.report()
+        if self.recurrent is not None:
+            report = f"{report}; {describe(self.recurrent.pool)}"
         extra = self.speculator.capacity_report() if self.speculator is not None else None
         report = report if extra is None else f"{report}; {extra}"
         where = self.executor.report()
@@ -109,6 +131,7 @@ class LLMEngine(Engine):
             kv_blocks_cached_free=self.kv.num_cached_free_blocks, prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             kv_tiers=self.kv.tiers.readings() if self.config.kv_tiers else (), **self._spec_stats(),
+            **(self.recurrent.stats() if self.recurrent is not None else {}),
         )
 
     def pin_prefix(self, token_ids: list[int], pin: bool = True) -> dict[str, int]:
@@ -152,6 +175,8 @@ class LLMEngine(Engine):
             logits = self._run(schedule)
             outputs = self._postprocess(schedule, logits, released)
         except Exception as error:  # noqa: BLE001 - a fault fails the step's requests, not the engine
+            if self.recurrent is not None:
+                self.recurrent.abandon(schedule.chunks)
             outputs = self.fail({chunk.seq.request for chunk in schedule.chunks}, self._failure_message(error))
         self._log_step(schedule, tokens, outputs, released, time.perf_counter() - started)
         return outputs
@@ -192,6 +217,8 @@ class LLMEngine(Engine):
         if self.speculator is not None:  # the draft's pools follow the global layers' block ids
             self.speculator.copy_blocks(copies[0] if self.kv_plan.kinds else copies)
             self.speculator.propose(schedule.chunks)
+        if self.recurrent is not None:
+            self.recurrent.begin_step(schedule.chunks)
         return split_tokens(schedule.chunks)
 
     def _run(self, schedule: SchedulerOutput) -> torch.Tensor:
@@ -247,6 +274,8 @@ class LLMEngine(Engine):
             if chunk.num_lookahead:
                 self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
                 self.speculator.rollback(seq)
+            if self.recurrent is not None:
+                self.recurrent.end_chunk(chunk, len(accepted))
             if seq.policy.shares_prefixes:  # verified tokens only: the accepted drafts are not appended yet
                 self.kv.cache_full_blocks(seq.seq_id, seq.token_ids + accepted if accepted else seq.token_ids,
                                           seq.num_computed_tokens, extra_key=seq.policy.prefix_key)
@@ -318,6 +347,8 @@ class LLMEngine(Engine):
             if child.status.value != "waiting" or child.is_finished:
                 continue
             self.kv.fork(parent.seq_id, child.seq_id)
+            if self.recurrent is not None:
+                self.recurrent.slots.fork(parent, child)
             self.heavy_hitters.fork(parent.seq_id, child.seq_id)
             child.num_computed_tokens = parent.num_computed_tokens
             self.scheduler.add_running(child)

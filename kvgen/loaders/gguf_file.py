@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvgen.architectures import BY_GGUF_NAME, known_names
+from kvgen.architectures import BY_GGUF_NAME, NOT_YET, known_names
 from kvgen.architectures.spec import Architecture, float32_value
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
@@ -46,7 +46,7 @@ GLOBAL_NAMES = {
 }
 ROPE_FREQS = "rope_freqs.weight"  # read into the config (`_rope_scaling`), not a weight
 UNROTATED = 1e20  # a rope_freqs factor at least this large stops its pair (llama.cpp's converter writes 1e30)
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")
 
 
 def load_gguf(
@@ -63,6 +63,8 @@ def load_gguf(
     reader = _open(path)
     meta = _metadata(path, reader)
     arch = BY_GGUF_NAME.get(meta.get("general.architecture"))
+    if meta.get("general.architecture") in NOT_YET:
+        raise ModelLoadError(path, NOT_YET[meta["general.architecture"]])
     if arch is None:
         raise ModelLoadError(path, f"architecture {meta.get('general.architecture')!r} is not supported "
                                    f"(kvgen runs: {known_names()})")
@@ -70,6 +72,7 @@ def load_gguf(
     config = _config(path, arch, meta, tensors)
     if tokenizer is None:  # before the weights: a bad vocabulary is reported without dequantizing first
         tokenizer = gguf_tokenizer(path, meta, arch.name)
+    mtp = {name: read_tensor(tensors.pop(name), name) for name in _mtp_names(tensors, config)}
     raw = _read_tensors(path, arch, tensors)
     names = check_weights({name: w.shape for name, w in raw.items()}, config, path)
     raw = {name: raw[name] for name in names}
@@ -80,7 +83,14 @@ def load_gguf(
         raw = {name: plan.take(name, w) for name, w in raw.items()}
     quantized = {n: w for n, w in raw.items() if keep_quantized and _is_quantized_matrix(w)}
     weights = {n: _dequantize(path, w).to(device=device, dtype=dtype) for n, w in raw.items() if n not in quantized}
-    return LoadedModel(config, weights, tokenizer, str(path), quantized, shard=plan)
+    return LoadedModel(config, weights, tokenizer, str(path), quantized, shard=plan, mtp=mtp)
+
+
+def _mtp_names(tensors: dict[str, ReaderTensor], config: ModelConfig) -> list[str]:
+    """The tensors of the multi-token-prediction layers after the decoder's (blk.N with N >= its layers,
+    `nextn.*` among them): kept raw beside the model for speculation, not part of it."""
+    return [name for name in tensors if config.mtp_layers and (m := re.match(r"blk\.(\d+)\.", name))
+            and int(m.group(1)) >= config.num_layers]
 
 
 def _open(path: Path) -> GGUFFile:
@@ -103,8 +113,6 @@ def _config(path: Path, arch: Architecture, meta: dict[str, Any], tensors: dict[
         hidden, heads = int(meta[p + "embedding_length"]), int(meta[p + "attention.head_count"])
         head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
         kv_heads, widths = meta.get(p + "attention.head_count_kv", heads), meta[p + "feed_forward_length"]
-        if int(meta.get(p + "rope.dimension_count", head_dim)) != head_dim:
-            raise ValueError("partial rotary embeddings (rope.dimension_count != head dim) are not supported")
         config = ModelConfig(
             vocab_size=_vocab_size(p, meta, tensors),
             hidden_size=hidden,
@@ -126,7 +134,10 @@ def _config(path: Path, arch: Architecture, meta: dict[str, Any], tensors: dict[
             model_type=arch.name,
             architecture=arch.name,
         )
-        return replace(config, **arch.gguf_fields(p, meta, config)) if arch.gguf_fields else config
+        config = replace(config, **arch.gguf_fields(p, meta, config)) if arch.gguf_fields else config
+        if int(meta.get(p + "rope.dimension_count", head_dim)) != (config.rotary_dim or head_dim):
+            raise ValueError("partial rotary embeddings (rope.dimension_count != head dim) are not supported")
+        return config
     except KeyError as e:
         raise ModelLoadError(path, f"GGUF metadata key {e.args[0]} is missing") from None
     except (TypeError, ValueError) as e:
@@ -177,12 +188,14 @@ def _hf_name(path: Path, arch: Architecture, name: str) -> str:
         return GLOBAL_NAMES[name]
     block_names = arch.gguf_names
     m = _BLOCK_TENSOR.fullmatch(name)
-    if m is None or m.group(2) not in block_names:
+    layer, kind, suffix = m.groups() if m is not None else (None, None, None)
+    if f"{kind}.{suffix}" in block_names:  # a name mapped whole (qwen35's ssm_dt.bias -> dt_bias)
+        return f"model.layers.{layer}.{block_names[f'{kind}.{suffix}']}"
+    if m is None or kind not in block_names:
         raise ModelLoadError(path, f"unexpected tensor {name!r} for a {arch.gguf_name} GGUF")
-    layer, kind, suffix = m.groups()
     if block_names[kind] == arch.layer.scalar:  # a layer's scalar has no suffix in HF's names (Gemma 4)
         return f"model.layers.{layer}.{block_names[kind]}"
-    return f"model.layers.{layer}.{block_names[kind]}.{suffix}"
+    return f"model.layers.{layer}.{block_names[kind]}" + (f".{suffix}" if suffix else "")
 
 
 def _read_tensors(path: Path, arch: Architecture, tensors: dict[str, ReaderTensor]) -> dict[str, GGUFWeight]:

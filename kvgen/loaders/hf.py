@@ -58,7 +58,9 @@ def load_hf(
     if tokenizer is None:
         tokenizer = load_hf_tokenizer(path, eos_token_ids=config.eos_token_ids)
     if config.arch.norm_plus_one:
-        weights = {name: w.float() + 1.0 if is_norm_weight(name) else w for name, w in weights.items()}
+        plain = config.arch.plain_norms
+        weights = {name: w.float() + 1.0 if is_norm_weight(name) and not name.endswith(plain) else w
+                   for name, w in weights.items()}
     weights = finalize_weights(weights, config, path, device, dtype, origins=origins, shapes=shapes)
     return LoadedModel(config, weights, tokenizer, str(path), shard=plan)
 

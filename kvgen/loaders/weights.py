@@ -42,6 +42,7 @@ class LoadedModel:
     source: str
     quantized: dict[str, GGUFWeight] = field(default_factory=dict)
     shard: ShardPlan | None = None
+    mtp: dict[str, GGUFWeight] = field(default_factory=dict)  # a GGUF's MTP layers, by GGUF name (unused yet)
     reload: Callable[..., LoadedModel] | None = None
 
 

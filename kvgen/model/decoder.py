@@ -65,6 +65,9 @@ class DecoderModel:
                                       config.max_position_embeddings, self.device, dtype) for theta, dim in ropes]
         self.rope = self.ropes[0]
         self.decode_programs = DecodePrograms(self, fused_decode)
+        # The multi-token-prediction layers a checkpoint may carry (GGUF names -> raw tensors): kept for
+        # speculation, which does not use them yet; decoding never does.
+        self.mtp: Mapping[str, Weight] = {}
 
     def kernels(self) -> dict[str, tuple[str, int]]:
         """Per projection role: (the kernel its layers run, their weight bytes over all layers)."""

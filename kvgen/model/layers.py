@@ -73,8 +73,9 @@ def make_gate_mul(activation: str, device: torch.device, dtype: torch.dtype) -> 
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] inverse frequencies, with linear, llama3 or proportional scaling applied."""
-    dim = config.head_dim
+    """[rotary_dim / 2] inverse frequencies (rotary_dim: head_dim unless the model rotates part of
+    each head), with linear, llama3 or proportional scaling applied."""
+    dim = config.rotary_dim or config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
     if scaling is None:

@@ -28,6 +28,7 @@ import torch
 
 from kvgen.cache.heavy_hitters import HeavyHitters
 from kvgen.cache.hybrid import LayerKind
+from kvgen.cache.state_pool import StatePool
 from kvgen.config import EngineConfig
 from kvgen.model.attention import PagedAttention, PagedGroup, PagedMetadata
 from kvgen.model.decoder import DecoderModel
@@ -36,6 +37,7 @@ from kvgen.model.kv_quant import STORAGE_DTYPES
 from kvgen.model.kv_storage import PagedKVCache
 from kvgen.model.linear import blas_owns_the_cores
 from kvgen.runner.policy_tensors import FAR, PolicyTensors, ScoreTarget
+from kvgen.runner.state_batch import StepStates, step_states
 from kvgen.scheduling.output import ScheduledChunk
 
 T = TypeVar("T")
@@ -55,6 +57,7 @@ class StepInputs:
     logit_rows: torch.Tensor  # [S] rows whose hidden states give logits, in the chunks' order
     score_targets: list[ScoreTarget]
     more_metas: list[PagedMetadata] = field(default_factory=list)  # the other kinds' (ModelRunner.kinds[1:])
+    states: StepStates | None = None  # the recurrent layers' slots (a model with a state pool)
 
 
 @dataclass
@@ -90,9 +93,13 @@ class ModelRunner:
         config = model.config
         first_layers = [i for i in config.kv_holders if all(i not in kind.layers for kind in more_kinds)]
         self.kinds = [KVKind(cache, block_tables, None, first_layers), *more_kinds]
-        # per model layer: (its kind, its index in that kind's pools); a layer reading another's K/V, its donor's
-        self.layer_kinds = [next((k, kind.layers.index(d)) for k, kind in enumerate(self.kinds) if d in kind.layers)
-                            for d in map(config.kv_donor, range(config.num_layers))]
+        # per model layer: (its kind, its index in that kind's pools); a layer reading another's K/V, its
+        # donor's; None for a recurrent layer, which keeps a state slot instead (kvgen.cache.state_pool)
+        self.layer_kinds = [None if i in config.recurrent_layers else
+                            next((k, kind.layers.index(d)) for k, kind in enumerate(self.kinds) if d in kind.layers)
+                            for i, d in enumerate(map(config.kv_donor, range(config.num_layers)))]
+        self._maps_layers = len(self.kinds) > 1 or len(config.kv_holders) < config.num_layers
+        self.state_pool: StatePool | None = None  # a recurrent model's, set by the engine (kvgen.engine.recurrent)
 
     def copy_blocks(self, copies: list[tuple[int, int]] | list[list[tuple[int, int]]]) -> None:
         """Copy-on-write copies before the step: a list per kind where there are several kinds."""
@@ -111,9 +118,9 @@ class ModelRunner:
         """The forward pass over a prepared step (tensor-parallel workers get theirs from rank 0)."""
         attention = self.attention_type(self.cache, inputs.meta, self.decode_kernel,
                                    [(kind.cache, meta) for kind, meta in zip(self.kinds[1:], inputs.more_metas)],
-                                   self.layer_kinds if len(self.kinds) > 1 else ())
+                                   self.layer_kinds if self._maps_layers else ())
         with blas_owns_the_cores(self.model.device, self.model.dtype, gemv_only=len(inputs.token_ids) == 1):
-            hidden = self.model.forward(inputs.token_ids, inputs.positions, attention)
+            hidden = self.model.forward(inputs.token_ids, inputs.positions, attention, states=inputs.states)
             self.policy_tensors.collect_scores(inputs.score_targets)
             return self.model.logits(hidden[inputs.logit_rows])
 
@@ -138,6 +145,8 @@ class ModelRunner:
             logit_rows=torch.tensor(_logit_rows(chunks, ordered, all_logits), dtype=torch.long, device=self.device),
             score_targets=score_targets,
             more_metas=more_metas,
+            states=(None if self.state_pool is None else
+                    step_states(self.state_pool, self.model.config.recurrent_layers, ordered)),
         )
 
     def _metadata(self, kind: KVKind, chunk_groups: list[list[ScheduledChunk]], ordered: list[ScheduledChunk],
@@ -267,7 +276,7 @@ def build_runner(model: DecoderModel, config: EngineConfig, num_blocks: int, blo
     """The runner over KV pools of `num_blocks` blocks for the model's (local) KV heads."""
     cfg = model.config
     pool_dtype = STORAGE_DTYPES[config.kv_dtype]
-    cache = cache_type(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+    cache = cache_type(len(cfg.kv_holders), num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                        model.device, pool_dtype, compute_dtype=model.dtype)
     decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
     return _on_device(runner_type(model, cache, block_tables, decode_kernel, heavy_hitters=heavy_hitters), config)

@@ -20,6 +20,7 @@ class ScheduledChunk:
     num_tokens: int
     num_lookahead: int = 0  # slots reserved past the sequence's end for speculative tokens
     draft: list[int] = field(default_factory=list)  # proposed tokens verified in this chunk (after its last)
+    verify_row: int | None = None  # a recurrent model's verify chunk: its state checkpoint row (kvgen.cache.state_pool)
 
     @property
     def start(self) -> int:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from kvgen.cache.kv_manager import KVCacheManager
 from kvgen.scheduling.output import ScheduledChunk, SchedulerOutput
 from kvgen.scheduling.sequence import Sequence, Status
+from kvgen.scheduling.state_slots import StateSlots
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,11 @@ class Scheduler:
     """Holds the waiting queue and the running list; the KV cache manager holds their blocks."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 lookahead: Callable[[Sequence], int] | None = None) -> None:
+                 lookahead: Callable[[Sequence], int] | None = None, states: StateSlots | None = None) -> None:
         self.config = config
         self.kv = kv
         self.lookahead = lookahead  # speculative tokens to reserve for a running decode (None: no speculation)
+        self.states = states  # a recurrent model's state slots, one per running sequence
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -98,12 +100,18 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self.states is not None and not self.states.can_admit(seq):
+                break
             reuse = seq.may_reuse_cached_prefix
             cached = self.kv.find_cached_prefix(seq.token_ids, seq.policy.prefix_key) if reuse else []
+            if self.states is not None:  # a hit must also find the recurrent layers' state where it ends
+                cached = self.states.usable_prefix(seq, cached)
             num_cached = len(cached) * self.kv.block_size
             num_tokens = self._chunk_size(seq, num_cached, budget)
             if not self.kv.allocate(seq.seq_id, seq.token_ids, num_tokens, cached_prefix=cached):
                 break
+            if self.states is not None:
+                self.states.admit(seq, cached)
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
             seq.status = Status.RUNNING
@@ -111,14 +119,16 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, num_tokens))
             budget -= num_tokens
 
-    @staticmethod
-    def _chunk_size(seq: Sequence, start: int, budget: int) -> int:
-        """Tokens to compute from `start`: the rest of the sequence, within budget and the policy's limit."""
-        limit = seq.policy.max_chunk(start)
-        return min(seq.num_tokens - start, budget, limit if limit is not None else budget)
+    def _chunk_size(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens to compute from `start`: the rest of the sequence, within budget, the policy's limit and
+        (a recurrent model's) the next state snapshot boundary."""
+        limits = [seq.policy.max_chunk(start), self.states.chunk_limit(seq, start) if self.states else None]
+        return min(seq.num_tokens - start, budget, *(limit for limit in limits if limit is not None))
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.seq_id)
+        if self.states is not None:
+            self.states.release(seq)
         seq.num_computed_tokens = seq.num_dead_blocks = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -133,3 +143,5 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.seq_id in self.kv:
             self.kv.free(seq.seq_id)
+        if self.states is not None:
+            self.states.release(seq)

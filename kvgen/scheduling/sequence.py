@@ -87,6 +87,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_dead_blocks = 0  # table entries below this a bounded cache policy has given back
         self.num_preemptions = 0
+        self.state_slot: int | None = None  # a recurrent model's state slot while it runs (kvgen.cache.state_pool)
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)

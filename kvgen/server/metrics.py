@@ -46,9 +46,23 @@ def stats_families(stats: EngineStats) -> Iterator[Metric]:
     yield CounterMetricFamily("kvgen_spec_decode_num_verify_steps",
                               "Sequence-steps that verified speculative tokens.", stats.spec_verify_steps)
     yield from tier_families(stats)
+    if stats.state_slots_total:
+        yield from state_families(stats)
     mean = (stats.spec_accepted + stats.spec_verify_steps) / stats.spec_verify_steps if stats.spec_verify_steps else 0.0
     yield GaugeMetricFamily("kvgen_spec_decode_mean_accepted_length",
                             "Tokens emitted per verifying sequence-step (accepted + the target's own).", mean)
+
+
+def state_families(stats: EngineStats) -> Iterator[Metric]:
+    """A recurrent model's state pool, apart from the KV blocks: a slot per running sequence, whatever its length."""
+    yield GaugeMetricFamily("kvgen_state_slots_used", "Recurrent-state slots held by sequences.", stats.state_slots_used)
+    yield GaugeMetricFamily("kvgen_state_slots_total", "Recurrent-state slots in the pool.", stats.state_slots_total)
+    yield GaugeMetricFamily("kvgen_state_bytes_used", "Bytes of recurrent state the running sequences hold.",
+                            stats.state_bytes_used)
+    yield GaugeMetricFamily("kvgen_state_bytes_total", "Bytes of the state pool (slots, prefix snapshots, "
+                            "verify checkpoints).", stats.state_bytes_total)
+    yield GaugeMetricFamily("kvgen_state_snapshots", "Prefix-cache snapshots of the recurrent state kept.",
+                            stats.state_snapshots)
 
 
 def tier_families(stats: EngineStats) -> Iterator[Metric]:

@@ -24,8 +24,6 @@ class AttentionBlock(Block):
 
     def __init__(self, spec: AttentionSpec, index: int, ctx: BuildContext) -> None:
         cfg, w, build = ctx.config, ctx.weights, ctx.build
-        if spec.output_gate:
-            raise ValueError(f"{cfg.architecture}: gated attention output is not built yet")
         p = f"model.layers.{index}.{spec.prefix}."
         self.index, self.rope, self.donor = index, ctx.rope_index(index), cfg.kv_donor(index)
         self.dim, self.kv_heads = spec.dims(cfg)

@@ -24,14 +24,22 @@ if TYPE_CHECKING:
 
 
 class StateBatch(Protocol):
-    """A step's view of the per-sequence state pool, for blocks with a recurrent state (the seam
-    issue 42's Gated DeltaNet plugs into). The runner fills it beside the paged-KV metadata."""
+    """A step's view of the per-sequence state pool, for blocks with a recurrent state (Qwen3.5's
+    Gated DeltaNet). The runner fills it beside the paged-KV metadata (kvgen.runner.state_batch):
+    the first `num_decodes` sequences have one row each (rows 0..num_decodes - 1, run as one batch),
+    the others a prompt chunk, or, where `verify_rows[b]` is set, a speculative verify chunk whose
+    state after each position goes to that checkpoint row and not to the slot."""
 
     slots: torch.Tensor  # [B] int64: each sequence's state slot in the pool, in batch order
-    row_starts: torch.Tensor  # [B + 1] int64: sequence b owns rows row_starts[b]:row_starts[b + 1]
+    row_starts: list[int]  # [B + 1]: sequence b owns rows row_starts[b]:row_starts[b + 1]
+    num_decodes: int
+    verify_rows: list[int | None]  # [B]
 
-    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
-        """The pool tensors of model layer `index` (e.g. conv window [slots, ...], state [slots, ...])."""
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model layer `index`'s pool rows: conv windows [slots, conv_dim, K - 1], states [slots, Hv, Dk, Dv]."""
+
+    def checkpoints(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its verify checkpoints: conv [rows, positions, conv_dim, K - 1], states [rows, positions, Hv, Dk, Dv]."""
 
 
 @dataclass

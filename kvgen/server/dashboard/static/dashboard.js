@@ -333,6 +333,12 @@ const METRICS = [
   ["usage", "kvgen_kv_cache_usage_ratio", (v) => (v * 100).toFixed(1) + " %"],
   ["prefix-cache hit rate", "kvgen_prefix_cache_hit_rate", (v) => (v * 100).toFixed(1) + " %"],
   ["preemptions", "kvgen_num_preemptions_total"],
+  ["Recurrent state", null, null, "kvgen_state_slots_total"],
+  ["slots used", "kvgen_state_slots_used"],
+  ["slots in the pool", "kvgen_state_slots_total"],
+  ["state held", "kvgen_state_bytes_used", (v) => (v / 1e6).toFixed(1) + " MB"],
+  ["state pool", "kvgen_state_bytes_total", (v) => (v / 1e6).toFixed(1) + " MB"],
+  ["prefix snapshots", "kvgen_state_snapshots"],
   ["Time to first token", null],
   ["p50", "kvgen_time_to_first_token_seconds_p50", ms],
   ["p90", "kvgen_time_to_first_token_seconds_p90", ms],
@@ -344,8 +350,9 @@ const METRICS = [
 ];
 
 function showMetrics(metrics) {
-  $("metrics").innerHTML = METRICS.map(([label, name, format]) => {
-    if (name === null) return `<dt class="group">${label}</dt>`;
+  $("metrics").innerHTML = METRICS.map(([label, name, format, needs]) => {
+    if (name === null) return needs && metrics[needs] === undefined ? "" : `<dt class="group">${label}</dt>`;
+    if (name.startsWith("kvgen_state_") && metrics[name] === undefined) return "";  // no recurrent layers
     const value = metrics[name];
     const histogram = name.replace(/_p\d+$/, "");
     if (histogram !== name && !metrics[histogram + "_count"]) return `<dt>${label}</dt><dd>–</dd>`;

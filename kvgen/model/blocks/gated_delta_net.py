@@ -1,0 +1,71 @@
+"""Qwen3.5's Gated DeltaNet layer as a block: its projections here, the layer's math in
+kvgen.model.delta_net_layer (prefill, decode, verify), its memory in the state pool's slots.
+
+    in_proj(h) = [ mixed (conv_dim) | z (Hv * Dv) | b (Hv) | a (Hv) ]       one matmul
+    y          = delta_net_layer(mixed, z, a, b) over the sequence's conv window and state
+    out        = out_proj(y)
+
+A step's rows come in the order the runner laid them out (kvgen.model.blocks.base.StateBatch):
+the decodes first, one token each, run as one batch through the C step that updates their slots in
+place; then each prompt chunk from its slot's window and state (the chunked form), written back;
+then each verify chunk, whose state after every position goes to its checkpoint row, the slot left
+as it was until the engine accepts a number of positions (kvgen.cache.state_pool). No fused form:
+the layer runs layer by layer inside a fused decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.architectures.spec import GatedDeltaNetSpec
+from kvgen.model.blocks.base import Block, BuildContext, StepContext, register
+from kvgen.model.delta_net_layer import DeltaNetLayer, decode, prefill, verify
+from kvgen.model.kernels.gated_delta_net import gated_delta_net_kernel
+from kvgen.model.linear import Linear
+
+
+@register(GatedDeltaNetSpec.kind)
+class GatedDeltaNetBlock(Block):
+    kind = GatedDeltaNetSpec.kind
+
+    def __init__(self, spec: GatedDeltaNetSpec, index: int, ctx: BuildContext) -> None:
+        cfg, w, build = ctx.config, ctx.weights, ctx.build
+        p = f"model.layers.{index}.{spec.prefix}."
+        s = self.shape = cfg.recurrent
+        self.index = index
+        self.in_proj: Linear = build.linear([w[p + f"in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")])
+        self.out: Linear = build.linear([w[p + "out_proj.weight"]])  # Hv * Dv -> hidden
+
+        def fp32(name: str) -> torch.Tensor:
+            return build.float(w[p + name]).float()
+
+        gguf = cfg.recurrent_layout == "gguf"
+        decay_rate = fp32("decay_rate") if gguf else -fp32("A_log").exp()  # as transformers computes it
+        self.layer = DeltaNetLayer(s, fp32("conv1d.weight").reshape(s.conv_dim, s.conv_kernel), fp32("dt_bias"),
+                                   decay_rate, fp32("norm.weight"), cfg.rms_norm_eps, "tiled" if gguf else "grouped")
+        self.kernel = gated_delta_net_kernel() if build.device.type == "cpu" else None
+        self.split = (s.conv_dim, s.v_heads * s.v_dim, s.v_heads, s.v_heads)
+
+    def projections(self) -> dict[str, Linear]:
+        return {"in_proj": self.in_proj, "out_proj": self.out}
+
+    def forward(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
+        states = step.states
+        if states is None:
+            raise ValueError("a Gated DeltaNet layer keeps a state per sequence: it runs in the paged engine")
+        mixed, z, b, a = self.in_proj(h, step.rows).split(self.split, dim=-1)  # [T, conv_dim], [T, Hv Dv], [T, Hv] x 2
+        conv, state = states.layer(self.index)  # [slots, conv_dim, K - 1], [slots, Hv, Dk, Dv]
+        y = torch.empty(h.shape[0], self.split[1], dtype=h.dtype, device=h.device)
+        n = states.num_decodes
+        if n:
+            y[:n] = decode(self.layer, mixed[:n], z[:n], a[:n], b[:n], conv, state, states.slots[:n], self.kernel)
+        for seq in range(n, len(states.verify_rows)):
+            r0, r1, slot = states.row_starts[seq], states.row_starts[seq + 1], int(states.slots[seq])
+            rows = (self.layer, mixed[r0:r1], z[r0:r1], a[r0:r1], b[r0:r1], conv[slot], state[slot])
+            row = states.verify_rows[seq]
+            if row is None:
+                y[r0:r1], conv[slot], state[slot] = prefill(*rows)
+            else:
+                conv_points, state_points = states.checkpoints(self.index)
+                y[r0:r1], conv_points[row, : r1 - r0], state_points[row, : r1 - r0] = verify(*rows)
+        return self.out(y, step.rows)
