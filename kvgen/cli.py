@@ -149,6 +149,8 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
     config = config_only(Path(args.model)) if args.model else _default_config()
     if (hybrid := HybridShape.from_config(config)) is not None:  # a GGUF of a model with recurrent layers
         return _print_hybrid(hybrid, args)
+    if (shared := SharedKVShape.from_model_config(config)) is not None:  # a Gemma 4 GGUF
+        return _print_hybrid(shared, args)
     dtype = DTYPES[args.dtype] if args.kv_cache_dtype in (None, "auto") else args.kv_cache_dtype
     element, scale = KV_ELEMENT_BYTES[dtype], kv_scale_bytes(dtype, config.head_dim)
     per_layer = kv_bytes_per_token(1, config.num_kv_heads, config.head_dim, element, scale)

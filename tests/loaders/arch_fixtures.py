@@ -333,6 +333,31 @@ def _build(arch: str, spec: ArchSpec, root: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def with_context(arch: str, max_positions: int) -> ArchCheckpoint:
+    """The fixture of `arch` with max_position_embeddings raised to `max_positions` (the same weights:
+    RoPE is computed, not stored, so it is the same model), for prompts past the fixtures' 512
+    positions: the HF directory and its F32 GGUF (no Q8_0), built once and cached like the others."""
+    base, root = arch_checkpoint(arch), cache_root() / f"{arch}-ctx{max_positions}-v{FIXTURE_VERSION}"
+    if not (root / "DONE").is_file():
+        with llama_tools.file_lock(cache_root() / f".{arch}-ctx{max_positions}.lock"):
+            if not (root / "DONE").is_file():
+                tmp = Path(tempfile.mkdtemp(dir=cache_root(), prefix=f".{arch}-ctx-"))
+                try:
+                    shutil.copytree(base.hf_dir, tmp / "hf")
+                    config = json.loads((tmp / "hf" / "config.json").read_text()) | {
+                        "max_position_embeddings": max_positions}
+                    (tmp / "hf" / "config.json").write_text(json.dumps(config, indent=2))
+                    convert(tmp / "hf", tmp / f"{arch}-f32.gguf", "f32", SPECS[arch].convert_flags)
+                    (tmp / "DONE").write_text("{}")
+                    tmp.chmod(0o755)
+                    shutil.rmtree(root, ignore_errors=True)
+                    tmp.rename(root)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    return ArchCheckpoint(arch, root / "hf", root / f"{arch}-f32.gguf", None,
+                          json.loads((root / "hf" / "config.json").read_text()))
+
+
 def build_timing(arch: str) -> dict:
     return json.loads((fixture_dir(arch) / "DONE").read_text())
 

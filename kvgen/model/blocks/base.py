@@ -51,6 +51,7 @@ class StepContext:
     attention: Attention  # paged (or contiguous) KV: attention(layer, q, k, v) stores and attends
     rows: RowKernels | None = None  # each row's matmul kernel by role (kvgen.model.linear)
     states: StateBatch | None = None  # recurrent blocks' state slots (None: the model has none)
+    per_layer_inputs: torch.Tensor | None = None  # [T, layers, P] Gemma 4's (kvgen.model.blocks.per_layer_input)
 
 
 @dataclass
