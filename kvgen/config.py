@@ -46,12 +46,23 @@ class ModelConfig:
     attention_scale: float | None = None
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma's option)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Mixtures of experts (kvgen.architectures.spec.MoESpec): 0 experts for a dense model.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_key_value_heads ({self.num_kv_heads}) must divide num_attention_heads ({self.num_heads})"
             )
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts per token ({self.experts_per_token}) must be in 1..{self.num_experts}")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
 

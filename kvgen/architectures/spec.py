@@ -64,6 +64,7 @@ class AttentionSpec(BlockSpec):
     qkv_bias: bool = False
     fused_qkv: bool = False  # the HF checkpoint stores one qkv_proj (Phi-3); kept fused, as kvgen runs it
     output_gate: bool = False  # q carries a sigmoid gate on the output (Qwen3.5): no block runs it yet
+    qk_norm_whole: bool = False  # QK-norm over the whole q and k projections, not per head (OLMoE)
 
     def tensors(self, config: Any) -> dict[str, tuple[int, ...]]:
         p, hidden, dim = self.prefix + ".", config.hidden_size, config.head_dim
@@ -75,7 +76,8 @@ class AttentionSpec(BlockSpec):
                                                                                ("v", kv_rows))}
         shapes[p + "o_proj.weight"] = (hidden, q_rows)
         if self.qk_norm:
-            shapes |= {p + "q_norm.weight": (dim,), p + "k_norm.weight": (dim,)}
+            q_width, k_width = (q_rows, kv_rows) if self.qk_norm_whole else (dim, dim)
+            shapes |= {p + "q_norm.weight": (q_width,), p + "k_norm.weight": (k_width,)}
         if config.qkv_bias:
             shapes |= {p + f"{n}_proj.bias": (rows,) for n, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))}
         if config.o_bias:
@@ -103,6 +105,42 @@ class GatedMLPSpec(BlockSpec):
         else:
             shapes = {p + "gate_proj.weight": (inter, hidden), p + "up_proj.weight": (inter, hidden)}
         return shapes | {p + "down_proj.weight": (hidden, inter)}
+
+
+@dataclass(frozen=True)
+class MoESpec(BlockSpec):
+    """A mixture of experts: a router picks `config.experts_per_token` of `config.num_experts` gated
+    MLPs per token (softmax over the router's logits, top-k, renormalised where
+    `config.norm_topk_prob`), whose outputs are summed with those weights.
+
+    Experts are stored stacked per layer, as GGUF holds them (`ffn_{gate,up,down}_exps`):
+    `experts.gate_proj` / `up_proj` [experts, inner, hidden], `experts.down_proj` [experts, hidden,
+    inner]; the HF loader stacks a checkpoint's per-expert tensors so (kvgen.loaders.experts)."""
+
+    kind: ClassVar[str] = "moe"
+    prefix: str = "mlp"
+    activation: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.activation != "silu":
+            raise ValueError(f"expert activation {self.activation!r} is not supported (silu is)")
+
+    def tensors(self, config: Any) -> dict[str, tuple[int, ...]]:
+        p, hidden = self.prefix + ".", config.hidden_size
+        experts, inner = config.num_experts, config.expert_intermediate_size
+        return {p + "gate.weight": (experts, hidden),
+                p + "experts.gate_proj.weight": (experts, inner, hidden),
+                p + "experts.up_proj.weight": (experts, inner, hidden),
+                p + "experts.down_proj.weight": (experts, hidden, inner)}
+
+
+# GGUF names of a routed MoE layer (llama.cpp's -> HF's stacked ones, kvgen.loaders.experts).
+GGUF_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
 
 
 @dataclass(frozen=True)

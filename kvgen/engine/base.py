@@ -6,6 +6,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,21 @@ class EngineStats:
     # KV tiers below the pool (kvgen.cache.tiers): per tier, a dict of blocks and bytes held, hits,
     # bytes in and out and seconds spent; () without tiers
     kv_tiers: tuple[tuple[str, dict[str, float]], ...] = ()
+
+
+def sum_stats(readings: Iterable[EngineStats]) -> EngineStats:
+    """Several engines' stats as one (the replicas behind one front end): counts add up, and each KV tier's
+    readings add up by tier name."""
+    readings = list(readings)
+    counts = {f.name: sum(getattr(s, f.name) for s in readings)
+              for f in dataclasses.fields(EngineStats) if f.name != "kv_tiers"}
+    tiers: dict[str, dict[str, float]] = {}
+    for stats in readings:
+        for name, reading in stats.kv_tiers:
+            total = tiers.setdefault(name, {})
+            for key, value in reading.items():
+                total[key] = total.get(key, 0) + value
+    return EngineStats(**counts, kv_tiers=tuple(tiers.items()))
 
 
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:

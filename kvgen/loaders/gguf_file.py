@@ -187,7 +187,8 @@ def _rotate_half_qk(weights: dict[str, GGUFWeight], config: ModelConfig) -> dict
 
 
 def _is_quantized_matrix(weight: GGUFWeight | torch.Tensor) -> bool:
-    return isinstance(weight, GGUFWeight) and weight.is_quantized and len(weight.shape) == 2
+    """A matrix, or a stack of experts' matrices (kvgen.model.experts), of a block type."""
+    return isinstance(weight, GGUFWeight) and weight.is_quantized and len(weight.shape) in (2, 3)
 
 
 def _dequantize(path: Path, weight: GGUFWeight | torch.Tensor) -> torch.Tensor:

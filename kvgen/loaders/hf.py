@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
+from kvgen.loaders.experts import stack_experts
 from kvgen.loaders.weights import LoadedModel, finalize_weights, is_norm_weight, shard_plan
 from kvgen.loaders.tokenizers import HFTokenizer, SentencePieceTokenizer
 from kvgen.tokenizer import Tokenizer
@@ -49,6 +50,9 @@ def load_hf(
     config = _with_generation_ids(config, _read_json(path / "generation_config.json", default={}))
     plan = shard_plan(config, shard, path)
     weights, origins, shapes = _read_safetensors(path, plan)
+    if config.is_moe:  # experts stacked per layer (kvgen.loaders.experts)
+        weights = stack_experts(weights, config, path)
+        shapes = {name: tuple(w.shape) for name, w in weights.items()}
     if tokenizer is None:
         tokenizer = load_hf_tokenizer(path, eos_token_ids=config.eos_token_ids)
     if config.arch.norm_plus_one:

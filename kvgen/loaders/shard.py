@@ -73,6 +73,9 @@ class ShardPlan:
         if cfg.arch.fused_checkpoint or cfg.arch.sandwich_norms or cfg.is_hybrid:
             raise ShardingError(f"tensor parallelism does not split {cfg.arch.name} models yet (fused q/k/v or "
                                 "gate/up tensors, Gemma's norms and hybrid cache); run them on one rank")
+        if cfg.is_moe:
+            raise ShardingError(f"tensor parallelism does not split mixtures of experts ({cfg.arch.name}) yet; "
+                                "run them on one rank")
         if cfg.intermediate_size % self.world:
             raise ShardingError(f"intermediate_size {cfg.intermediate_size} does not split across "
                                 f"{self.world} tensor-parallel ranks")

@@ -35,7 +35,7 @@ from pathlib import Path
 from kvgen.async_llm import RequestStream
 from kvgen.config import EngineConfig
 from kvgen.engine.admission import AdmittedRequest
-from kvgen.engine.base import EngineStats, Prompt
+from kvgen.engine.base import EngineStats, Prompt, sum_stats
 from kvgen.engine.snapshot import EngineSnapshot
 from kvgen.errors import InvalidRequestError, KVGenError
 from kvgen.replicas.admission import AdmissionView
@@ -232,8 +232,7 @@ class ReplicaSet:
     def _total_stats(self) -> EngineStats:
         with self._lock:
             readings = [r.stats for r in self.replicas]
-        return EngineStats(**{f.name: sum(getattr(s, f.name) for s in readings)
-                              for f in dataclasses.fields(EngineStats)})
+        return sum_stats(readings)
 
     def _spawn(self, index: int) -> _Replica:
         return _Replica(index, self.launcher.start(index))

@@ -51,6 +51,11 @@ of each GGUF agree with the HF directory, which `test_arch_fixtures.py` checks):
   * partial RoPE is rope.dimension_count (8 = 0.25 x key_length 32); rope.dimension_sections
     [11, 11, 10, 0] is the multimodal RoPE's split, which text positions (equal on every axis) ignore;
   * attn_q holds the query and its output gate interleaved per head, [heads x (q 32 | gate 32)], as HF.
+- Mixtures (`qwen3moe`, `olmoe`): the converter stacks the experts into ffn_{gate,up,down}_exps
+  [experts, out, in] and the router into ffn_gate_inp; OLMoE's file says rms eps 1e-5 whatever the
+  config did (the fixture uses 1e-5), and neither says whether the top-k weights are renormalised
+  (llama.cpp fixes it per architecture: qwen3moe yes, olmoe no). transformers 5.25 cannot read these
+  GGUFs back (see TRANSFORMERS_GGUF_ARCHS): the HF directory is the reference.
 - Gemma 4 (`gemma4`): the GGUF says the window pattern (attention.sliding_window_pattern), both head
   sizes (key_length 32 for global layers, key_length_swa 16), shared_kv_layers, per-layer input width
   and the soft-cap; the global layers' proportional partial RoPE is written as rope.dimension_count =
@@ -176,13 +181,26 @@ SPECS: dict[str, ArchSpec] = {
                          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                             "rope_theta": 1000000.0}}), "spm512-json",
         init_range=1.0, emb_norm=0.5),
+    # Mixtures of experts (issue 43): 8 experts of 32, every layer routed (no dense MLP layers).
+    # Qwen3-MoE: top-2 with renormalised weights, QK-norm per head (head_dim 128 as qwen3's, for the same reason).
+    "qwen3moe": ArchSpec("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _BASE | _SMOL | dict(
+        num_hidden_layers=2, head_dim=128, tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "smollm2"),
+    # OLMoE: top-4, weights not renormalised, QK-norm over the whole q and k projections; eps 1e-5, which
+    # the converter writes whatever the config says.
+    "olmoe": ArchSpec("OlmoeConfig", "OlmoeForCausalLM", _BASE | _SMOL | dict(
+        num_hidden_layers=2, intermediate_size=32, rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=4, norm_topk_prob=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), "smollm2"),
 }
 ARCHS = list(SPECS)
 GGUF_ARCHS = [a for a in ARCHS if SPECS[a].gguf]
 # GGUFs transformers 5.25 reads back into the same model: it has no GGUF mapping for qwen35, and reads
 # a gemma4 GGUF with its config defaults for what it does not map (head sizes 256/512, per-layer
-# inputs of 256, 262144 tokens), so the weights do not fit (see the module docstring).
-TRANSFORMERS_GGUF_ARCHS = [a for a in GGUF_ARCHS if a not in ("qwen35", "gemma4")]
+# inputs of 256, 262144 tokens), so the weights do not fit (see the module docstring). Nor the mixtures:
+# it reads a qwen3moe GGUF without expert_feed_forward_length (its default 768 does not fit the experts)
+# and has no olmoe mapping.
+TRANSFORMERS_GGUF_ARCHS = [a for a in GGUF_ARCHS if a not in ("qwen35", "gemma4", "qwen3moe", "olmoe")]
 
 
 def _log(msg: str) -> None:

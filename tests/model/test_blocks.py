@@ -17,12 +17,12 @@ from kvgen.model.blocks.mlp import GatedMLP
 
 
 def test_every_architecture_is_one_small_file_found_by_the_registry():
-    assert sorted(ARCHITECTURES) == ["gemma3", "llama", "phi3", "qwen2", "qwen3"]
+    assert sorted(ARCHITECTURES) == ["gemma3", "llama", "olmoe", "phi3", "qwen2", "qwen3", "qwen3moe"]
     assert BY_HF_MODEL_TYPE["mistral"].name == "llama" and BY_GGUF_NAME["gemma3"].name == "gemma3"
     for name in ARCHITECTURES:
         lines = (Path(architectures.__file__).parent / f"{name}.py").read_text().splitlines()
         assert len(lines) <= 80, f"{name}.py has {len(lines)} lines"
-    assert {"attention", "gated_mlp"} <= set(BLOCKS)
+    assert {"attention", "gated_mlp", "moe"} <= set(BLOCKS)
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,10 @@ class AttentionBlock(Block):
         names = ["qkv_proj"] if spec.fused_qkv else [n + "_proj" for n in "qkv"]
         self.qkv: Linear = build.linear([w[p + n + ".weight"] for n in names], qkv_bias)  # hidden -> (H + 2 KV) * D
         self.o: Linear = build.linear([w[p + "o_proj.weight"]], o_bias)  # H * D -> hidden
-        self.q_norm: torch.Tensor | None = None  # [D], times the query scale
-        self.k_norm: torch.Tensor | None = None  # [D]
+        self.q_norm: torch.Tensor | None = None  # [D] (or [H * D], whole), times the query scale
+        self.k_norm: torch.Tensor | None = None  # [D] (or [KV * D], whole)
+        self.q_width, self.k_width = (self.heads * self.dim, self.kv_heads * self.dim) if spec.qk_norm_whole \
+            else (self.dim, self.dim)  # how many values each RMSNorm of q and k spans
         if spec.qk_norm:
             self.q_norm = build.float(w[p + "q_norm.weight"].float() * query_scale(cfg))
             self.k_norm = build.float(w[p + "k_norm.weight"])
@@ -57,8 +59,8 @@ class AttentionBlock(Block):
         if self.q_norm is None:
             return qk.view(-1, heads, dim)
         q, k = qk.view(-1, heads, dim).split((self.heads, self.kv_heads), dim=1)
-        q = self.norm(q.reshape(-1, dim), self.q_norm, self.eps).view(-1, self.heads, dim)
-        k = self.norm(k.reshape(-1, dim), self.k_norm, self.eps).view(-1, self.kv_heads, dim)
+        q = self.norm(q.reshape(-1, self.q_width), self.q_norm, self.eps).view(-1, self.heads, dim)
+        k = self.norm(k.reshape(-1, self.k_width), self.k_norm, self.eps).view(-1, self.kv_heads, dim)
         return torch.cat((q, k), dim=1)
 
     def reserve_buffers(self, program: FusedProgram) -> None:
@@ -82,8 +84,10 @@ class AttentionBlock(Block):
         calls = [self.qkv.call(program.h, qkv)]
         if self.q_norm is not None:
             for r in range(rows):  # per row and part, over that row's heads, as the layered forward's rows
-                calls += [program.norm.call(qk_rows[r, :q_size].view(heads, dim), self.q_norm, self.eps, qk[r, :heads]),
-                          program.norm.call(qk_rows[r, q_size:].view(-1, dim), self.k_norm, self.eps, qk[r, heads:])]
+                calls += [program.norm.call(qk_rows[r, :q_size].view(-1, self.q_width), self.q_norm, self.eps,
+                                            qk[r, :heads].view(-1, self.q_width)),
+                          program.norm.call(qk_rows[r, q_size:].view(-1, self.k_width), self.k_norm, self.eps,
+                                            qk[r, heads:].view(-1, self.k_width))]
         return [*calls, program.rope.call(qk, *program.rope_tables(self.rope)), *attend,
                 self.o.call(attn, program.out)]
 

@@ -91,6 +91,11 @@ class QMatmulKernel:
         call = getattr(self._library, kernel_name(w) + "_call")
         return BoundKernel(function, dequantize, call, w, ACTIVATION_PARTS[activations])
 
+    def address(self, w: PackedWeight) -> int:
+        """The address of the C kernel for `w`'s format, for C callers that run it on parts of a
+        weight (moe.c, over one expert of a stack at a time)."""
+        return ctypes.cast(getattr(self._library, kernel_name(w)), ctypes.c_void_p).value
+
     def quantize_activations(self, x: torch.Tensor, activations: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
         """x as the kernels quantize it (see `quantized_activations`)."""
         return quantized_activations(self._quantize, x, ACTIVATION_PARTS[activations], "quantized matmul")

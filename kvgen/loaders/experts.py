@@ -1,0 +1,66 @@
+"""Expert tensors of HF checkpoints, stacked per layer as kvgen keeps them (and GGUF stores them):
+`mlp.experts.{gate,up,down}_proj.weight` [experts, out, in] (kvgen.architectures.spec.MoESpec).
+
+transformers saves a mixture's experts one by one (`mlp.experts.{e}.gate_proj.weight`) or, in its own
+fused layout, as `mlp.experts.gate_up_proj` [experts, 2 * inner, hidden] and `mlp.experts.down_proj`
+[experts, hidden, inner]; both become the stacked names. A layer missing an expert, or whose experts
+differ in shape, is refused in one line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from kvgen.config import ModelConfig
+from kvgen.errors import ModelLoadError
+
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+_FUSED = re.compile(r"(model\.layers\.\d+\.\w+\.experts)\.(gate_up|down)_proj")
+
+
+def stack_experts(weights: dict[str, torch.Tensor], config: ModelConfig, source: Any) -> dict[str, torch.Tensor]:
+    """`weights` with every layer's expert tensors stacked under kvgen's names (other tensors as they are)."""
+    if not config.is_moe:
+        return weights
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = defaultdict(dict)
+    for name, tensor in weights.items():
+        if m := _PER_EXPERT.fullmatch(name):
+            per_expert[(m.group(1), m.group(3))][int(m.group(2))] = tensor
+        elif m := _FUSED.fullmatch(name):
+            out |= _split_fused(m.group(1), m.group(2), tensor, source)
+        else:
+            out[name] = tensor
+    for (prefix, projection), experts in per_expert.items():
+        out[f"{prefix}.{projection}_proj.weight"] = _stacked(prefix, projection, experts, config, source)
+    return out
+
+
+def _stacked(prefix: str, projection: str, experts: dict[int, torch.Tensor], config: ModelConfig,
+             source: Any) -> torch.Tensor:
+    missing = sorted(set(range(config.num_experts)) - set(experts))
+    if missing:
+        raise ModelLoadError(source, f"{prefix}: {projection}_proj is missing for experts {missing}")
+    extra = sorted(set(experts) - set(range(config.num_experts)))
+    if extra:
+        raise ModelLoadError(source, f"{prefix}: {projection}_proj of experts {extra}, past the config's "
+                                     f"{config.num_experts}")
+    shapes = {tuple(t.shape) for t in experts.values()}
+    if len(shapes) > 1:
+        raise ModelLoadError(source, f"{prefix}: the experts' {projection}_proj differ in shape: {sorted(shapes)}")
+    return torch.stack([experts[e] for e in range(config.num_experts)])
+
+
+def _split_fused(prefix: str, projection: str, tensor: torch.Tensor, source: Any) -> dict[str, torch.Tensor]:
+    """transformers' fused expert tensors -> the stacked gate / up / down."""
+    if tensor.dim() != 3:
+        raise ModelLoadError(source, f"{prefix}.{projection}_proj has shape {tuple(tensor.shape)}, not "
+                                     "[experts, out, in]")
+    if projection == "down":
+        return {f"{prefix}.down_proj.weight": tensor}
+    gate, up = tensor.chunk(2, dim=1)
+    return {f"{prefix}.gate_proj.weight": gate, f"{prefix}.up_proj.weight": up}

@@ -1,0 +1,160 @@
+"""A layer's experts, kept where a step streams them: each projection of every expert stacked in one
+buffer (expert e's matrix at e times a fixed stride), packed in its GGUF file's format where the
+packed kernels hold it, else fp32. A step hands the stacks to the C kernel (kvgen.model.kernels.moe),
+which reads only the experts its tokens chose, each once: nothing is gathered into new tensors.
+
+    gate_up  [experts, 2 * inner, hidden]   each expert's gate rows, then its up rows
+    down     [experts, hidden, inner]
+
+Packed stacks need each expert's rows to fill whole panels of 16 (the packed format's unit,
+kvgen.model.formats.packed), which every released MoE has; other shapes and types stay fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvgen.loaders.gguf_tensors import GGUFWeight
+from kvgen.model.formats.gguf_blocks import convert
+from kvgen.model.formats.packed import PANEL, PackedWeight
+from kvgen.model.formats.packed import dequantize as dequantize_packed
+from kvgen.model.kernels.build import KernelCall
+from kvgen.model.kernels.moe import ExpertStackArgs, moe_kernel
+from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, qmatmul_kernel
+
+Weight = torch.Tensor | GGUFWeight
+
+
+@dataclass
+class ExpertStack:
+    """One projection of every expert: `args` for moe.c, over `weight` (fp32 [experts, N, K], or a
+    PackedWeight of experts * N rows)."""
+
+    weight: torch.Tensor | PackedWeight
+    args: ExpertStackArgs
+    experts: int
+
+    @property
+    def kernel(self) -> str:
+        if isinstance(self.weight, torch.Tensor):
+            return "moe f32"
+        return f"moe packed u{self.weight.bits} g{self.weight.group}"
+
+    @property
+    def nbytes(self) -> int:
+        w = self.weight
+        return w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
+
+    def dequantize(self) -> torch.Tensor:
+        """The values as fp32 [experts, N, K] (the torch reference's weights)."""
+        if isinstance(self.weight, torch.Tensor):
+            return self.weight
+        return dequantize_packed(self.weight).view(self.experts, self.args.N, self.args.K)
+
+
+def float_stack(values: torch.Tensor) -> ExpertStack:
+    """fp32 [experts, N, K] as a stack for moe.c's fp32 matmul."""
+    w = values.to(torch.float32).contiguous()
+    experts, n, k = w.shape
+    kernel = moe_kernel()
+    matmul = kernel.f32_matmul if kernel is not None else None
+    stride = n * k * 4
+    return ExpertStack(w, ExpertStackArgs(matmul, w.data_ptr(), None, None, stride, 0, 0, 0, 1, n, k), experts)
+
+
+def packed_stack(parts: list[GGUFWeight], activations: str) -> ExpertStack | None:
+    """GGUF expert tensors of one type ([experts, N_i, K] each) stacked per expert along N and packed,
+    or None where the packed kernels cannot hold them (a type no format keeps, rows that do not fill
+    panels, no packed kernel on this CPU)."""
+    qmatmul = qmatmul_kernel()
+    types = {p.ggml_type for p in parts}
+    experts, _, k = parts[0].shape
+    n = sum(p.shape[1] for p in parts)
+    if qmatmul is None or moe_kernel() is None or len(types) > 1 or n % PANEL:
+        return None
+    raw = np.concatenate([p.raw.reshape(experts, p.shape[1], -1) for p in parts], axis=1)
+    packed = convert(parts[0].ggml_type, raw.reshape(experts * n, -1), (experts * n, k))
+    if packed is None:
+        return None
+    panels = n // PANEL
+    codes_stride = panels * packed.codes.shape[1]
+    scale_stride = panels * packed.scale.shape[1] * packed.scale.element_size()
+    minimum = None if packed.min is None else packed.min.data_ptr()
+    args = ExpertStackArgs(qmatmul.address(packed), packed.codes.data_ptr(), packed.scale.data_ptr(), minimum,
+                           codes_stride, scale_stride, scale_stride if minimum else 0, packed.offset,
+                           ACTIVATION_PARTS[activations], n, k)
+    return ExpertStack(packed, args, experts)
+
+
+def expert_stack(parts: list[Weight], activations: str) -> ExpertStack:
+    """Parts [experts, N_i, K] (stacked along N per expert) as one stack: packed where all are GGUF
+    blocks the packed kernels hold, else fp32."""
+    if all(isinstance(p, GGUFWeight) and p.is_quantized for p in parts):
+        packed = packed_stack(parts, activations)
+        if packed is not None:
+            for p in parts:
+                p.release()
+            return packed
+    values = [p.dequantize() if isinstance(p, GGUFWeight) else p for p in parts]
+    return float_stack(torch.cat(values, dim=1) if len(values) > 1 else values[0])
+
+
+class Experts:
+    """A layer's routed experts: y = sum over the top-k experts e of w_e * down_e(silu(gate_e x) * up_e x),
+    in one C call a step. `counts` [experts] accumulates the tokens routed to each (router statistics)."""
+
+    def __init__(self, gate: Weight, up: Weight, down: Weight, top_k: int, norm_topk: bool,
+                 activations: str) -> None:
+        self.gate_up = expert_stack([gate, up], activations)  # [experts, 2 * inner, hidden]
+        self.down = expert_stack([down], activations)  # [experts, hidden, inner]
+        self.top_k, self.norm_topk = top_k, norm_topk
+        self.num_experts = self.down.experts
+        self.counts = torch.zeros(self.num_experts, dtype=torch.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    def __call__(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """x fp32 [T, hidden], the router's logits fp32 [T, experts] -> fp32 [T, hidden]."""
+        kernel = moe_kernel()
+        x, logits = x.contiguous(), logits.contiguous()
+        if kernel is None:
+            chosen, weights = route(logits, self.top_k, self.norm_topk)
+            self.counts += torch.bincount(chosen.flatten(), minlength=self.num_experts)
+            return moe_reference(x, chosen, weights, self.gate_up.dequantize(), self.down.dequantize())
+        return kernel(x, logits, self.gate_up.args, self.down.args, self.top_k, self.norm_topk, self.counts)
+
+    def call(self, x: torch.Tensor, logits: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        """out = self(x, logits) as a C call over those fp32 buffers (the fused decode step), or None
+        where the kernel does not build."""
+        kernel = moe_kernel()
+        if kernel is None:
+            return None
+        return kernel.call(x, logits, self.gate_up.args, self.down.args, self.top_k, self.norm_topk, self.counts, out)
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits fp32 [T, experts] -> each token's experts [T, top_k] and weights fp32 [T, top_k]: softmax,
+    top-k, renormalised to sum 1 where `norm_topk` (as transformers' routers)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, chosen = torch.topk(probs, top_k, dim=-1)
+    return chosen, weights / weights.sum(dim=-1, keepdim=True) if norm_topk else weights
+
+
+def moe_reference(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor) -> torch.Tensor:
+    """The experts in torch, one expert at a time (the kernel's reference and its fallback): x fp32
+    [T, hidden], chosen/weights [T, top_k], gate_up [experts, 2 * inner, hidden], down [experts,
+    hidden, inner] -> [T, hidden]."""
+    out = torch.zeros_like(x)
+    inner = down.shape[2]
+    for e in chosen.unique().tolist():
+        tokens, k = torch.nonzero(chosen == e, as_tuple=True)
+        gate, up = (x[tokens] @ gate_up[e].T).split(inner, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ down[e].T
+        out.index_add_(0, tokens, y * weights[tokens, k, None])
+    return out

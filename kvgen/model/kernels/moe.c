@@ -1,0 +1,172 @@
+/* A mixture-of-experts layer in one call: route, group the tokens by expert, and per active expert
+ * gate/up, SwiGLU and down over its tokens, then each token's outputs weighted and summed.
+ *
+ * Built by kvgen/model/kernels/moe.py with the host's flags (build.py's FLAGS). No loop over experts
+ * or tokens is left to Python, and each expert's weights are read once per call however many tokens
+ * chose it; an expert no token chose is not read at all (batch-1 decode reads top_k of them).
+ *
+ * The experts' matrices are not read here: each projection's stack (every expert's [N, K], one after
+ * the other at a fixed stride) is multiplied by the function it comes with, of the packed kernels'
+ * signature (qmatmul.c's qmatmul_u{bits}_g{group}_{f16,f32}, on the packed stack of a GGUF file), or
+ * moe_f32_matmul below for fp32 stacks. So packed experts run the same integer dot products as every
+ * other packed layer.
+ *
+ * Routing, per token: p = softmax(logits) (fp32, max subtracted), the top_k largest p (the lower
+ * expert index first among equal ones), renormalised to sum 1 where `norm_topk`. Then slots
+ * (token t, choice k) are sorted by expert (a counting sort, tokens in order within an expert), each
+ * expert's rows of x gathered into one block, and
+ *     y[slot] = down_e( silu(gate_e(x_t)) * up_e(x_t) ),   out[t] = sum over k of w[t, k] * y[(t, k)]
+ * (the sum in k's order, so a token's output does not depend on the tokens beside it).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The packed kernels' signature (qmatmul.c): out [T, N] = x [T, K] @ W^T; nonzero when out of memory. */
+typedef int (*matmul_fn)(const float *x, int64_t T, int64_t K, const uint8_t *codes, const void *scale,
+                         const void *min, int32_t offset, int64_t N, float *out, int32_t parts, int32_t threads);
+
+/* One projection of every expert: expert e's matrix [N, K] at codes + e * codes_stride (its scales
+ * and mins likewise, where the format has them). */
+struct expert_stack {
+    matmul_fn matmul;
+    const uint8_t *codes, *scale, *min;
+    int64_t codes_stride, scale_stride, min_stride; /* bytes per expert */
+    int32_t offset, parts;
+    int64_t N, K;
+};
+
+struct moe_args {
+    const float *x;      /* [T, hidden] the branch's normed input */
+    const float *logits; /* [T, experts] the router's */
+    int64_t T, experts, top_k;
+    int32_t norm_topk;
+    struct expert_stack gate_up; /* N = 2 * inner: gate rows, then up rows */
+    struct expert_stack down;    /* N = hidden, K = inner */
+    float *out;                  /* [T, hidden] */
+    int64_t *counts;             /* [experts] tokens routed to each, added to (router statistics) */
+    int32_t num_threads;
+};
+
+/* out [T, N] = x [T, K] @ W^T for W fp32 [N, K] at `codes`: the fp32 stacks' matmul, 16 lanes of
+ * partial sums per dot product. */
+int moe_f32_matmul(const float *x, int64_t T, int64_t K, const uint8_t *codes, const void *scale, const void *min,
+                   int32_t offset, int64_t N, float *out, int32_t parts, int32_t threads) {
+    (void)scale, (void)min, (void)offset, (void)parts;
+    const float *w = (const float *)codes;
+    const int use = threads > 1 && N * K * (T + 4) >= (1 << 16) ? threads : 1;
+#pragma omp parallel for num_threads(use) schedule(static) if (use > 1)
+    for (int64_t n = 0; n < N; n++) {
+        const float *wn = w + n * K;
+        for (int64_t t = 0; t < T; t++) {
+            const float *xt = x + t * K;
+            float acc[16] = {0};
+            int64_t k = 0;
+            for (; k + 16 <= K; k += 16)
+                for (int j = 0; j < 16; j++)
+                    acc[j] += xt[k + j] * wn[k + j];
+            float sum = 0.0f;
+            for (int j = 0; j < 16; j++)
+                sum += acc[j];
+            for (; k < K; k++)
+                sum += xt[k] * wn[k];
+            out[t * N + n] = sum;
+        }
+    }
+    return 0;
+}
+
+/* Token t's experts (chosen[k]) and weights (weight[k]), from its logits. */
+static void route(const float *logits, int64_t experts, int64_t top_k, int norm_topk, float *p, int32_t *chosen,
+                  float *weight) {
+    float max = logits[0], total = 0.0f;
+    for (int64_t e = 1; e < experts; e++)
+        max = logits[e] > max ? logits[e] : max;
+    for (int64_t e = 0; e < experts; e++)
+        total += p[e] = expf(logits[e] - max);
+    for (int64_t e = 0; e < experts; e++)
+        p[e] /= total;
+    float picked = 0.0f;
+    for (int64_t k = 0; k < top_k; k++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < experts; e++)
+            if (p[e] >= 0.0f && (best < 0 || p[e] > p[best]))
+                best = e;
+        chosen[k] = (int32_t)best;
+        picked += weight[k] = p[best];
+        p[best] = -1.0f; /* taken */
+    }
+    if (norm_topk)
+        for (int64_t k = 0; k < top_k; k++)
+            weight[k] /= picked;
+}
+
+static inline const uint8_t *at(const uint8_t *base, int64_t stride, int64_t e) {
+    return base ? base + e * stride : NULL;
+}
+
+/* rows [n, N] of x through expert e of `s`. */
+static int expert_matmul(const struct expert_stack *s, int64_t e, const float *x, int64_t n, float *out,
+                         int threads) {
+    return s->matmul(x, n, s->K, at(s->codes, s->codes_stride, e), at(s->scale, s->scale_stride, e),
+                     at(s->min, s->min_stride, e), s->offset, s->N, out, s->parts, threads);
+}
+
+/* act [n, inner] = silu(gate) * up of gate_up rows [n, 2 * inner]. */
+static void swiglu(const float *gate_up, int64_t n, int64_t inner, float *act) {
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < inner; i++) {
+            const float g = gate_up[r * 2 * inner + i], u = gate_up[r * 2 * inner + inner + i];
+            act[r * inner + i] = g / (1.0f + expf(-g)) * u;
+        }
+}
+
+int moe_forward(const struct moe_args *a) {
+    const int64_t T = a->T, E = a->experts, K = a->top_k, slots = T * K;
+    const int64_t hidden = a->down.N, inner = a->down.K;
+    int32_t *chosen = malloc(sizeof(int32_t) * slots);
+    int64_t *row_of_slot = malloc(sizeof(int64_t) * slots), *start = calloc(E + 1, sizeof(int64_t));
+    int64_t *fill = malloc(sizeof(int64_t) * E);
+    float *weight = malloc(sizeof(float) * slots), *p = malloc(sizeof(float) * E);
+    float *xs = malloc(sizeof(float) * slots * hidden), *ys = malloc(sizeof(float) * slots * hidden);
+    float *gate_up = malloc(sizeof(float) * slots * 2 * inner), *act = malloc(sizeof(float) * slots * inner);
+    int failed = !(chosen && row_of_slot && start && fill && weight && p && xs && ys && gate_up && act);
+    if (!failed) {
+        for (int64_t t = 0; t < T; t++)
+            route(a->logits + t * E, E, K, a->norm_topk, p, chosen + t * K, weight + t * K);
+        for (int64_t s = 0; s < slots; s++) /* a counting sort of the slots by expert */
+            start[chosen[s] + 1]++;
+        for (int64_t e = 0; e < E; e++) {
+            a->counts[e] += start[e + 1];
+            start[e + 1] += start[e];
+        }
+        memcpy(fill, start, sizeof(int64_t) * E);
+        for (int64_t s = 0; s < slots; s++) { /* x's rows gathered, expert by expert */
+            const int64_t row = fill[chosen[s]]++;
+            row_of_slot[s] = row;
+            memcpy(xs + row * hidden, a->x + (s / K) * hidden, sizeof(float) * hidden);
+        }
+    }
+    for (int64_t e = 0; e < E && !failed; e++) {
+        const int64_t n = start[e + 1] - start[e], r0 = start[e];
+        if (n == 0)
+            continue;
+        failed = expert_matmul(&a->gate_up, e, xs + r0 * hidden, n, gate_up + r0 * 2 * inner, a->num_threads);
+        swiglu(gate_up + r0 * 2 * inner, n, inner, act + r0 * inner);
+        failed = failed || expert_matmul(&a->down, e, act + r0 * inner, n, ys + r0 * hidden, a->num_threads);
+    }
+    if (!failed)
+        for (int64_t t = 0; t < T; t++) {
+            float *o = a->out + t * hidden;
+            memset(o, 0, sizeof(float) * hidden);
+            for (int64_t k = 0; k < K; k++) {
+                const float w = weight[t * K + k], *y = ys + row_of_slot[t * K + k] * hidden;
+                for (int64_t h = 0; h < hidden; h++)
+                    o[h] += w * y[h];
+            }
+        }
+    free(chosen), free(row_of_slot), free(start), free(fill), free(weight), free(p);
+    free(xs), free(ys), free(gate_up), free(act);
+    return failed;
+}

@@ -1,0 +1,79 @@
+"""Mixtures of experts (Qwen3-MoE, OLMoE) from a HF directory and from the GGUF llama.cpp's converter
+writes of it, against transformers on the same weights: greedy fp32 tokens through the paged engine
+over a 300-token prompt, alone and in a ragged batch of 6; prefix caching and ngram speculation give
+the plain engine's tokens."""
+
+import pytest
+
+from kvgen import LLM, SamplingParams
+from tests.loaders.arch_fixtures import hf_greedy
+
+MOE_ARCHS = ["qwen3moe", "olmoe"]
+N = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+
+
+def long_prompt(length: int = 300, seed: int = 0) -> list[int]:
+    """Ids past the specials, varied enough that the router spreads tokens over every expert."""
+    return [3 + (i * 37 + 11 * seed + 5) % 997 for i in range(length)]
+
+
+def ragged_prompts() -> list[list[int]]:
+    return [long_prompt(length, seed) for seed, length in enumerate((300, 17, 120, 1, 64, 233))]
+
+
+def kvgen_llm(path, **options) -> LLM:
+    return LLM(path, quantization="none", block_size=16, num_kv_blocks=256, **options)
+
+
+def tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    out = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert llm.engine.kv.num_used_blocks == 0
+    return out
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_hf_and_gguf_match_transformers_at_batch_1(arch_ckpt, arch):
+    ckpt = arch_ckpt(arch)
+    prompt = long_prompt()
+    want = hf_greedy(ckpt.hf_dir, prompt, N)
+    for path in (ckpt.hf_dir, ckpt.gguf):
+        assert tokens(kvgen_llm(path), [prompt]) == [want], path
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_ragged_batch_matches_transformers(arch_ckpt, arch):
+    """Six prompts of 1 to 300 tokens at once (chunked prefill beside decodes, tokens of every
+    sequence routed together), from the GGUF: each sequence gets transformers' tokens."""
+    ckpt = arch_ckpt(arch)
+    prompts = ragged_prompts()
+    want = [hf_greedy(ckpt.hf_dir, p, N) for p in prompts]
+    assert tokens(kvgen_llm(ckpt.gguf, max_num_batched_tokens=128), prompts) == want
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_prefix_caching_and_ngram_speculation_give_plain_tokens(arch_ckpt, arch):
+    ckpt = arch_ckpt(arch)
+    prompts = [long_prompt(), long_prompt()[:200] + long_prompt(50, seed=3)]  # a shared prefix of 200
+    plain = tokens(kvgen_llm(ckpt.hf_dir, enable_prefix_caching=False), prompts)
+    cached = kvgen_llm(ckpt.hf_dir)
+    assert [tokens(cached, [p])[0] for p in prompts] == plain  # one after the other: the second hits the first's blocks
+    assert cached.engine.kv.prefix_hits >= 192
+    speculative = kvgen_llm(ckpt.hf_dir, speculative_method="ngram", num_speculative_tokens=3)
+    assert tokens(speculative, prompts) == plain
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_fused_decode_steps_give_the_layered_tokens(arch_ckpt, arch):
+    """Decode steps run the router and the expert kernel from the fused call list (fp32), with the
+    layer-by-layer forward's tokens; the packed Q8_0 experts likewise."""
+    ckpt = arch_ckpt(arch)
+    prompts = ragged_prompts()[:3]
+    for path, quantization in ((ckpt.hf_dir, "none"), (ckpt.gguf_q8, "auto")):
+        fused = LLM(path, quantization=quantization, block_size=16, num_kv_blocks=256)
+        layered = LLM(path, quantization=quantization, block_size=16, num_kv_blocks=256, fused_decode=False)
+        assert tokens(fused, prompts) == tokens(layered, prompts)
+        model = fused.engine.runner.model
+        assert model.decode_programs.fused_steps > 0 and all(layer.fuses() for layer in model.layers)
+        packed = model.layers[0].blocks[1].experts.gate_up.kernel.startswith("moe packed")
+        assert packed == (quantization == "auto")

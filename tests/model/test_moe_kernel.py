@@ -1,0 +1,148 @@
+"""The mixture-of-experts kernel (moe.c through kvgen.model.experts) against the experts computed in
+float64 from the same (dequantized) weights, at 1, few and many tokens, fp32 and packed stacks.
+
+The bound is derived from the kernel's roundings, step by step (`expert_bound`):
+- each matmul: fp32 stacks gamma(K) sum |x||w|; packed stacks the activations' int8 step per span
+  (max |x| / 127, half a step plus 4 * 127 ulps of rounding, tests/model/quant/bounds.py) times |w|,
+  plus the fp32 accumulation (K / 32 + 25) u over the weights' terms, plus an input already off by
+  x_err, times |w|;
+- SwiGLU: silu is 1.1-Lipschitz, so |silu(g') u' - silu(g) u| <= 1.1 e_g (|u| + e_u) + |silu(g)| e_u,
+  plus 8 ulps of its own (expf, a division, two products);
+- routing weights: softmax over E logits and the renormalisation, (E + 2K + 8) ulps relative;
+- the weighted sum: gamma(K) over sum w |y|.
+"""
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvgen.loaders.gguf_tensors import GGUFWeight
+from kvgen.model.experts import Experts, ExpertStack, expert_stack, moe_reference, route
+from kvgen.model.formats.packed import PackedWeight
+from kvgen.model.kernels.moe import moe_kernel
+from kvgen.model.kernels.qmatmul import qmatmul_kernel
+from tests.model.quant.bounds import U, term_magnitudes
+from tests.model.quant.raw_blocks import raw_matrix
+from tests.support.tolerances import gamma
+
+pytestmark = pytest.mark.skipif(moe_kernel() is None, reason="no C compiler: the experts run in torch")
+
+
+def random_experts(experts: int, hidden: int, inner: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(experts, inner, hidden, generator=g) / hidden ** 0.5,
+            torch.randn(experts, inner, hidden, generator=g) / hidden ** 0.5,
+            torch.randn(experts, hidden, inner, generator=g) / inner ** 0.5]
+
+
+def gguf_experts(ggml_type: Q, experts: int, hidden: int, inner: int) -> list[GGUFWeight]:
+    shapes = [(experts, inner, hidden), (experts, inner, hidden), (experts, hidden, inner)]
+    return [GGUFWeight(f"w{i}", ggml_type, s, raw_matrix(ggml_type, s[0] * s[1], s[2], seed=i))
+            for i, s in enumerate(shapes)]
+
+
+def matmul_bound(x_abs: torch.Tensor, x_err: torch.Tensor, w: torch.Tensor | PackedWeight, w_abs: torch.Tensor):
+    """Bound on |kernel(x') - x W^T| for |x' - x| <= x_err, x_abs = |x| float64 [T, K], w one expert."""
+    k = x_abs.shape[1]
+    upper = x_abs + x_err
+    if isinstance(w, torch.Tensor):
+        return x_err @ w_abs.T + gamma(k) * upper @ w_abs.T
+    span_max = upper.view(upper.shape[0], k // 32, 32).amax(-1).repeat_interleave(32, 1)
+    step = span_max / 127 * (0.5 + 4 * 127 * U)
+    return (x_err + step) @ w_abs.T + (k / 32 + 25) * U * (upper + step) @ w_abs.T
+
+
+def expert_bound(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, layer: Experts) -> tuple:
+    """(float64 reference [T, hidden], bound on the kernel's distance to it)."""
+    gate_up, down = layer.gate_up.dequantize().double(), layer.down.dequantize().double()
+    experts, inner = down.shape[0], down.shape[2]
+    gu_terms = _terms(layer.gate_up, experts)
+    down_terms = _terms(layer.down, experts)
+    x = x.double()
+    ref, bound = torch.zeros_like(x), torch.zeros_like(x)
+    top_k = chosen.shape[1]
+    w_err = (experts + 2 * top_k + 8) * U * weights.double()
+    for e in chosen.unique().tolist():
+        tokens, k = torch.nonzero(chosen == e, as_tuple=True)
+        xe = x[tokens]
+        gu = xe @ gate_up[e].T
+        gu_err = matmul_bound(xe.abs(), torch.zeros_like(xe), layer.gate_up.weight, gu_terms[e])
+        g, u = gu.split(inner, dim=1)
+        g_err, u_err = gu_err.split(inner, dim=1)
+        a = torch.nn.functional.silu(g) * u
+        a_err = 1.1 * g_err * (u.abs() + u_err) + torch.nn.functional.silu(g).abs() * u_err
+        a_err = a_err + 8 * U * (a.abs() + a_err)
+        y = a @ down[e].T
+        y_err = matmul_bound(a.abs(), a_err, layer.down.weight, down_terms[e])
+        w = weights[tokens, k].double()[:, None]
+        ref.index_add_(0, tokens, w * y)
+        bound.index_add_(0, tokens, w * y_err + w_err[tokens, k][:, None] * (y.abs() + y_err)
+                         + gamma(top_k) * w * (y.abs() + y_err))
+    return ref, bound
+
+
+def _terms(stack: ExpertStack, experts: int) -> torch.Tensor:
+    """Per expert, the magnitudes the kernel's fp32 sums run over: |w| (fp32) or |s (u - o)| + |m|."""
+    if isinstance(stack.weight, torch.Tensor):
+        return stack.weight.double().abs()
+    return term_magnitudes(stack.weight).view(experts, stack.args.N, stack.args.K)
+
+
+def check(layer: Experts, tokens: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    hidden = layer.down.args.N
+    x = torch.randn(tokens, hidden, generator=g)
+    logits = 3 * torch.randn(tokens, layer.num_experts, generator=g)
+    chosen, weights = route(logits.double(), layer.top_k, layer.norm_topk)
+    out = layer(x, logits)
+    ref, bound = expert_bound(x, chosen, weights, layer)
+    assert torch.equal(layer.counts, torch.bincount(chosen.flatten(), minlength=layer.num_experts))
+    assert ((out.double() - ref).abs() <= bound).all(), ((out.double() - ref).abs() / bound).max()
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("top_k,norm", [(2, True), (4, False)])
+def test_fp32_experts_match_float64(tokens, top_k, norm):
+    layer = Experts(*random_experts(8, 64, 32), top_k=top_k, norm_topk=norm, activations="int8")
+    assert layer.gate_up.kernel == "moe f32"
+    check(layer, tokens)
+
+
+@pytest.mark.skipif(qmatmul_kernel() is None, reason="no packed kernel on this CPU")
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("ggml_type,hidden,inner", [(Q.Q8_0, 64, 32), (Q.Q4_K, 256, 256)], ids=["Q8_0", "Q4_K"])
+def test_packed_experts_match_float64(tokens, ggml_type, hidden, inner):
+    layer = Experts(*gguf_experts(ggml_type, 4, hidden, inner), top_k=2, norm_topk=True, activations="int8")
+    assert layer.gate_up.kernel.startswith("moe packed") and layer.down.kernel.startswith("moe packed")
+    check(layer, tokens)
+
+
+def test_a_token_reads_only_its_experts():
+    """Experts no token chose are never read: NaN weights there leave the output finite and exact."""
+    gate, up, down = random_experts(8, 64, 32)
+    x, logits = torch.randn(1, 64), torch.full((1, 8), -10.0)
+    logits[0, 2], logits[0, 5] = 1.0, 0.5
+    for w in (gate, up, down):
+        w[[0, 1, 3, 4, 6, 7]] = float("nan")
+    layer = Experts(gate, up, down, top_k=2, norm_topk=True, activations="int8")
+    out = layer(x, logits)
+    chosen, weights = route(logits, 2, True)
+    want = moe_reference(x, chosen, weights, torch.cat((gate, up), dim=1), down)
+    assert torch.isfinite(out).all() and set(chosen.flatten().tolist()) == {2, 5}
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_do_not_depend_on_their_neighbours():
+    """A token's output is the same alone or in a batch (its sum runs in its own top-k order)."""
+    layer = Experts(*random_experts(8, 64, 32), top_k=2, norm_topk=True, activations="int8")
+    x, logits = torch.randn(9, 64), torch.randn(9, 8)
+    batch = layer(x, logits)
+    alone = torch.cat([layer(x[i:i + 1], logits[i:i + 1]) for i in range(9)])
+    assert torch.equal(batch, alone)
+
+
+def test_mixed_types_stay_float():
+    """A stack whose parts differ in type (gate Q8_0, up Q4_0) cannot be one packed stack: fp32."""
+    gate, up, _ = gguf_experts(Q.Q8_0, 2, 64, 32)
+    up = gguf_experts(Q.Q4_0, 2, 64, 32)[1]
+    assert expert_stack([gate, up], "int8").kernel == "moe f32"
