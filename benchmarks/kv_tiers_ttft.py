@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from kvgen import LLM, SamplingParams
+from kvgen.bench.report import machine_info, run_info
 
 DATA = Path(__file__).resolve().parents[1] / "kvgen" / "eval" / "data"
 
@@ -98,7 +101,10 @@ def main() -> None:
     n = len(probe.tokenizer.encode(prompt))
     del probe
     rows: dict[str, tuple[float, list[int], int]] = {}
-    report = {"model": args.model, "prompt_tokens": n, "runs": {}}
+    command = shlex.join(["python", "benchmarks/kv_tiers_ttft.py", *sys.argv[1:]])
+    report = {"mode": "kv-tiers-ttft", "machine": machine_info(), "run": {**run_info(sys.argv[1:]), "command": command},
+              "settings": {"model": args.model, "tokens": args.tokens, "prompt_tokens": n, "max_tokens": args.max_tokens},
+              "runs": {}}  # `kvgen bench report` renders it as a section of BENCHMARKS.md (benchmarks/page.py)
     print(f"{args.model}: a {n}-token prompt, {args.max_tokens} greedy tokens; disk tier {directory}")
     print(f"{'run':<24} {'TTFT s':>8} {'vs cold':>8} {'computed':>9} {'tokens equal':>13}  seconds in each tier (this engine)", flush=True)
 
