@@ -135,6 +135,7 @@ function show(state) {
   drawSteps(state.steps);
   showSequences(state.sequences);
   showMetrics(state.metrics);
+  showTiers(state.tiers || []);
   document.body.dataset.renderMs = (performance.now() - started).toFixed(1);
 }
 
@@ -358,6 +359,27 @@ function showMetrics(metrics) {
     if (histogram !== name && !metrics[histogram + "_count"]) return `<dt>${label}</dt><dd>–</dd>`;
     const text = value === undefined ? "–" : format ? format(value) : String(Math.round(value));
     return `<dt>${label}</dt><dd>${text}</dd>`;
+  }).join("");
+}
+
+// The KV tiers below the pool: per tier a bar of its budget filled, and what it holds and served.
+const TIER_NAMES = { host: "host tier (RAM)", disk: "disk tier" };
+
+function size(bytes) {
+  const [unit, scale] = bytes >= 2 ** 30 ? ["GiB", 2 ** 30] : bytes >= 2 ** 20 ? ["MiB", 2 ** 20] : ["KiB", 2 ** 10];
+  return (bytes / scale).toFixed(1) + " " + unit;
+}
+
+function showTiers(tiers) {
+  $("tiers").hidden = tiers.length === 0;
+  $("tier-rows").innerHTML = tiers.map((t) => {
+    const fill = t.capacity ? Math.min(100, (100 * t.bytes) / t.capacity) : 0;
+    const state = t.enabled ? "" : ` <b class="off">off</b>`;
+    return `<div class="tier" id="tier-${t.tier}"><span class="name">${TIER_NAMES[t.tier] || t.tier}${state}</span>` +
+      `<span class="bar"><i style="width:${fill.toFixed(1)}%"></i></span>` +
+      `<span><b class="blocks">${t.blocks}</b> blocks · ${size(t.bytes)} of ${size(t.capacity)}</span>` +
+      `<span>hits <b class="hits">${t.hits}</b> · stored <b class="stored">${t.stored}</b> · ` +
+      `${size(t.bytes_out)} out · ${(t.seconds * 1000).toFixed(0)} ms</span></div>`;
   }).join("");
 }
 
