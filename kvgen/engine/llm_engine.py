@@ -24,6 +24,7 @@ from kvgen.cache.sizing import plan_kv
 from kvgen.cache.tiers.build import build_tiered_manager
 from kvgen.cache.tiers.pool_io import PoolIO
 from kvgen.config import EngineConfig
+from kvgen.loaders.parameters import describe_parameters
 from kvgen.engine.admission import Admission, KVLimits
 from kvgen.engine.base import Engine, EngineStats, finite_rows
 from kvgen.engine.executor import Executor
@@ -71,6 +72,8 @@ class LLMEngine(Engine):
                                    policy_refusal=self.executor.policy_refusal, grammars=self.grammars)
         self.step_log = StepLog()
         log.info("%s", self.capacity_report())
+        if loaded.config.is_moe:
+            log.info("%s", describe_parameters(loaded.config))
 
     def __getattr__(self, name: str) -> object:
         """What the engine lacks, its executor may have (a tensor-parallel group's `workers`, `shard_plans`)."""
