@@ -113,6 +113,7 @@ class LLMEngine(Engine):
             kv_blocks_cached_free=self.kv.num_cached_free_blocks, prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             kv_tiers=self.kv.tiers.readings() if self.config.kv_tiers else (), **self._spec_stats(),
+            expert_tokens=self.runner.model.expert_tokens(),
         )
 
     def pin_prefix(self, token_ids: list[int], pin: bool = True) -> dict[str, int]:

@@ -19,6 +19,7 @@ from kvgen.model.attention import Attention
 from kvgen.model.blocks import BuildContext, StateBatch, StepContext
 from kvgen.model.blocks.embedding import embed, embedding_scale
 from kvgen.model.blocks.layer import DecoderLayer
+from kvgen.model.blocks.moe import MoEBlock
 from kvgen.model.fused import DecodePrograms
 from kvgen.model.layers import RotaryEmbedding, make_rms_norm, make_rope
 from kvgen.model.linear import RowKernels
@@ -73,6 +74,11 @@ class DecoderModel:
             kernels = sorted({kernel for kernel, _ in described})
             report[role] = (" + ".join(kernels), sum(size for _, size in described))
         return report
+
+    def expert_tokens(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Per mixture-of-experts layer: (its index, the tokens routed to each of its experts so far)."""
+        return tuple((layer.index, tuple(block.experts.counts.tolist())) for layer in self.layers
+                     for block in layer.blocks if isinstance(block, MoEBlock))
 
     @property
     def max_positions(self) -> int:
