@@ -73,6 +73,10 @@ class DecoderModel:
             described = [describe(layer) for layer in layers]
             kernels = sorted({kernel for kernel, _ in described})
             report[role] = (" + ".join(kernels), sum(size for _, size in described))
+        experts = [block.experts for layer in self.layers for block in layer.blocks if isinstance(block, MoEBlock)]
+        if experts:  # a mixture's experts, stacked per layer (kvgen.model.experts)
+            kernels = sorted({s.kernel for e in experts for s in (e.gate_up, e.down)})
+            report["experts"] = (" + ".join(kernels), sum(e.nbytes for e in experts))
         return report
 
     def expert_tokens(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
