@@ -18,9 +18,9 @@ from kvgen.cache.sizing import KV_ELEMENT_BYTES, format_bytes, kv_bytes_per_toke
 from kvgen.cache.shared_kv import SharedKVShape, shared_kv_shape_of
 from kvgen.cache.shared_kv import describe as describe_shared
 from kvgen.cache.state_sizing import HybridShape, describe, hybrid_shape_of
-from kvgen.cache.tiers.sizing import tier_tokens
+from kvgen.cache.tiers.sizing import int8_tier_bytes_per_token, tier_tokens
 from kvgen.commands import SUBSYSTEM_COMMANDS
-from kvgen.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
+from kvgen.config import DTYPES, KV_CACHE_DTYPES, KV_OFFLOAD_DTYPES, ModelConfig
 from kvgen.engine.base import Engine
 from kvgen.errors import KVGenError
 from kvgen.loaders.parameters import describe_parameters, parameter_counts
@@ -158,7 +158,9 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
               "bytes_per_token_per_layer": per_layer,
               "bytes_per_token": per_token, "tokens": args.tokens, "bytes_per_layer": per_layer * args.tokens,
               "bytes_total": total}
-    report["tiers"] = tier_tokens(per_token, args.block_size, args.kv_offload_memory, args.kv_cache_disk)
+    tier_per_token = (int8_tier_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim)
+                      if args.kv_offload_dtype == "int8" else per_token)
+    report["tiers"] = tier_tokens(tier_per_token, args.block_size, args.kv_offload_memory, args.kv_cache_disk)
     if config.is_moe:
         report["parameters_total"], report["parameters_active"] = parameter_counts(config)
     if config.is_hybrid:
@@ -252,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--block-size", type=int, default=16, help="tokens per block (the tiers' unit)")
     size.add_argument("--kv-offload-memory", type=_byte_size, help="a host tier of this size: tokens it holds")
     size.add_argument("--kv-cache-disk", type=_byte_size, help="a disk tier of this size: tokens it holds")
+    size.add_argument("--kv-offload-dtype", choices=KV_OFFLOAD_DTYPES, default="auto",
+                      help="what the tiers store: the pool's bytes (auto) or int8 rows with a scale each")
     size.set_defaults(func=cmd_kv_size)
 
     for register in SUBSYSTEM_COMMANDS:

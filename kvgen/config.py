@@ -148,6 +148,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 # What the paged KV pools store: "auto" is the model's dtype; int8 and fp8 (e4m3) are quantized with
 # one scale per (token, KV head), dequantized as they are read.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+KV_OFFLOAD_DTYPES = ("auto", "int8")  # auto: the tiers hold the pool's own bytes
 # torch.distributed backends for tensor parallelism: "auto" is gloo on the CPU, NCCL on CUDA.
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 # Speculative decoding (kvgen.engine.speculative): "ngram" looks the next tokens up in the prompt and output
@@ -193,6 +194,7 @@ class EngineConfig:
     kv_offload_memory: int | None = None  # bytes of RAM for evicted prefix blocks (kvgen.cache.tiers)
     kv_cache_dir: str | None = None  # the disk tier's directory (kvgen.cache.tiers.disk)
     kv_cache_disk: int = 20 * 1024**3  # the disk tier's budget in bytes
+    kv_offload_dtype: str = "auto"  # what the tiers store: the pool's bytes, or int8 (kvgen.cache.tiers.pool_io)
 
     @property
     def kv_tiers(self) -> bool:
@@ -224,6 +226,8 @@ class EngineConfig:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self._check_speculative()
+        if self.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
+            raise ValueError(f"kv_offload_dtype must be one of {KV_OFFLOAD_DTYPES}, got {self.kv_offload_dtype!r}")
         if self.kv_tiers and self.kv_cache != "paged":
             raise ValueError("KV tiers (kv_offload_memory, kv_cache_dir) need the paged KV cache (--kv-cache paged)")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from kvgen.cache.sizing import parse_bytes
 from kvgen.config import (
-    ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, MAX_SPECULATIVE_TOKENS,
-    QUANTIZATION_MODES, SPECULATIVE_METHODS, EngineConfig, ModelConfig,
+    ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, KV_OFFLOAD_DTYPES,
+    MAX_SPECULATIVE_TOKENS, QUANTIZATION_MODES, SPECULATIVE_METHODS, EngineConfig, ModelConfig,
 )
 from kvgen.engine.base import Engine
 from kvgen.errors import ModelLoadError
@@ -43,6 +43,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dir", help="a disk tier for prefix blocks in this directory, kept across restarts")
     g.add_argument("--kv-cache-disk", type=_byte_size, default=20 * 1024**3,
                    help="the disk tier's budget (default: 20GiB)")
+    g.add_argument("--kv-offload-dtype", choices=KV_OFFLOAD_DTYPES, default="auto",
+                   help="what the tiers store: auto (the pool's own bytes) or int8 (a float pool's blocks with a "
+                        "scale per row, about a quarter of fp32's bytes; docs/kv-cache.md)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
@@ -105,6 +108,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         fused_decode=not args.no_fused_decode, enforce_eager=getattr(args, "enforce_eager", False),
         kv_offload_memory=getattr(args, "kv_offload_memory", None), kv_cache_dir=getattr(args, "kv_cache_dir", None),
         kv_cache_disk=getattr(args, "kv_cache_disk", 20 * 1024**3),
+        kv_offload_dtype=getattr(args, "kv_offload_dtype", "auto"),
     )
 
 

@@ -48,6 +48,11 @@ def sequence_bytes(kinds: list[LayerKind], bytes_per_layer_token: int, max_len: 
     return [len(k.layers) * bytes_per_layer_token * k.tokens_held(max_len, chunk, block_size) for k in kinds]
 
 
+def window_start(num_blocks: int, window: int, block_size: int) -> int:
+    """The first block a window's query at token `num_blocks * block_size` reads (as `slide` frees)."""
+    return max(0, num_blocks * block_size - window + 1) // block_size
+
+
 def split_budget(budget: int, needs: list[int]) -> list[int]:
     """The KV budget in bytes per kind, in proportion to `needs` (`sequence_bytes`: so the kinds run
     out together for sequences of that length)."""
@@ -136,9 +141,28 @@ class HybridKVManager:
         return [k.block_states(released if i == 0 else ()) for i, k in enumerate(self.kinds)]
 
     def find_cached_prefix(self, token_ids: Sequence[int], extra_key: Hashable = None) -> list[tuple]:
-        """Per block of the longest prefix every kind has cached, the block of each kind."""
-        chains = [k.find_cached_prefix(token_ids, extra_key) for k in self.kinds]
-        return list(zip(*chains))
+        """Per block of the longest prefix every kind can serve, the block of each kind: the global kind's
+        cached chain; of a windowed kind, only the blocks the first computed token's window reads (None
+        before them: evicted or not, no query reads them)."""
+        chain = self.kinds[0].find_cached_prefix(token_ids, extra_key)
+        hit = len(chain)
+        while True:  # a shorter hit reads earlier blocks: ask again until every kind serves the same length
+            parts = [self._window_part(kind, window, token_ids, extra_key, hit)
+                     for kind, window in zip(self.kinds[1:], self.windows[1:])]
+            shortest = min((len(p) for p in parts), default=hit)
+            if shortest == hit:
+                return list(zip(chain[:hit], *parts))
+            hit = shortest
+
+    def _window_part(self, kind: KVCacheManager, window: int, token_ids: Sequence[int], extra_key: Hashable,
+                     limit: int) -> list:
+        """A windowed kind's blocks of the longest hit up to `limit` blocks whose window it holds."""
+        blocks = kind.cached_blocks(token_ids, extra_key, limit, window_start(limit, window, self.block_size))
+        hit = limit
+        while hit and None in blocks[window_start(hit, window, self.block_size):hit]:
+            hit -= 1
+        start = window_start(hit, window, self.block_size)
+        return [None] * start + blocks[start:hit]
 
     # -- mutations: each kind in turn ------------------------------------------------------------
 

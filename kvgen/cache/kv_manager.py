@@ -201,23 +201,29 @@ class KVCacheManager:
         Never covers the last prompt token (it is recomputed for its logits), so
         `len(result) * block_size <= len(token_ids) - 1`.
         """
+        blocks = self.cached_blocks(token_ids, extra_key)
+        return blocks[:blocks.index(None)] if None in blocks else blocks
+
+    def cached_blocks(self, token_ids: Sequence[int], extra_key: Hashable = None, count: int | None = None,
+                      start: int = 0) -> list[Block | None]:
+        """Per full block of the prompt (the first `count`; never the last prompt token's), the pool's
+        cached block, or None: a windowed kind's hit needs only its last blocks (kvgen.cache.hybrid).
+        A tiered manager first restores the blocks from `start` on that its tiers hold."""
         if not self.enable_prefix_caching:
             return []
-        blocks: list[Block] = []
+        limit = (len(token_ids) - 1) // self.block_size
+        blocks: list[Block | None] = []
         parent: int | None = None
-        for i in range((len(token_ids) - 1) // self.block_size):
+        for i in range(limit if count is None else min(count, limit)):
             chunk = token_ids[i * self.block_size:(i + 1) * self.block_size]
             parent = hash_block(parent, chunk, extra_key)
-            block = self.pool.lookup(parent, chunk)
-            if block is None:
-                break
-            blocks.append(block)
+            blocks.append(self.pool.lookup(parent, chunk))
         return blocks
 
     # -- mutations --------------------------------------------------------------------------
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
-                 cached_prefix: list[Block] | None = None, num_lookahead: int = 0) -> bool:
+                 cached_prefix: list[Block | None] | None = None, num_lookahead: int = 0) -> bool:
         """Extends the sequence's table to cover `num_slots + num_new_tokens` slots.
 
         `num_lookahead` of the new slots may lie past the sequence's tokens: they hold speculative
@@ -254,18 +260,18 @@ class KVCacheManager:
             self._count_prefix_query(len(token_ids), len(prefix))
         return True
 
-    def can_extend(self, seq_id: int, num_new_tokens: int, cached_prefix: list[Block] | None = None) -> bool:
+    def can_extend(self, seq_id: int, num_new_tokens: int, cached_prefix: list[Block | None] | None = None) -> bool:
         """Whether `allocate` with these arguments would find its blocks (it changes nothing)."""
         state = self._seqs.get(seq_id) or _SeqState()
         return self.can_allocate(self._blocks_to_take(state, num_new_tokens, cached_prefix or []))
 
-    def _blocks_to_take(self, state: _SeqState, num_new_tokens: int, prefix: list[Block]) -> int:
+    def _blocks_to_take(self, state: _SeqState, num_new_tokens: int, prefix: list[Block | None]) -> int:
         """Free blocks an allocation takes: fresh ones, a copy-on-write copy, and revived prefix blocks
         (which leave the free queue too)."""
         end = state.num_slots + len(prefix) * self.block_size + num_new_tokens
         num_fresh = self.num_blocks_needed(end) - state.num_entries - len(prefix)
         cow = num_new_tokens > 0 and self._shares_partial_block(state)
-        return num_fresh + cow + sum(1 for b in prefix if b.ref_count == 0)
+        return num_fresh + cow + sum(1 for b in prefix if b is not None and b.ref_count == 0)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Makes `child_id` share every block of `parent_id` (copy-on-write on later appends)."""
@@ -359,13 +365,13 @@ class KVCacheManager:
             raise KeyError(f"unknown sequence {seq_id}") from None
 
     def _check_allocate_args(self, state: _SeqState, num_tokens: int, token_ids: Sequence[int],
-                             num_new_tokens: int, prefix: list[Block]) -> None:
+                             num_new_tokens: int, prefix: list[Block | None]) -> None:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if prefix and len(prefix) * self.block_size > len(token_ids) - 1:
             raise ValueError("cached_prefix must leave the last prompt token to compute")
         bs = self.block_size
-        if any(b.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]) for i, b in enumerate(prefix)):
+        if any(b is not None and b.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]) for i, b in enumerate(prefix)):
             raise ValueError("cached_prefix does not match the tokens (evicted since find_cached_prefix?)")
         end = state.num_slots + len(prefix) * bs + num_new_tokens
         if end > num_tokens:
@@ -385,11 +391,14 @@ class KVCacheManager:
         state.blocks[state.num_entries - 1] = dst.block_id
         self._pending_copies.append((src.block_id, dst.block_id))
 
-    def _add_prefix(self, state: _SeqState, prefix: list[Block]) -> None:
-        for block in prefix:
-            self.pool.touch(block)
-            state.append(block.block_id)
+    def _add_prefix(self, state: _SeqState, prefix: list[Block | None]) -> None:
+        """A prefix hit's blocks join the table; a None (a block no query of a window reads) stays NULL_BLOCK."""
+        for i, block in enumerate(prefix):
+            if block is not None:
+                self.pool.touch(block)
+                state.blocks[i] = block.block_id
         if prefix:
+            state.num_entries = len(prefix)
             state.num_slots = len(prefix) * self.block_size
             state.num_hashed, state.last_hash = len(prefix), prefix[-1].block_hash
 

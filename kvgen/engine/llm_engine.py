@@ -21,8 +21,7 @@ from kvgen.cache.heavy_hitters import HeavyHitters
 from kvgen.cache.kv_dtype import resolve_kv_dtype
 from kvgen.cache.kv_manager import NULL_BLOCK
 from kvgen.cache.sizing import plan_kv
-from kvgen.cache.tiers.build import build_tiered_manager
-from kvgen.cache.tiers.pool_io import PoolIO
+from kvgen.cache.tiers.build import attach_pools, build_tiered_manager
 from kvgen.config import EngineConfig
 from kvgen.loaders.parameters import describe_parameters
 from kvgen.engine.admission import Admission, KVLimits
@@ -62,7 +61,7 @@ class LLMEngine(Engine):
         self.executor.init_kv(self.kv_plan, self.kv, self.heavy_hitters)
         self.runner = self.executor.runner
         if config.kv_tiers:
-            self.kv.attach(PoolIO(self.runner.cache))
+            attach_pools(self.kv, [kind.cache for kind in self.runner.kinds], config.kv_offload_dtype)
         self.speculator: Speculator | None = build_speculator(config, loaded.config, self.kv, draft)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv,
                                    self.speculator.lookahead if self.speculator is not None else None)

@@ -32,6 +32,7 @@ from kvgen.server.parsers import Call, Event, Text
 from kvgen.server.replies import Reply, ReplyStep, gather_reply, prepare_reply, run_reply, start_reply
 from kvgen.server.responses import EventStreamResponse
 from kvgen.server.state import APIError, ServerState, check_api_key, server_state
+from kvgen.server.tools import template_tools
 
 log = logging.getLogger("kvgen.server")
 router = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
@@ -71,7 +72,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     state = messages_state(request, body.model)
     chat = body.chat_request()
-    prompt = state.chat_template.render(chat.messages, chat.tools or [], chat.chat_template_kwargs)
+    prompt = state.chat_template.render(chat.messages, template_tools(chat.tools, chat.effective_tool_choice), chat.chat_template_kwargs)
     return JSONResponse({"input_tokens": len(state.chat_template.encode(prompt))})
 
 

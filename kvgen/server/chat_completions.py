@@ -17,7 +17,8 @@ from kvgen.server.protocol import (
 )
 from kvgen.server.responses import respond
 from kvgen.server.state import check_api_key, serving_state
-from kvgen.server.tools import Tool, ToolCallDelta, ToolChoice, may_become_tool_call, parse_tool_calls
+from kvgen.server.tools import (Tool, ToolCallDelta, ToolChoice, may_become_tool_call, parse_tool_calls,
+                                template_tools)
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
@@ -27,7 +28,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state = serving_state(request, body.model)
     state.admit(body, 1)
     tools = body.tools or []
-    prompt = state.chat_template.render(body.messages, tools, body.chat_template_kwargs)
+    prompt = state.chat_template.render(body.messages, template_tools(tools, body.effective_tool_choice), body.chat_template_kwargs)
     job = prepare_job(state, "chatcmpl", [state.chat_template.encode(prompt)], body)
     fmt = ChatFormat(job, state.model_name, tools, body.effective_tool_choice)
     if state.reasoning_parser is not None or state.tool_parser != "json":  # the model's own format

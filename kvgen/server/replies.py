@@ -21,7 +21,7 @@ from kvgen.server.parsers import Call, Event, ReplyParser, Text
 from kvgen.server.parsers.base import merge
 from kvgen.server.protocol import ChatCompletionRequest
 from kvgen.server.state import ServerState
-from kvgen.server.tools import NamedToolChoice
+from kvgen.server.tools import NamedToolChoice, template_tools
 
 
 @dataclass
@@ -40,7 +40,7 @@ def prepare_reply(state: ServerState, id_prefix: str, body: ChatCompletionReques
     context is cut to what the prompt leaves (agents send 32000 whatever the model's context; the
     reply then ends with max_tokens / incomplete, as Anthropic's and OpenAI's own servers do)."""
     state.admit(body, 1)
-    prompt = state.chat_template.render(body.messages, body.tools or [], body.chat_template_kwargs)
+    prompt = state.chat_template.render(body.messages, template_tools(body.tools, body.effective_tool_choice), body.chat_template_kwargs)
     ids = state.chat_template.encode(prompt)
     if clamp_max_tokens and body.max_tokens is not None:
         body.max_tokens = max(1, min(body.max_tokens, state.engine.max_model_len - len(ids)))

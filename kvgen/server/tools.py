@@ -1,7 +1,7 @@
 """Tool calls in chat: which grammar a `tool_choice` puts the reply under, and reading the reply back
 as OpenAI `tool_calls`.
 
-    tool_choice "none"        free text (the tools are still shown to the chat template)
+    tool_choice "none"        free text; the chat template is not shown the tools (as vLLM does)
     tool_choice "auto"        free text; a reply that is a tool call in the common formats (a JSON
                               {"name", "arguments"|"parameters"} object, or one inside
                               <tool_call>...</tool_call> as Hermes-style templates ask) becomes tool_calls
@@ -109,6 +109,12 @@ def parse_tool_calls(text: str, tools: list[Tool], choice: ToolChoice) -> list[T
         tagged = re.findall(r"<tool_call>(.*?)</tool_call>", text, flags=re.DOTALL)
         return _calls([_json(t) for t in tagged] if tagged else _json(text), tools)
     return None
+
+
+def template_tools(tools: list[Tool] | None, choice: ToolChoice) -> list[Tool]:
+    """The tools the chat template shows the model: none under tool_choice "none" (as vLLM does), so a
+    model told not to call answers in text instead of imitating the template's call format."""
+    return [] if choice == "none" else list(tools or [])
 
 
 def may_become_tool_call(text: str, choice: ToolChoice) -> bool:

@@ -57,6 +57,28 @@ def test_a_prefix_hit_is_what_every_kind_still_has():
     kv.check_invariants()
 
 
+def test_a_prefix_hit_needs_of_a_windowed_kind_only_the_blocks_its_window_reads():
+    kv = hybrid(global_blocks=16, window_blocks=8)
+    tokens = list(range(12))
+    assert kv.allocate(1, tokens, 12)
+    kv.cache_full_blocks(1, tokens, 12)
+    kv.slide(1, 12)  # window blocks 0-3 go back first, so they are evicted first
+    kv.free(1)
+    assert kv.allocate(2, [100 + t for t in range(8)], 8)  # takes the 2 unused window blocks, then 0 and 1
+    kv.free(2)
+    assert [b is not None for b in kv.kinds[1].cached_blocks(tokens)] == [False, False, True, True, True]
+    hit = kv.find_cached_prefix(tokens)  # the query at token 10 reads tokens 7.. (window 4): blocks 3 and 4
+    assert len(hit) == 5 and [w is None for _, w in hit] == [True, True, True, False, False]
+    assert kv.allocate(3, tokens, 2, cached_prefix=hit)
+    assert kv.kinds[1].block_table(3)[:3] == [-1, -1, -1] and kv.kinds[1].num_live_blocks(3) == 3
+    assert kv.prefix_hits == 10
+    kv.free(3)
+    kv.check_invariants()
+    assert kv.allocate(4, [200 + t for t in range(16)], 16)  # every window block taken: nothing to read
+    kv.free(4)
+    assert kv.find_cached_prefix(tokens) == [] and len(kv.kinds[0].find_cached_prefix(tokens)) == 5
+
+
 def test_a_fork_copies_its_shared_partial_block_in_every_kind():
     kv = hybrid()
     tokens = list(range(3))

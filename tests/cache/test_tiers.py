@@ -1,6 +1,7 @@
 """The tiers' parts on their own (kvgen.cache.tiers): the host tier's LRU and pins, block files on disk
 and the faults they survive, the chain digest and the model identity, the pools' bytes round trip."""
 
+import json
 import logging
 import os
 
@@ -11,7 +12,7 @@ from kvgen.cache.tiers.disk import HEADER_BYTES, SUFFIX, DiskTier, clear_blocks,
 from kvgen.cache.tiers.host import HostTier
 from kvgen.cache.tiers.identity import model_identity
 from kvgen.cache.tiers.manager import chain_digest
-from kvgen.cache.tiers.pool_io import PoolIO
+from kvgen.cache.tiers.pool_io import Int8PoolIO, PoolIO
 from kvgen.cache.tiers.sizing import tier_tokens
 
 TOKENS = tuple(range(16))
@@ -116,5 +117,39 @@ def test_a_block_round_trips_through_the_pools_bytes(dtype):
     assert not torch.equal(pools.k[0][:, 0:4], pools.k[0][:, 4:8])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_offload_restores_each_row_within_its_scale(dtype):
+    class Pools:
+        block_size = 4
+
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.k = [(torch.randn(2, 12, 8, generator=g) * 10 ** torch.randn(2, 12, 1, generator=g)).to(dtype)
+                      for _ in range(3)]
+            self.v = [torch.randn(2, 12, 8, generator=g).to(dtype) for _ in range(3)]
+
+    pools = Pools()
+    io = Int8PoolIO(pools)
+    assert io.block_bytes == 3 * 2 * (2 * 4 * 8 + 4 * 2 * 4)  # layers x K, V x (int8 rows + a float32 scale each)
+    payload = io.read(1)
+    io.write_many([2, 0], [payload, payload])
+    for t in pools.k + pools.v:
+        want, got = t[:, 4:8].float(), t[:, 8:12].float()
+        bound = want.abs().amax(-1, keepdim=True) / 254 + want.abs() * (2 ** -8 if dtype == torch.bfloat16 else 0)
+        assert ((got - want).abs() <= bound * 1.0001 + 1e-12).all()
+        assert torch.equal(t[:, 0:4], t[:, 8:12]) and not torch.equal(got, want)
+
+
 def test_tier_tokens():
     assert tier_tokens(1000, 16, 16000 * 10, None) == {"host": {"bytes": 160000, "blocks": 10, "tokens": 160}}
+
+
+def test_kv_size_prints_what_an_int8_host_tier_holds(capsys):
+    """stories260K: 5 layers, 4 KV heads of 8 dims; an fp32 token takes 1280 bytes, an int8 one 480."""
+    from kvgen.cli import main
+
+    for dtype, per_token in (("auto", 1280), ("int8", 480)):
+        assert main(["kv-size", "--dtype", "float32", "--json", "--kv-offload-memory", "1MiB",
+                     "--kv-offload-dtype", dtype]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["tiers"]["host"]["blocks"] == (1 << 20) // (16 * per_token)

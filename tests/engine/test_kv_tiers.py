@@ -184,14 +184,8 @@ def test_a_server_killed_mid_write_leaves_nothing_that_is_read(tmp_path, caplog)
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_hybrid_model_is_refused_in_one_line(hf_model):
-    gemma = hf_model("gemma3-hybrid")[0]
-    with pytest.raises(ValueError, match="hybrid") as refused:
-        LLM(gemma, block_size=4, num_kv_blocks=64, kv_offload_memory=1 << 20)
-    assert "\n" not in str(refused.value)
-
-
-def test_smollm2_real_file_host_tier_equals_the_plain_cache(smollm_gguf):
+@pytest.mark.parametrize("offload_dtype", ["auto", "int8"])
+def test_smollm2_real_file_host_tier_equals_the_plain_cache(smollm_gguf, offload_dtype):
     doc = ("The quick brown fox jumps over the lazy dog while the farmer watches from the porch and "
            "thinks about the harvest, the weather and the price of wheat at the market in town. ") * 4
     prompts = [doc + "Who watches?", "Write a haiku about the sea. " * 6, "List three colors. " * 8,
@@ -199,9 +193,31 @@ def test_smollm2_real_file_host_tier_equals_the_plain_cache(smollm_gguf):
     kw = dict(model=smollm_gguf, quantization="none", dtype="float32", num_kv_blocks=12, block_size=16,
               max_num_seqs=1)
     plain, computed_plain, _ = run(prompts, **kw)
-    tiered, computed, llm = run(prompts, **kw, kv_offload_memory=256 << 20)
+    tiered, computed, llm = run(prompts, **kw, kv_offload_memory=256 << 20, kv_offload_dtype=offload_dtype)
     assert tiered == plain
     assert llm.engine.kv.tiers.counters["host"].hits > 0 and computed < computed_plain
+    fp32_block = 16 * llm.engine.bytes_per_token
+    assert llm.engine.kv.io.block_bytes == (fp32_block if offload_dtype == "auto" else fp32_block * (64 + 4) // 256)
+
+
+def test_int8_offload_blocks_are_another_layout_on_disk(tmp_path, caplog):
+    """The offload dtype is part of the disk identity: an int8 tier never reads the pool-dtype tier's files."""
+    _fill(tmp_path)
+    plain, computed_plain, _ = run([DOC + " Q2"], num_kv_blocks=40)
+    with caplog.at_level(logging.WARNING):
+        out, computed, llm = run([DOC + " Q2"], num_kv_blocks=40, kv_cache_dir=str(tmp_path), kv_offload_dtype="int8")
+    assert computed == computed_plain and llm.engine.kv.tiers.counters["disk"].hits == 0
+    assert len(tier_warnings(caplog)) == 1 and "another model" in tier_warnings(caplog)[0]
+    again, computed_again, llm = run([DOC + " Q2"], num_kv_blocks=40, kv_cache_dir=str(tmp_path),
+                                     kv_offload_dtype="int8")
+    assert llm.engine.kv.tiers.counters["disk"].hits == doc_blocks(llm) and computed_again < computed
+    assert out == plain and again == plain  # stories260K: int8 blocks give the same greedy tokens here
+
+
+def test_int8_offload_of_a_quantized_pool_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="for float KV pools") as refused:
+        LLM(kv_cache_dtype="int8", kv_offload_memory=1 << 20, kv_offload_dtype="int8")
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("options, params", [

@@ -62,8 +62,9 @@ def _turn(claude, messages, stream: bool, **fields):
         return events.get_final_message()
 
 
-def _agent_loop(claude, stream: bool) -> tuple[list, list]:
-    """Tools offered -> a valid call -> the result sent back as a tool_result -> the model's reply."""
+def _agent_loop(claude, stream: bool, **answer_fields) -> tuple[list, list]:
+    """Tools offered -> a valid call -> the result sent back as a tool_result (with `answer_fields`, such
+    as a tool_choice) -> the model's reply."""
     call_message = _turn(claude, [{"role": "user", "content": QUESTION}], stream)
     assert call_message.stop_reason == "tool_use", call_message
     (call,) = [b for b in call_message.content if b.type == "tool_use"]
@@ -73,10 +74,10 @@ def _agent_loop(claude, stream: bool) -> tuple[list, list]:
     history = [{"role": "user", "content": QUESTION},
                {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in call_message.content]}]
     result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": RESULT}]}
-    final = _turn(claude, history + [result], stream)
+    final = _turn(claude, history + [result], stream, **answer_fields)
     # the result reached the model's prompt, inside the template's own tool-response turn
     without = claude.messages.count_tokens(model=MODEL, messages=history + [{"role": "user", "content": "?"}],
-                                           tools=A_TOOLS).input_tokens
+                                           tools=A_TOOLS, **answer_fields).input_tokens
     assert final.usage.input_tokens > without and final.usage.output_tokens > 0
     assert final.stop_reason in ("end_turn", "tool_use", "max_tokens") and final.content
     for block in final.content:
@@ -247,8 +248,13 @@ def test_claude_code_style_conversation_hits_the_prefix_cache(claude, url):
 
 @pytest.mark.slow
 def test_messages_agent_loop_on_the_1_5b(qwen_coder_15b_gguf):
-    """The same loop on Qwen2.5-Coder-1.5B, which writes its calls in a ```json fence."""
+    """The same loop on Qwen2.5-Coder-1.5B, which writes its calls in a ```json fence; after the result,
+    with tool_choice none, it answers in text."""
     with serve("--model", str(qwen_coder_15b_gguf), "--served-model-name", MODEL, "--max-model-len", "4096",
                "--kv-cache-memory", "256MiB", "--max-num-seqs", "4") as url:
         claude = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=600)
         assert _agent_loop(claude, stream=True) == _agent_loop(claude, stream=False)
+        # Told not to call again (tool_choice none hides the tools from the template), it answers in text.
+        _, answer = _agent_loop(claude, stream=True, tool_choice={"type": "none"})
+        assert answer == _agent_loop(claude, stream=False, tool_choice={"type": "none"})[1]
+        assert [kind for kind, _ in answer] == ["text"] and "get_weather" not in answer[0][1], answer

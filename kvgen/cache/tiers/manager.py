@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 def chain_digest(parent: bytes | None, token_ids: Sequence[int], extra_key: Hashable = None) -> bytes:
     """16 bytes naming a full block by its whole prefix: its parent's digest, its tokens, the extra key."""
-    h = hashlib.blake2b(parent or b"root", digest_size=16)
+    h = hashlib.blake2b(parent or b"root", digest_size=16)  # None: the root of a model without kinds
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     if extra_key is not None:
         h.update(repr(extra_key).encode())
@@ -134,13 +134,14 @@ class TieredKVManager(KVCacheManager):
     """A `KVCacheManager` whose evicted prefix blocks go to `tiers` and come back from them. The pools'
     bytes are reached through `io` (kvgen.cache.tiers.pool_io.PoolIO), attached once they exist."""
 
-    def __init__(self, num_blocks: int, block_size: int, tiers: Tiers) -> None:
+    def __init__(self, num_blocks: int, block_size: int, tiers: Tiers, root: bytes = b"root") -> None:
+        """`root`: where every chain digest starts (a hybrid model's kinds share the tiers, each its own root)."""
         super().__init__(num_blocks, block_size, True)
         self.pool = _TierPool(num_blocks, True, self._evicted)
-        self.tiers = tiers
+        self.tiers, self.root = tiers, root
         self.io = None
         self._digest_of: dict[int, bytes] = {}  # hashed block id -> its chain digest
-        self._seq_digest: dict[int, tuple[int, bytes | None]] = {}  # seq -> (blocks digested, last digest)
+        self._seq_digest: dict[int, tuple[int, bytes]] = {}  # seq -> (blocks digested, last digest)
         self.tier_hit_blocks = 0
 
     def attach(self, io) -> None:
@@ -158,7 +159,7 @@ class TieredKVManager(KVCacheManager):
                           extra_key: Hashable = None) -> None:
         super().cache_full_blocks(seq_id, token_ids, num_computed_tokens, extra_key)
         state = self._state(seq_id)
-        done, digest = self._seq_digest.get(seq_id, (0, None))
+        done, digest = self._seq_digest.get(seq_id, (0, self.root))
         bs = self.block_size
         for i in range(done, state.num_hashed):
             chunk = token_ids[i * bs:(i + 1) * bs]
@@ -188,44 +189,44 @@ class TieredKVManager(KVCacheManager):
 
     # -- lookup ---------------------------------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: Sequence[int], extra_key: Hashable = None) -> list[Block]:
-        """The pool's cached chain, continued by blocks the tiers hold (copied into the pool and cached
-        now: the pool then holds them as cached blocks whether or not the caller allocates)."""
-        blocks = super().find_cached_prefix(token_ids, extra_key)
-        bs = self.block_size
-        total = (len(token_ids) - 1) // bs
-        if self.io is None or len(blocks) == total:
+    def cached_blocks(self, token_ids: Sequence[int], extra_key: Hashable = None, count: int | None = None,
+                      start: int = 0) -> list[Block | None]:
+        """The pool's blocks, after the tiers' blocks from `start` on (up to the first block neither
+        holds) are copied into fresh pool blocks and cached: the pool then holds them as cached blocks
+        whether or not the caller allocates. `find_cached_prefix` asks from the first block, so a
+        prompt's prefix continues past the pool's chain into the tiers."""
+        blocks = super().cached_blocks(token_ids, extra_key, count)
+        if self.io is None or None not in blocks[start:]:
             return blocks
-        digest = None
-        for i in range(len(blocks)):
-            digest = chain_digest(digest, token_ids[i * bs:(i + 1) * bs], extra_key)
-        hits = []
-        for i in range(len(blocks), total):
+        wanted, digest, block_hash, bs = [], self.root, None, self.block_size
+        for i, block in enumerate(blocks):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            digest = chain_digest(digest, chunk, extra_key)
+            digest, block_hash = chain_digest(digest, chunk, extra_key), hash_block(block_hash, chunk, extra_key)
+            if i < start or block is not None:
+                continue
             if digest not in self.tiers:
                 break
-            hits.append((digest, chunk))
-        if not hits:
+            wanted.append((digest, chunk, block_hash))
+        if not wanted:
             return blocks
-        return blocks + self._load(blocks, hits, extra_key)
+        self._load([b for b in blocks[start:] if b is not None], wanted)
+        return super().cached_blocks(token_ids, extra_key, count)
 
-    def _load(self, chain: list[Block], hits: list[tuple[bytes, tuple[int, ...]]], extra_key: Hashable) -> list[Block]:
-        """Copies the tiers' blocks into fresh pool blocks, cached under the pool's chain hash."""
-        for block in chain:  # held while fresh blocks are taken, so that none of them is evicted
+    def _load(self, held: list[Block], wanted: list[tuple[bytes, tuple[int, ...], int]]) -> None:
+        """Copies the tiers' blocks (digest, tokens, pool hash) into fresh pool blocks, cached under the
+        pool's hash, in order until one is missing or the pool has no room."""
+        for block in held:  # held while fresh blocks are taken, so that none of them is evicted
             self.pool.touch(block)
         loaded: list[Block] = []
         payloads = []
-        parent = chain[-1].block_hash if chain else None
         try:
             room = self.pool.num_free - 1  # one block left for the prompt's last tokens
-            for digest, chunk in hits[:max(room, 0)]:
+            for digest, chunk, block_hash in wanted[:max(room, 0)]:
                 payload = self.tiers.get(digest, chunk)
                 if payload is None:
                     break
                 block = self.pool.allocate()  # an eviction here copies the evicted block out first
-                parent = hash_block(parent, chunk, extra_key)
-                if not self.pool.cache(block, parent, chunk):
+                if not self.pool.cache(block, block_hash, chunk):
                     self.pool.release(block)
                     break
                 self._digest_of[block.block_id] = digest
@@ -233,10 +234,9 @@ class TieredKVManager(KVCacheManager):
                 payloads.append(payload)
             self.io.write_many([b.block_id for b in loaded], payloads)  # after every eviction's copy
         finally:
-            for block in reversed(chain + loaded):
+            for block in reversed(held + loaded):
                 self.pool.release(block)
         self.tier_hit_blocks += len(loaded)
-        return loaded
 
     # -- pins -----------------------------------------------------------------------------------
 
@@ -249,10 +249,12 @@ class TieredKVManager(KVCacheManager):
             self.tiers.pinned.difference_update(digests)
             return {"blocks": len(digests), "stored": 0}
         self.tiers.pinned.update(digests)
-        pooled = super().find_cached_prefix(list(token_ids) + [0], extra_key)  # every full block, the last too
+        pooled = KVCacheManager.cached_blocks(self, list(token_ids) + [0], extra_key)  # every full block, the last too
         for block, digest in zip(pooled, digests):
             if self.io is None:
                 break
+            if block is None:
+                continue
             if self.tiers.host is not None and digest not in self.tiers.host:
                 self.tiers.put(digest, block.token_ids, self.io.read(block.block_id))
             elif self.tiers.host is None:
@@ -261,7 +263,7 @@ class TieredKVManager(KVCacheManager):
 
     def digests(self, token_ids: Sequence[int], extra_key: Hashable = None) -> list[bytes]:
         """The chain digests of a prompt's full blocks."""
-        out, digest, bs = [], None, self.block_size
+        out, digest, bs = [], self.root, self.block_size
         for i in range(len(token_ids) // bs):
             digest = chain_digest(digest, token_ids[i * bs:(i + 1) * bs], extra_key)
             out.append(digest)
