@@ -76,6 +76,7 @@ def test_experts_of_another_width_than_the_config_is_one_line(arch_ckpt, tmp_pat
     assert "config implies" in refused(hf_copy(arch_ckpt, tmp_path, edit_config=narrower))
 
 
+@pytest.mark.slow  # ~10 s: gguf's writer copies a 49152-token vocabulary
 def test_an_unknown_gguf_expert_layout_is_one_line(arch_ckpt, tmp_path):
     """llama.cpp's fused gate/up experts tensor (ffn_gate_up_exps) is a layout kvgen does not read."""
     src = arch_ckpt("qwen3moe").gguf

@@ -63,6 +63,7 @@ def test_prefix_caching_and_ngram_speculation_give_plain_tokens(arch_ckpt, arch)
     assert tokens(speculative, prompts) == plain
 
 
+@pytest.mark.slow  # ~4 s each; the fused step's bits are the layered ones by construction (tests/model/test_fused.py)
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_fused_decode_steps_give_the_layered_tokens(arch_ckpt, arch):
     """Decode steps run the router and the expert kernel from the fused call list (fp32), with the
