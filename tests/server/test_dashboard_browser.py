@@ -185,3 +185,27 @@ def test_the_page_keeps_up_with_64_sequences_on_a_50000_block_pool(browser):
     assert updates >= 3, "the page stopped updating"
     assert max(renders) < 250, f"drawing a snapshot took up to {max(renders)} ms"
     assert max(round_trips) < 1.0, f"the page took up to {max(round_trips):.2f} s to answer a script"
+
+
+@pytest.mark.slow  # ~10 s: a server of a mixture and a page
+def test_the_page_draws_expert_load_for_a_mixture(browser):
+    """A mixture's server: the heat map shows a row per MoE layer and a cell per expert, shaded (not
+    all one colour) once tokens were routed; a dense model's page hides it (the other tests' pages)."""
+    from tests.loaders.arch_fixtures import arch_checkpoint
+
+    llm = LLM(arch_checkpoint("olmoe").hf_dir, quantization="none", num_kv_blocks=64, block_size=16)
+    app = create_app(llm.engine, model_name="olmoe", api_key=API_KEY)
+    with running(app) as url:
+        with Server(url, app).client() as http:
+            done = http.post("/v1/completions", json={"prompt": list(range(3, 60)), "max_tokens": 4})
+            assert done.status_code == 200, done.text
+        open_dashboard(browser, url)
+        wait_for(lambda: browser.find_element(By.ID, "experts-panel").is_displayed(), "the expert panel")
+        assert browser.find_element(By.ID, "experts-shape").text == "2 layers × 8 experts"
+        shades = browser.execute_script("""
+            const c = document.getElementById('experts');
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            const seen = new Set();
+            for (let i = 0; i < d.length; i += 4) if (d[i + 3]) seen.add(d[i] * 65536 + d[i + 1] * 256 + d[i + 2]);
+            return seen.size;""")
+        assert shades > 2
