@@ -79,6 +79,14 @@ class DecoderModel:
             report["experts"] = (" + ".join(kernels), sum(e.nbytes for e in experts))
         return report
 
+    def step_weight_bytes(self) -> int:
+        """The weight bytes a batch-1 decode step reads: every projection's, and of a mixture's experts
+        the share a token is routed to (top-k of them, each read once)."""
+        report = self.kernels()
+        share = self.config.experts_per_token / self.config.num_experts if self.config.is_moe else 0.0
+        return sum(size for role, (_, size) in report.items() if role != "experts") + \
+            round(report.get("experts", ("", 0))[1] * share)
+
     def expert_tokens(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """Per mixture-of-experts layer: (its index, the tokens routed to each of its experts so far)."""
         return tuple((layer.index, tuple(block.experts.counts.tolist())) for layer in self.layers
