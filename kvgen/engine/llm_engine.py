@@ -71,8 +71,6 @@ class LLMEngine(Engine):
                                    policy_refusal=self.executor.policy_refusal, grammars=self.grammars)
         self.step_log = StepLog()
         log.info("%s", self.capacity_report())
-        if loaded.config.is_moe:
-            log.info("%s", describe_parameters(loaded.config))
 
     def __getattr__(self, name: str) -> object:
         """What the engine lacks, its executor may have (a tensor-parallel group's `workers`, `shard_plans`)."""
@@ -103,7 +101,8 @@ class LLMEngine(Engine):
         extra = self.speculator.capacity_report() if self.speculator is not None else None
         report = report if extra is None else f"{report}; {extra}"
         where = self.executor.report()
-        return report if where is None else f"{report}\n{where}"
+        report = report if where is None else f"{report}\n{where}"
+        return f"{report}\n{describe_parameters(self.model_config)}" if self.model_config.is_moe else report
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -34,3 +34,10 @@ def test_kv_size_prints_total_and_active(arch_ckpt, capsys):
     assert main(["kv-size", str(path), "--tokens", "10", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["parameters_active"] < report["parameters_total"]
+
+
+def test_the_start_up_report_says_total_and_active(arch_ckpt):
+    from kvgen import LLM
+
+    report = LLM(arch_ckpt("qwen3moe").hf_dir, quantization="none").engine.capacity_report()
+    assert report.splitlines()[-1].startswith("parameters: ") and "(2 of 8 experts a layer" in report
