@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
+from kvgen.loaders.progress import advance
 from kvgen.model.formats.gguf_blocks import convert
 from kvgen.model.formats.kquant import KINDS, KPacked
 from kvgen.model.formats.kquant import dequantize as dequantize_k
@@ -118,6 +119,7 @@ def packed_stack(parts: list[GGUFWeight], activations: str) -> ExpertStack | Non
 def expert_stack(parts: list[Weight], activations: str) -> ExpertStack:
     """Parts [experts, N_i, K] (stacked along N per expert) as one stack: packed where all are GGUF
     blocks of one type a packed kernel holds (each expert's rows filling whole panels of 16), else fp32."""
+    advance(sum(p.raw.nbytes if isinstance(p, GGUFWeight) else p.nbytes for p in parts))  # the progress bar
     quantized = all(isinstance(p, GGUFWeight) and p.is_quantized for p in parts)
     if quantized and len({p.ggml_type for p in parts}) == 1 and sum(p.shape[1] for p in parts) % PANEL == 0 \
             and moe_kernel() is not None:
