@@ -1,7 +1,8 @@
 """A layer's experts, kept where a step streams them: each projection of every expert stacked in one
 buffer (expert e's matrix at e times a fixed stride), packed as the dense layers of its GGUF file
-would be (K-quants in kquant.c's panels, other block types in the packed format), else fp32. A step hands the stacks to the C kernel (kvgen.model.kernels.moe),
-which reads only the experts its tokens chose, each once: nothing is gathered into new tensors.
+would be (K-quants in kquant.c's panels, other block types in the packed format), else fp32. A step
+hands the stacks to the C kernel (kvgen.model.kernels.moe), which reads only the experts its tokens
+chose, each once: nothing is gathered into new tensors.
 
     gate_up  [experts, 2 * inner, hidden]   each expert's gate rows, then its up rows
     down     [experts, hidden, inner]
