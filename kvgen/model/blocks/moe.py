@@ -20,6 +20,8 @@ class MoEBlock(Block):
 
     def __init__(self, spec: MoESpec, index: int, ctx: BuildContext) -> None:
         w, build, cfg = ctx.weights, ctx.build, ctx.config
+        if build.device.type != "cpu":
+            raise ValueError(f"{cfg.architecture}: mixtures of experts run on the CPU only (--device cpu)")
         p = f"model.layers.{index}.{spec.prefix}."
         self.router: Linear = build.linear([w[p + "gate.weight"]])  # hidden -> experts
         self.experts = Experts(*(w[p + f"experts.{n}_proj.weight"] for n in ("gate", "up", "down")),
