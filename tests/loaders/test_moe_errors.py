@@ -100,3 +100,13 @@ def test_tensor_parallel_experts_are_one_line(arch_ckpt):
     with pytest.raises(ModelLoadError) as error:
         load_model(path, shard=(0, 2))
     assert "\n" not in str(error.value) and "mixtures of experts" in str(error.value)
+
+
+def test_a_mixture_off_the_cpu_is_one_line(arch_ckpt):
+    """The expert kernel is C over host memory: another device is refused as the model is built."""
+    from kvgen.model.decoder import DecoderModel
+
+    loaded = load_model(arch_ckpt("olmoe").hf_dir)
+    with pytest.raises(ValueError, match="mixtures of experts run on the CPU only") as error:
+        DecoderModel(loaded.config, loaded.weights, device="meta")
+    assert "\n" not in str(error.value)
