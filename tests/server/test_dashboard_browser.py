@@ -216,3 +216,27 @@ def test_the_page_shows_the_tiers_below_the_pool(browser, tmp_path):
         rows = wait_for(lambda: (r := shown()) and {k: v[:3] for k, v in r.items()} == want and r,
                         "the page's tier rows to match the state")
         assert float(rows["tier-host"][3].rstrip("%")) > 0  # the host tier's budget is drawn as filled
+
+
+@pytest.mark.slow  # ~10 s: a server of a mixture and a page
+def test_the_page_draws_expert_load_for_a_mixture(browser):
+    """A mixture's server: the heat map shows a row per MoE layer and a cell per expert, shaded (not
+    all one colour) once tokens were routed; a dense model's page hides it (the other tests' pages)."""
+    from tests.loaders.arch_fixtures import arch_checkpoint
+
+    llm = LLM(arch_checkpoint("olmoe").hf_dir, quantization="none", num_kv_blocks=64, block_size=16)
+    app = create_app(llm.engine, model_name="olmoe", api_key=API_KEY)
+    with running(app) as url:
+        with Server(url, app).client() as http:
+            done = http.post("/v1/completions", json={"prompt": list(range(3, 60)), "max_tokens": 4})
+            assert done.status_code == 200, done.text
+        open_dashboard(browser, url)
+        wait_for(lambda: browser.find_element(By.ID, "experts-panel").is_displayed(), "the expert panel")
+        assert browser.find_element(By.ID, "experts-shape").text == "2 layers × 8 experts"
+        shades = browser.execute_script("""
+            const c = document.getElementById('experts');
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            const seen = new Set();
+            for (let i = 0; i < d.length; i += 4) if (d[i + 3]) seen.add(d[i] * 65536 + d[i + 1] * 256 + d[i + 2]);
+            return seen.size;""")
+        assert shades > 2

@@ -136,6 +136,7 @@ function show(state) {
   showSequences(state.sequences);
   showMetrics(state.metrics);
   showTiers(state.tiers || []);
+  drawExperts(state.experts || []);
   document.body.dataset.renderMs = (performance.now() - started).toFixed(1);
 }
 
@@ -304,6 +305,26 @@ function drawSteps(steps) {
       `${ms.toFixed(1)} ms a step (mean of the last ${tail.length})`
     : "no step yet";
 }
+// A heat map of expert load: a row per MoE layer, a cell per expert, its shade the expert's share of
+// the layer's tokens against an even spread (white: idle, full colour: twice the mean or more).
+function drawExperts(experts) {
+  $("experts-panel").hidden = experts.length === 0;
+  if (!experts.length) return;
+  const rows = experts.length, cols = experts[0].tokens.length;
+  const cell = Math.max(2, Math.min(14, Math.floor(600 / cols)));
+  const { ctx } = fitCanvas($("experts"), rows * cell);
+  for (const [r, layer] of experts.entries()) {
+    const total = layer.tokens.reduce((a, n) => a + n, 0);
+    const mean = total / cols || 1;
+    layer.tokens.forEach((n, c) => {
+      const load = Math.min(n / mean / 2, 1);
+      ctx.fillStyle = `hsl(20 85% ${Math.round(97 - 55 * load)}%)`;
+      ctx.fillRect(c * cell, r * cell, cell - 1, cell - 1);
+    });
+  }
+  $("experts-shape").textContent = `${rows} layers × ${cols} experts`;
+}
+
 function showSequences(sequences) {
   const rows = sequences.map((s) => {
     const phase = s.phase === "decode" ? "decode"
