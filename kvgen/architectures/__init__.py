@@ -16,6 +16,7 @@ a spec in `spec.py` and its code in kvgen.model.blocks).
     phi3     the Llama block, stored with fused qkv_proj and gate_up_proj
     gemma3   QK-norm, GeGLU, norms before and after attention and MLP, RMSNorm by (1 + w), scaled
              embeddings, sliding-window layers interleaved with global ones
+    qwen35   three Gated DeltaNet layers (a recurrent state per sequence) to one of gated attention
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ kvgen.model.delta_net_layer (prefill, decode, verify), its memory in the state p
 
 A step's rows come in the order the runner laid them out (kvgen.model.blocks.base.StateBatch):
 the decodes first, one token each, run as one batch through the C step that updates their slots in
-place; then each prompt chunk from its slot's window and state (the chunked form), written back;
-then each verify chunk, whose state after every position goes to its checkpoint row, the slot left
-as it was until the engine accepts a number of positions (kvgen.cache.state_pool). No fused form:
-the layer runs layer by layer inside a fused decode step.
+place; then each prompt chunk from its slot's window and state (the C kernel where there is one, else
+torch's chunked form), written back; then each verify chunk, whose state after every position goes to
+its checkpoint row, the slot left as it was until the engine accepts a number of positions
+(kvgen.cache.state_pool). No fused form: the layer runs layer by layer inside a fused decode step.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class GatedDeltaNetBlock(Block):
             rows = (self.layer, mixed[r0:r1], z[r0:r1], a[r0:r1], b[r0:r1], conv[slot], state[slot])
             row = states.verify_rows[seq]
             if row is None:
-                y[r0:r1], conv[slot], state[slot] = prefill(*rows)
+                y[r0:r1], conv[slot], state[slot] = prefill(*rows, kernel=self.kernel)
             else:
                 conv_points, state_points = states.checkpoints(self.index)
-                y[r0:r1], conv_points[row, : r1 - r0], state_points[row, : r1 - r0] = verify(*rows)
+                y[r0:r1], conv_points[row, : r1 - r0], state_points[row, : r1 - r0] = verify(*rows, kernel=self.kernel)
         return self.out(y, step.rows)
