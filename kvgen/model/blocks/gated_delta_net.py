@@ -1,5 +1,5 @@
 """Qwen3.5's Gated DeltaNet layer as a block: its projections here, the layer's math in
-kvgen.model.delta_net_layer (prefill, decode, verify), its memory in the state pool's slots.
+kvgen.model.delta_net_layer (prefill_ragged, decode, verify), its memory in the state pool's slots.
 
     in_proj(h) = [ mixed (conv_dim) | z (Hv * Dv) | b (Hv) | a (Hv) ]       one matmul
     y          = delta_net_layer(mixed, z, a, b) over the sequence's conv window and state
@@ -19,7 +19,7 @@ import torch
 
 from kvgen.architectures.spec import GatedDeltaNetSpec
 from kvgen.model.blocks.base import Block, BuildContext, StepContext, register
-from kvgen.model.delta_net_layer import DeltaNetLayer, decode, prefill, verify
+from kvgen.model.delta_net_layer import DeltaNetLayer, decode, prefill_ragged, verify
 from kvgen.model.kernels.gated_delta_net import gated_delta_net_kernel
 from kvgen.model.linear import Linear
 
@@ -63,8 +63,8 @@ class GatedDeltaNetBlock(Block):
             r0, r1, slot = states.row_starts[seq], states.row_starts[seq + 1], int(states.slots[seq])
             rows = (self.layer, mixed[r0:r1], z[r0:r1], a[r0:r1], b[r0:r1], conv[slot], state[slot])
             row = states.verify_rows[seq]
-            if row is None:
-                y[r0:r1], conv[slot], state[slot] = prefill(*rows, kernel=self.kernel)
+            if row is None:  # the slot updated in place
+                y[r0:r1] = prefill_ragged(*rows[:5], conv, state, states.slots[seq:seq + 1], [r1 - r0], self.kernel)
             else:
                 conv_points, state_points = states.checkpoints(self.index)
                 y[r0:r1], conv_points[row, : r1 - r0], state_points[row, : r1 - r0] = verify(*rows, kernel=self.kernel)
