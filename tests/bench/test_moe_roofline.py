@@ -17,7 +17,7 @@ def test_a_step_reads_top_k_of_the_experts():
     embedding = sum(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight") if tied else 0
     assert gguf_matmul_bytes(path) == dense + embedding + experts * 2 // 8
 
-    model = LLM(path).engine.model
+    model = LLM(path, num_kv_blocks=16).engine.model
     report = model.kernels()
     assert model.step_weight_bytes() == sum(s for role, (_, s) in report.items() if role != "experts") + \
         round(report["experts"][1] / 4)
