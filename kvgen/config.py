@@ -154,7 +154,9 @@ class ModelConfig:
             config = cls(
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
+                # none where every layer's MLP is a mixture of experts (Qwen3.5-MoE)
+                intermediate_size=int(cfg["intermediate_size"] if "moe_intermediate_size" not in cfg
+                                      else cfg.get("intermediate_size", 0)),
                 num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),

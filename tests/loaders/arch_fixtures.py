@@ -192,6 +192,18 @@ SPECS: dict[str, ArchSpec] = {
     "olmoe": ArchSpec("OlmoeConfig", "OlmoeForCausalLM", _BASE | _SMOL | dict(
         num_hidden_layers=2, intermediate_size=32, rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=4, norm_topk_prob=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), "smollm2"),
+    # Qwen3.5-MoE: qwen35's layers (3 Gated DeltaNet, 1 gated attention) with Qwen2-MoE's mixture in place of
+    # the MLP (top-2 of 8 experts of 32, always renormalised; a shared expert of 64 behind a sigmoid gate).
+    # HF directory only: transformers loads a qwen3_5_moe_text directory's tokenizer as Qwen3_5Tokenizer,
+    # whose pre-tokenizer the converter recognises only with Qwen3.5's own 248320-token vocabulary.
+    "qwen35moe": ArchSpec("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _BASE | _SMOL | dict(
+        num_hidden_layers=4, head_dim=32, tie_word_embeddings=True,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_interleaved": True, "mrope_section": [11, 11, 10]}), "smollm2", gguf=False),
     # Qwen2-MoE: q/k/v biases, top-2 of 8 experts not renormalised, and a shared expert of 64 behind a
     # sigmoid gate (the shape Qwen3.5-MoE's layers have too).
     "qwen2moe": ArchSpec("Qwen2MoeConfig", "Qwen2MoeForCausalLM", _BASE | _QWEN | dict(
