@@ -55,13 +55,15 @@ def compare(label: str, torch_fn, c_fn, repeats: int) -> None:
     """Both forms, interleaved twice (each figure the best of both rounds), and their ratio."""
     torch_runs, c_runs = zip(*[(best_ms(torch_fn, repeats), best_ms(c_fn, repeats)) for _ in range(2)])
     (torch_wall, torch_cpu), (c_wall, c_cpu) = (map(min, zip(*torch_runs)), map(min, zip(*c_runs)))
-    print(f"  {label}: torch chunked {torch_wall:.1f} ms/layer (CPU {torch_cpu:.1f}), C {c_wall:.1f} (CPU {c_cpu:.1f}): "
+    print(f"  {label}: torch chunked {torch_wall:.1f} ms/layer (CPU {torch_cpu:.1f}), "
+          f"C {c_wall:.1f} (CPU {c_cpu:.1f}): "
           f"{torch_wall / c_wall:.1f}x wall, {torch_cpu / c_cpu:.1f}x CPU")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen35-0.8b", help="a benchmarks/models.py architecture with DeltaNet layers")
+    parser.add_argument("--model", default="qwen35-0.8b",
+                        help="a benchmarks/models.py architecture with DeltaNet layers")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sequences", type=int, default=4, help="prompts of the ragged batch")

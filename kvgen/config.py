@@ -70,6 +70,7 @@ class ModelConfig:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0  # the shared expert's width, where the layers have one
 
     @property
     def is_moe(self) -> bool:

@@ -128,11 +128,14 @@ class MoESpec(BlockSpec):
 
     Experts are stored stacked per layer, as GGUF holds them (`ffn_{gate,up,down}_exps`):
     `experts.gate_proj` / `up_proj` [experts, inner, hidden], `experts.down_proj` [experts, hidden,
-    inner]; the HF loader stacks a checkpoint's per-expert tensors so (kvgen.loaders.experts)."""
+    inner]; the HF loader stacks a checkpoint's per-expert tensors so (kvgen.loaders.experts).
+    `shared_expert`: every token also runs one gated MLP of `config.shared_expert_intermediate_size`,
+    scaled by sigmoid(`shared_expert_gate` . x) (Qwen2-MoE, Qwen3.5-MoE)."""
 
     kind: ClassVar[str] = "moe"
     prefix: str = "mlp"
     activation: str = "silu"
+    shared_expert: bool = False
 
     def __post_init__(self) -> None:
         if self.activation != "silu":
@@ -141,10 +144,17 @@ class MoESpec(BlockSpec):
     def tensors(self, config: Any) -> dict[str, tuple[int, ...]]:
         p, hidden = self.prefix + ".", config.hidden_size
         experts, inner = config.num_experts, config.expert_intermediate_size
-        return {p + "gate.weight": (experts, hidden),
-                p + "experts.gate_proj.weight": (experts, inner, hidden),
-                p + "experts.up_proj.weight": (experts, inner, hidden),
-                p + "experts.down_proj.weight": (experts, hidden, inner)}
+        shapes = {p + "gate.weight": (experts, hidden),
+                  p + "experts.gate_proj.weight": (experts, inner, hidden),
+                  p + "experts.up_proj.weight": (experts, inner, hidden),
+                  p + "experts.down_proj.weight": (experts, hidden, inner)}
+        if self.shared_expert:
+            shared = config.shared_expert_intermediate_size
+            shapes |= {p + "shared_expert.gate_proj.weight": (shared, hidden),
+                       p + "shared_expert.up_proj.weight": (shared, hidden),
+                       p + "shared_expert.down_proj.weight": (hidden, shared),
+                       p + "shared_expert_gate.weight": (1, hidden)}
+        return shapes
 
 
 # GGUF names of a routed MoE layer (llama.cpp's -> HF's stacked ones, kvgen.loaders.experts).
@@ -153,6 +163,12 @@ GGUF_MOE_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+}
+GGUF_SHARED_EXPERT_NAMES = {
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 
 

@@ -115,6 +115,7 @@ class KVPlan:
     blocks: tuple[int, ...]  # per kind; one entry for a model whose layers are all alike
     kinds: tuple[LayerKind, ...] = ()  # () unless the model is hybrid
     kind_layer_bytes: tuple[int, ...] = ()  # per kind, one layer's K and V of one token (Gemma 4's differ)
+    sharing_layers: int = 0  # layers reading an earlier layer's K/V, which hold none (Gemma 4)
 
     def layer_bytes_of(self, kind: int) -> int:
         return self.kind_layer_bytes[kind] if self.kind_layer_bytes else self.layer_bytes_per_token
@@ -146,7 +147,9 @@ class KVPlan:
     def report(self) -> str:
         """One line of what the pools hold, for the start-up log."""
         if self.kinds:
-            return "hybrid KV cache: " + "; ".join(self._kind_report(i, n) for i, n in enumerate(self.blocks))
+            shared = f"; {self.sharing_layers} layers read an earlier layer's K/V (no blocks)" \
+                if self.sharing_layers else ""
+            return "hybrid KV cache: " + "; ".join(self._kind_report(i, n) for i, n in enumerate(self.blocks)) + shared
         return (f"KV cache: {self.blocks[0]} blocks x {self.block_size} tokens = {self.capacity_tokens} "
                 f"tokens, {format_bytes(self.capacity_tokens * self.bytes_per_token)} "
                 f"({self.bytes_per_token} bytes/token, {self.kv_dtype})")
@@ -187,7 +190,7 @@ def plan_kv(model: ModelConfig, config: EngineConfig, max_model_len: int) -> KVP
                          if kinds else f"the KV budget holds no block of {config.block_size} tokens "
                          f"({len(holders) * per_layer} bytes per token)")
     return KVPlan(config.block_size, config.kv_dtype, per_layer, len(holders), tuple(blocks), tuple(kinds),
-                  tuple(kind_bytes) if kind_bytes != [per_layer] * len(kinds) else ())
+                  tuple(kind_bytes) if kind_bytes != [per_layer] * len(kinds) else (), model.num_layers - len(holders))
 
 
 def kind_layer_bytes(model: ModelConfig, kind: LayerKind, kv_dtype: str) -> int:

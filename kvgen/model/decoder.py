@@ -20,6 +20,7 @@ from kvgen.model.blocks import BuildContext, StateBatch, StepContext
 from kvgen.model.blocks.embedding import embed, embedding_scale
 from kvgen.model.blocks.layer import DecoderLayer
 from kvgen.model.blocks.per_layer_input import PerLayerInputs
+from kvgen.model.blocks.moe import MoEBlock
 from kvgen.model.fused import DecodePrograms
 from kvgen.model.layers import RotaryEmbedding, make_rms_norm, make_rope
 from kvgen.model.linear import RowKernels
@@ -81,7 +82,24 @@ class DecoderModel:
             described = [describe(layer) for layer in layers]
             kernels = sorted({kernel for kernel, _ in described})
             report[role] = (" + ".join(kernels), sum(size for _, size in described))
+        experts = [block.experts for layer in self.layers for block in layer.blocks if isinstance(block, MoEBlock)]
+        if experts:  # a mixture's experts, stacked per layer (kvgen.model.experts)
+            kernels = sorted({s.kernel for e in experts for s in (e.gate_up, e.down)})
+            report["experts"] = (" + ".join(kernels), sum(e.nbytes for e in experts))
         return report
+
+    def step_weight_bytes(self) -> int:
+        """The weight bytes a batch-1 decode step reads: every projection's, and of a mixture's experts
+        the share a token is routed to (top-k of them, each read once)."""
+        report = self.kernels()
+        share = self.config.experts_per_token / self.config.num_experts if self.config.is_moe else 0.0
+        return sum(size for role, (_, size) in report.items() if role != "experts") + \
+            round(report.get("experts", ("", 0))[1] * share)
+
+    def expert_tokens(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Per mixture-of-experts layer: (its index, the tokens routed to each of its experts so far)."""
+        return tuple((layer.index, tuple(block.experts.counts.tolist())) for layer in self.layers
+                     for block in layer.blocks if isinstance(block, MoEBlock))
 
     @property
     def max_positions(self) -> int:

@@ -2,7 +2,10 @@
 (`prefill`; `prefill_ragged`: several sequences' chunks in one batch, over the state pool's rows by slot),
 one token of each of B sequences (`decode`, over the pool), and a verify chunk that keeps the state after
 each position (`verify`, for speculative decoding). Each takes `kernel`, the C forms
-(kvgen.model.kernels.gated_delta_net), which run where it is given and the inputs are fp32 on the CPU.
+(kvgen.model.kernels.gated_delta_net), which run where it is given, the inputs are on the CPU and the
+pool is fp32. A bf16 model's inputs are widened for them: they run in fp32 throughout, without the bf16
+roundings the torch forms (as transformers) make between the conv, the rule and the norm, so there a
+layer's outputs differ from the torch forms' by bf16 rounding, not fp32's.
 
 The model keeps the projections (in_proj_qkv -> `mixed` [T, conv_dim], in_proj_z -> `z` [T, Hv * Dv],
 in_proj_a / in_proj_b -> `a`, `b` [T, Hv]; out_proj on the result), so that they run on whatever matmul
@@ -154,8 +157,8 @@ _FIRST_SLOT = torch.zeros(1, dtype=torch.int64)
 
 
 def _runs_in_c(kernel, mixed: torch.Tensor, conv_pool: torch.Tensor | None = None) -> bool:
-    """Whether the C kernel runs this call: there is one, and the inputs (and the pool) are fp32 on the CPU."""
-    return (kernel is not None and mixed.dtype == torch.float32 and mixed.device.type == "cpu"
+    """Whether the C kernel runs this call: there is one, the inputs are on the CPU, and the pool is fp32."""
+    return (kernel is not None and mixed.device.type == "cpu" and mixed.is_floating_point()
             and (conv_pool is None or conv_pool.dtype == torch.float32))
 
 
@@ -176,11 +179,12 @@ def _kernel_layer(layer: DeltaNetLayer, mixed: torch.Tensor, z: torch.Tensor, a:
                   conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor | None,
                   kernel, keep_states: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The conv, the rule and the gated norm of N sequences' rows in C (starts None: one row each), the
-    pool updated at `slots` -> (y [rows, Hv * Dv], the states after each row with keep_states)."""
-    x = kernel.conv_tokens(mixed, layer.conv_weight, conv_pool, slots, starts)
+    pool updated at `slots` -> (y [rows, Hv * Dv] in mixed's dtype, the states after each row with
+    keep_states). A bf16 model's rows are widened: all of it runs in fp32, y rounded once at the end."""
+    x = kernel.conv_tokens(mixed.float(), layer.conv_weight, conv_pool, slots, starts)
     q, k, v = layer.split(x)
-    g, beta = gates(a, b, layer.dt_bias, decay_rate=layer.decay_rate)
-    gate = GatedNorm(z, layer.norm_weight.float().contiguous(), layer.eps)
+    g, beta = gates(a.float(), b.float(), layer.dt_bias, decay_rate=layer.decay_rate)
+    gate = GatedNorm(z.float(), layer.norm_weight.float().contiguous(), layer.eps)
     y, states = kernel.rule_tokens(q, k, v, g, beta, state_pool, slots, starts, layer.v_head_order,
                                    keep_states=keep_states, gate=gate)
-    return y.flatten(1), states
+    return y.flatten(1).to(mixed.dtype), states

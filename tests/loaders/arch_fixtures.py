@@ -192,6 +192,12 @@ SPECS: dict[str, ArchSpec] = {
     "olmoe": ArchSpec("OlmoeConfig", "OlmoeForCausalLM", _BASE | _SMOL | dict(
         num_hidden_layers=2, intermediate_size=32, rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=4, norm_topk_prob=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), "smollm2"),
+    # Qwen2-MoE: q/k/v biases, top-2 of 8 experts not renormalised, and a shared expert of 64 behind a
+    # sigmoid gate (the shape Qwen3.5-MoE's layers have too).
+    "qwen2moe": ArchSpec("Qwen2MoeConfig", "Qwen2MoeForCausalLM", _BASE | _QWEN | dict(
+        num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "qwen2"),
 }
 ARCHS = list(SPECS)
 GGUF_ARCHS = [a for a in ARCHS if SPECS[a].gguf]
@@ -199,8 +205,8 @@ GGUF_ARCHS = [a for a in ARCHS if SPECS[a].gguf]
 # a gemma4 GGUF with its config defaults for what it does not map (head sizes 256/512, per-layer
 # inputs of 256, 262144 tokens), so the weights do not fit (see the module docstring). Nor the mixtures:
 # it reads a qwen3moe GGUF without expert_feed_forward_length (its default 768 does not fit the experts)
-# and has no olmoe mapping.
-TRANSFORMERS_GGUF_ARCHS = [a for a in GGUF_ARCHS if a not in ("qwen35", "gemma4", "qwen3moe", "olmoe")]
+# and has no olmoe or qwen2moe mapping.
+TRANSFORMERS_GGUF_ARCHS = [a for a in GGUF_ARCHS if a not in ("qwen35", "gemma4", "qwen3moe", "olmoe", "qwen2moe")]
 
 
 def _log(msg: str) -> None:

@@ -85,6 +85,7 @@ def test_sharing_layers_hold_no_blocks_and_prefix_hits_give_the_plain_tokens(ckp
     assert sorted(sum(holders, [])) == [0, 1, 2, 3]  # layers 4 and 5 read 3's and 2's K/V
     assert [len(kind.cache.k) for kind in llm.engine.runner.kinds] == [1, 3]
     assert llm.engine.kv_plan.bytes_per_token == 2 * 2 * 4 * (32 + 3 * 16)  # K and V, 2 KV heads, fp32
+    assert llm.engine.kv_plan.report().endswith("; 2 layers read an earlier layer's K/V (no blocks)")
     assert generate(llm, prompts) == tokens
     assert generate(llm, prompts) == tokens  # the second time through the prefix cache
     assert llm.engine.kv.prefix_hits > 0
@@ -239,3 +240,23 @@ def test_chat_renders_gemma4_turns_and_stops_at_the_end_of_turn(tmp_path, ckpt, 
         result = client.chat.completions.create(model="gemma4", messages=CONVERSATION, max_tokens=12, temperature=0)
     assert result.usage.prompt_tokens == len(ids)
     assert result.choices[0].message.content == want
+
+
+def test_attention_k_eq_v_matches_transformers(tmp_path, ckpt):
+    """attention_k_eq_v (Gemma 4 31B's global layers: V is the key projection, no v_proj) with the
+    global layers' own KV heads, on a checkpoint transformers saves from the fixture's config."""
+    import torch
+    import transformers
+
+    config = json.loads((ckpt.hf_dir / "config.json").read_text())
+    config = {k: v for k, v in config.items() if k not in ("per_layer_config", "architectures", "dtype")}
+    torch.manual_seed(1)
+    hf = transformers.Gemma4TextConfig(**config | {"attention_k_eq_v": True, "num_global_key_value_heads": 1,
+                                                   "global_head_dim": 32, "initializer_range": 0.5})
+    model = transformers.Gemma4ForCausalLM(hf).eval()
+    model.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((ckpt.hf_dir / "tokenizer.json").read_bytes())
+    assert not any("layers.2.self_attn.v_proj" in name for name, _ in model.named_parameters())
+    llm = LLM(tmp_path, quantization="none")
+    assert llm.engine.runner.model.config.layer_kv_heads == (2, 2, 1, 2, 2, 1)
+    assert generate(llm, [prompt(40)]) == [hf_greedy(tmp_path, prompt(40), N)]

@@ -1,4 +1,4 @@
-"""Mixtures of experts (Qwen3-MoE, OLMoE) from a HF directory and from the GGUF llama.cpp's converter
+"""Mixtures of experts (Qwen3-MoE, OLMoE, Qwen2-MoE with its shared expert) from a HF directory and from the GGUF llama.cpp's converter
 writes of it, against transformers on the same weights: greedy fp32 tokens through the paged engine
 over a 300-token prompt, alone and in a ragged batch of 6; prefix caching and ngram speculation give
 the plain engine's tokens."""
@@ -8,7 +8,8 @@ import pytest
 from kvgen import LLM, SamplingParams
 from tests.loaders.arch_fixtures import hf_greedy
 
-MOE_ARCHS = ["qwen3moe", "olmoe"]
+# qwen2moe's fixture has Qwen2's 151936-token vocabulary: ~40 s a test, so slow.
+MOE_ARCHS = ["qwen3moe", "olmoe", pytest.param("qwen2moe", marks=pytest.mark.slow)]
 N = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
 
@@ -63,7 +64,8 @@ def test_prefix_caching_and_ngram_speculation_give_plain_tokens(arch_ckpt, arch)
     assert tokens(speculative, prompts) == plain
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.slow  # ~4 s each; the fused step's bits are the layered ones by construction (tests/model/test_fused.py)
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe"])  # qwen2moe's biases and shared expert run layer by layer
 def test_fused_decode_steps_give_the_layered_tokens(arch_ckpt, arch):
     """Decode steps run the router and the expert kernel from the fused call list (fp32), with the
     layer-by-layer forward's tokens; the packed Q8_0 experts likewise."""

@@ -11,8 +11,8 @@ below). The norm maps an error E_O in o to at most E_O (1 + sqrt(Dv)) / rms(o) p
 order: d(o_j / rms) has the direct term E_O / rms and the rms term |o_j| E_O / rms^2, |o_j| <= sqrt(Dv)
 rms), token by token, scaled by |w silu(z)|, and out_proj sums those through |W|; the norm's and
 out_proj's own roundings add 2 (Hv Dv + 2 Dv) eps |W| |w norm(o) silu(z)|. A token whose o is small
-(rms ~1e-3) gets a wide bound, most ~2e-3 (errors measure up to half of it); a real mistake (a wrong head order or gate) moves
-outputs by ~0.1.
+(rms ~1e-3) gets a wide bound, most ~2e-3 (errors measure up to half of it); a real mistake (a wrong
+head order or gate) moves outputs by ~0.1.
 """
 
 import pytest
@@ -76,15 +76,16 @@ def output_bound(hf, h) -> torch.Tensor:
     gate = (layer.norm_weight * F.silu(z.unflatten(1, o.shape[1:]))).abs()            # [T, Hv, Dv]
     W = hf.out_proj.weight.detach().abs()                                             # [hidden, Hv Dv]
     propagated = (E_O * (1 + SHAPE.v_dim ** 0.5) / rms * gate).flatten(1) @ W.t()        # [T, hidden]
-    rounding = 2 * (SHAPE.v_heads * SHAPE.v_dim + 2 * SHAPE.v_dim) * EPS32 * (layer._finish(o, z, o.dtype).abs() @ W.t())
+    terms = SHAPE.v_heads * SHAPE.v_dim + 2 * SHAPE.v_dim
+    rounding = 2 * terms * EPS32 * (layer._finish(o, z, o.dtype).abs() @ W.t())
     return propagated + rounding
 
 
 def assert_close(got, want, bound):
     """|got - want| <= bound, element by element (bound [T, hidden]: the rows of got's tokens)."""
     err = (got - want).abs()
-    print(f" {float(err.max()):.2e} (median bound {float(bound.median()):.2e}, error / bound <= {float((err / bound).max()):.2f})",
-          end="")
+    print(f" {float(err.max()):.2e} (median bound {float(bound.median()):.2e}, "
+          f"error / bound <= {float((err / bound).max()):.2f})", end="")
     assert bool((err <= bound).all())
 
 
@@ -223,3 +224,22 @@ def test_verify_from_a_sequences_start(hf_layer, use_kernel):
     _, window, state = prefill(layer, mixed, z, a, b)
     assert torch.equal(windows[-1], window)
     assert float((states[-1] - state).abs().max()) <= rule_bound_of(layer, mixed, a, b)
+
+
+def test_a_bf16_layer_runs_the_kernel_in_fp32(hf_layer):
+    """bf16 rows go through the C forms widened: the fp32 result of the same (bf16-valued) rows rounded
+    once, and the same fp32 windows and states, for a prompt chunk and for decode steps after it."""
+    kernel, layer = kernel_or_none(True), ours(hf_layer)
+    h = torch.randn(24, 32, generator=torch.Generator().manual_seed(5))
+    rows = [t.bfloat16() for t in projections(hf_layer, h)]
+    wide = [t.float() for t in rows]
+    y16, window16, state16 = prefill(layer, *(t[:20] for t in rows), kernel=kernel)
+    y32, window32, state32 = prefill(layer, *(t[:20] for t in wide), kernel=kernel)
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16, y32.bfloat16())
+    assert torch.equal(window16, window32) and torch.equal(state16, state32)
+    pools16, pools32 = (window16[None].clone(), state16[None].clone()), (window32[None].clone(), state32[None].clone())
+    for t in range(20, 24):
+        y16 = decode(layer, *(r[t:t + 1] for r in rows), *pools16, torch.tensor([0]), kernel)
+        y32 = decode(layer, *(r[t:t + 1] for r in wide), *pools32, torch.tensor([0]), kernel)
+        assert torch.equal(y16, y32.bfloat16())
+    assert all(torch.equal(p16, p32) for p16, p32 in zip(pools16, pools32))

@@ -249,7 +249,7 @@ def test_claude_code_style_conversation_hits_the_prefix_cache(claude, url):
 @pytest.mark.slow
 def test_messages_agent_loop_on_the_1_5b(qwen_coder_15b_gguf):
     """The same loop on Qwen2.5-Coder-1.5B, which writes its calls in a ```json fence; after the result,
-    with tool_choice none, it answers in text."""
+    with tool_choice none, it answers in text (Messages and Responses)."""
     with serve("--model", str(qwen_coder_15b_gguf), "--served-model-name", MODEL, "--max-model-len", "4096",
                "--kv-cache-memory", "256MiB", "--max-num-seqs", "4") as url:
         claude = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=600)
@@ -258,3 +258,15 @@ def test_messages_agent_loop_on_the_1_5b(qwen_coder_15b_gguf):
         _, answer = _agent_loop(claude, stream=True, tool_choice={"type": "none"})
         assert answer == _agent_loop(claude, stream=False, tool_choice={"type": "none"})[1]
         assert [kind for kind, _ in answer] == ["text"] and "get_weather" not in answer[0][1], answer
+        # The same loop in the Responses API: the function's output sent back, tool_choice none, a message.
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=600)
+        replies = []
+        for stream in (False, True):
+            first = _respond(oai, stream, input=QUESTION)
+            first = first[0] if stream else first
+            (call,) = [i for i in first.output if i.type == "function_call"]
+            second = _respond(oai, stream, previous_response_id=first.id, tool_choice="none",
+                              input=[{"type": "function_call_output", "call_id": call.call_id, "output": RESULT}])
+            replies.append(_items(second[0] if stream else second))
+        assert replies[0] == replies[1] and [kind for kind, _ in replies[0]] == ["message"], replies
+        assert "get_weather" not in replies[0][0][1]

@@ -170,7 +170,8 @@ static void block_load(float *restrict B, const float *restrict S, int64_t Dk, i
     for (int64_t i = 0; i < Dk; i++) {
         const float *restrict row = S + i * Dv + j0;
         if (width == COLS)
-            for (int c = 0; c < VECS; c++) *(vec *)(B + i * COLS + c * LANES) = *(const unaligned_vec *)(row + c * LANES);
+            for (int c = 0; c < VECS; c++)
+                *(vec *)(B + i * COLS + c * LANES) = *(const unaligned_vec *)(row + c * LANES);
         else
             for (int64_t j = 0; j < COLS; j++) B[i * COLS + j] = j < width ? row[j] : 0.f;
     }
@@ -180,7 +181,8 @@ static void block_store(const float *restrict B, float *restrict S, int64_t Dk, 
     for (int64_t i = 0; i < Dk; i++) {
         float *restrict row = S + i * Dv + j0;
         if (width == COLS)
-            for (int c = 0; c < VECS; c++) *(unaligned_vec *)(row + c * LANES) = *(const vec *)(B + i * COLS + c * LANES);
+            for (int c = 0; c < VECS; c++)
+                *(unaligned_vec *)(row + c * LANES) = *(const vec *)(B + i * COLS + c * LANES);
         else
             for (int64_t j = 0; j < width; j++) row[j] = B[i * COLS + j];
     }
