@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgen.architectures.gemma4_fields import gguf_fields, hf_fields
+from kvgen.architectures.gemma4_fields import gguf_fields, gguf_tensor_fields, hf_fields
 from kvgen.architectures.spec import (GGUF_BLOCK_NAMES, GGUF_QK_NORM_NAMES, Architecture, AttentionSpec, Branch,
                                       GatedMLPSpec, LayerSpec, PerLayerInputSpec)
 
@@ -71,5 +71,6 @@ ARCHITECTURE = Architecture(
         "layer_output_scale": "layer_scalar"},
     hf_fields=hf_fields,
     gguf_fields=gguf_fields,
+    gguf_tensor_fields=gguf_tensor_fields,
     model_tensors=model_tensors,
 )

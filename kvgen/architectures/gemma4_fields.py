@@ -96,3 +96,9 @@ def gguf_fields(p: str, meta: dict[str, Any], config: Any) -> dict[str, Any]:
         layer_kv_donors=tuple(donors), local_rope_theta=float32_value(meta.get(p + "rope.freq_base_swa", 10000.0)),
         attention_scale=1.0, final_logit_softcap=float32_value(cap) if cap else None, per_layer_input_size=width,
         per_layer_vocab_size=config.vocab_size if width else 0, double_wide_mlp=wide)
+
+
+def gguf_tensor_fields(names: set[str], config: Any) -> dict[str, Any]:
+    """attention_k_eq_v where a global layer holding K/V has no attn_v (llama.cpp then takes V = K)."""
+    holders = [i for i in range(config.num_layers) if config.kv_donor(i) == i and config.window(i) is None]
+    return {"attention_k_eq_v": any(f"blk.{i}.attn_v.weight" not in names for i in holders)}

@@ -315,6 +315,7 @@ class Architecture:
     gguf_fields: ConfigFields | None = None
     plain_norms: tuple[str, ...] = ()  # norms stored as w where the others are 1 + w (Qwen3.5's gated norm)
     model_tensors: Callable[[Any], dict[str, tuple[int, ...]]] | None = None  # beside the layers' (config ->)
+    gguf_tensor_fields: Callable[[set[str], Any], dict[str, Any]] | None = None  # what a GGUF's tensor names say
 
     def layer_spec(self, index: int, config: Any) -> LayerSpec:
         return self.layer if self.layer_of is None else self.layer_of(index, config)

@@ -135,6 +135,8 @@ def _config(path: Path, arch: Architecture, meta: dict[str, Any], tensors: dict[
             architecture=arch.name,
         )
         config = replace(config, **arch.gguf_fields(p, meta, config)) if arch.gguf_fields else config
+        if arch.gguf_tensor_fields:  # what only the tensors present say (Gemma 4's V taken from K)
+            config = replace(config, **arch.gguf_tensor_fields(set(tensors), config))
         if int(meta.get(p + "rope.dimension_count", head_dim)) != (config.rotary_dim or head_dim):
             raise ValueError("partial rotary embeddings (rope.dimension_count != head dim) are not supported")
         return config

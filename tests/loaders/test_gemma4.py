@@ -242,21 +242,42 @@ def test_chat_renders_gemma4_turns_and_stops_at_the_end_of_turn(tmp_path, ckpt, 
     assert result.choices[0].message.content == want
 
 
-def test_attention_k_eq_v_matches_transformers(tmp_path, ckpt):
-    """attention_k_eq_v (Gemma 4 31B's global layers: V is the key projection, no v_proj) with the
-    global layers' own KV heads, on a checkpoint transformers saves from the fixture's config."""
+@pytest.fixture(scope="module")
+def k_eq_v(tmp_path_factory, ckpt):
+    """attention_k_eq_v (Gemma 4 31B's global layers: V is the key projection, no v_proj) with the global
+    layers' own KV heads: a checkpoint transformers saves from the fixture's config, and its tokens."""
     import torch
     import transformers
 
+    path = tmp_path_factory.mktemp("k_eq_v")
     config = json.loads((ckpt.hf_dir / "config.json").read_text())
     config = {k: v for k, v in config.items() if k not in ("per_layer_config", "architectures", "dtype")}
     torch.manual_seed(1)
     hf = transformers.Gemma4TextConfig(**config | {"attention_k_eq_v": True, "num_global_key_value_heads": 1,
                                                    "global_head_dim": 32, "initializer_range": 0.5})
     model = transformers.Gemma4ForCausalLM(hf).eval()
-    model.save_pretrained(tmp_path)
-    (tmp_path / "tokenizer.json").write_bytes((ckpt.hf_dir / "tokenizer.json").read_bytes())
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((ckpt.hf_dir / name).read_bytes())
     assert not any("layers.2.self_attn.v_proj" in name for name, _ in model.named_parameters())
-    llm = LLM(tmp_path, quantization="none")
-    assert llm.engine.runner.model.config.layer_kv_heads == (2, 2, 1, 2, 2, 1)
-    assert generate(llm, [prompt(40)]) == [hf_greedy(tmp_path, prompt(40), N)]
+    return path, hf_greedy(path, prompt(40), N)
+
+
+def check_k_eq_v(path, want: list[int]) -> None:
+    llm = LLM(path, quantization="none")
+    config = llm.engine.runner.model.config
+    assert config.attention_k_eq_v and config.layer_kv_heads == (2, 2, 1, 2, 2, 1)
+    assert generate(llm, [prompt(40)]) == [want]
+
+
+def test_attention_k_eq_v_matches_transformers(k_eq_v):
+    check_k_eq_v(*k_eq_v)
+
+
+@pytest.mark.slow  # llama.cpp's converter: ~20 s
+def test_attention_k_eq_v_from_the_gguf(k_eq_v, tmp_path):
+    """llama.cpp's GGUF of it marks V = K only by the global layers' missing attn_v."""
+    from tests.loaders.arch_fixtures import convert
+
+    path, want = k_eq_v
+    check_k_eq_v(convert(path, tmp_path / "k_eq_v.gguf"), want)
