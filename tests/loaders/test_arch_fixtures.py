@@ -76,6 +76,10 @@ def test_features(arch_ckpt, arch):
         assert c["linear_num_value_heads"] > c["linear_num_key_heads"]  # key heads shared by value heads
         assert "model.layers.0.linear_attn.A_log" in names and "model.layers.3.self_attn.q_norm.weight" in names
         assert not any(n.startswith("mtp.") for n in names)
+    if arch == "qwen35moe":  # Qwen3.5's layers, each MLP a mixture with a gated shared expert
+        assert c["model_type"] == "qwen3_5_moe_text" and "intermediate_size" not in c
+        assert {"model.layers.0.linear_attn.A_log", "model.layers.3.mlp.shared_expert_gate.weight",
+                "model.layers.3.mlp.experts.7.up_proj.weight"} <= names
     if arch == "gemma4":
         assert c["model_type"] == "gemma4_text" and c["architectures"] == ["Gemma4ForCausalLM"]
         assert c["num_kv_shared_layers"] > 0 and c["hidden_size_per_layer_input"] > 0
