@@ -32,7 +32,7 @@ def with_mtp_layer(source, path):
     return rewrite_gguf(source, path, {"qwen35.block_count": 5, "qwen35.nextn_predict_layers": 1}, mtp)
 
 
-@pytest.mark.parametrize("quantization", ["none", "auto"])
+@pytest.mark.parametrize("quantization", ["none", pytest.param("auto", marks=pytest.mark.slow)])
 def test_mtp_layers_are_kept_beside_the_model_and_decoding_is_unchanged(tmp_path, quantization):
     plain = arch_checkpoint("qwen35").gguf
     mtp = LLM(str(with_mtp_layer(plain, tmp_path / "mtp.gguf")), quantization=quantization)
