@@ -146,6 +146,24 @@ def test_gguf_qwen35_fields(arch_ckpt):
     assert not any("nextn" in n or "mtp" in n for n in names)
 
 
+def test_gguf_qwen35moe_fields(arch_ckpt):
+    """The converter, reading the Qwen3.5-MoE directory's config without model_type (arch_fixtures'
+    docstring), writes qwen35moe: the experts' and shared expert's widths, no dense width, the saved
+    tokenizer, and the mixture's tensors beside the delta-net's."""
+    ckpt = arch_ckpt("qwen35moe")
+    c, fields = ckpt.config, gguf_fields(ckpt.gguf)
+    assert fields["general.architecture"] == "qwen35moe" and fields["tokenizer.ggml.pre"] == "smollm"
+    assert (fields["qwen35moe.expert_count"], fields["qwen35moe.expert_used_count"]) == (8, 2)
+    assert fields["qwen35moe.expert_feed_forward_length"] == c["moe_intermediate_size"]
+    assert fields["qwen35moe.expert_shared_feed_forward_length"] == c["shared_expert_intermediate_size"]
+    assert "qwen35moe.feed_forward_length" not in fields
+    from gguf import GGUFReader
+
+    names = {t.name for t in GGUFReader(ckpt.gguf).tensors}
+    assert {"blk.0.ssm_a", "blk.0.ffn_gate_inp.weight", "blk.0.ffn_up_exps.weight", "blk.3.ffn_down_shexp.weight",
+            "blk.3.ffn_gate_inp_shexp.weight"} <= names
+
+
 def test_gguf_gemma4_fields(arch_ckpt):
     """The converter accepts the Gemma 4 directory: both head sizes, the window pattern and the shared
     layers are in the GGUF, and the sharing layers carry no K/V weights."""
