@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kvgen.errors import ModelLoadError
-from kvgen.architectures import ARCHITECTURES, BY_HF_MODEL_TYPE, NOT_YET, known_names
+from kvgen.architectures import ARCHITECTURES, BY_HF_MODEL_TYPE, known_names
 from kvgen.architectures.spec import Architecture, RecurrentShape, rope_parameters, rope_scaling
 
 
@@ -138,8 +138,6 @@ class ModelConfig:
         cfg = text_part(cfg)
         model_type = cfg.get("model_type", "llama")
         arch = BY_HF_MODEL_TYPE.get(model_type)
-        if model_type in NOT_YET:
-            raise ModelLoadError(source, NOT_YET[model_type])
         if arch is None:
             raise ModelLoadError(source, f"model_type {model_type!r} is not supported (kvgen runs: {known_names()}; "
                                          "multimodal checkpoints need their text-only part)")

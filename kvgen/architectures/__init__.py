@@ -43,13 +43,6 @@ BY_HF_MODEL_TYPE = {t: arch for arch in ARCHITECTURES.values() for t in arch.hf_
 BY_GGUF_NAME = {arch.gguf_name: arch for arch in ARCHITECTURES.values()}
 
 
-# Architectures whose checkpoints kvgen recognises but does not run yet (GGUF names and HF model
-# types): why, in one line.
-NOT_YET = dict.fromkeys(("qwen35moe", "qwen3_5_moe"),
-                        "Qwen3.5 MoE runs from its text model's HF directory (model_type qwen3_5_moe_text) only: "
-                        "its GGUF and multimodal checkpoints are not supported yet")
-
-
 def known_names() -> str:
     """The architectures kvgen runs, for error messages."""
     return ", ".join(ARCHITECTURES)

@@ -17,7 +17,8 @@ def moe_hf_fields(cfg: dict[str, Any], inner_key: str) -> dict[str, Any]:
 def moe_gguf_fields(p: str, meta: dict[str, Any], norm_topk_prob: bool) -> dict[str, Any]:
     """The same from GGUF metadata (`p`: "qwen3moe."); the renormalisation is the architecture's
     (llama.cpp fixes it per architecture unless the file says `expert_weights_norm`)."""
-    inner = meta.get(p + "expert_feed_forward_length", meta[p + "feed_forward_length"])
+    inner = meta[p + "expert_feed_forward_length"] if p + "expert_feed_forward_length" in meta else \
+        meta[p + "feed_forward_length"]
     return dict(num_experts=int(meta[p + "expert_count"]), experts_per_token=int(meta[p + "expert_used_count"]),
                 expert_intermediate_size=int(inner),
                 norm_topk_prob=bool(meta.get(p + "expert_weights_norm", norm_topk_prob)))

@@ -38,7 +38,7 @@ class HybridShape:
 
     @classmethod
     def from_hf_config(cls, config: dict) -> HybridShape:
-        """From a Qwen3.5 config.json (`qwen3_5_text`, or the text_config of a `qwen3_5` one)."""
+        """From a Qwen3.5 config.json (`qwen3_5_text`, or the text_config of a `qwen3_5` one; Qwen3.5-MoE's alike)."""
         config = config.get("text_config", config)
         num_layers = config["num_hidden_layers"]
         kinds = config.get("layer_types") or [
@@ -92,7 +92,7 @@ class HybridShape:
                 "sequence_bytes": hybrid, "full_attention_bytes": full, "ratio": hybrid / full}
 
 
-RECURRENT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+RECURRENT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # and Qwen3.5-MoE
 
 
 def hybrid_shape_of(path) -> HybridShape | None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvgen.architectures import BY_GGUF_NAME, NOT_YET, known_names
+from kvgen.architectures import BY_GGUF_NAME, known_names
 from kvgen.architectures.spec import Architecture, float32_value
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
@@ -63,8 +63,6 @@ def load_gguf(
     reader = _open(path)
     meta = _metadata(path, reader)
     arch = BY_GGUF_NAME.get(meta.get("general.architecture"))
-    if meta.get("general.architecture") in NOT_YET:
-        raise ModelLoadError(path, NOT_YET[meta["general.architecture"]])
     if arch is None:
         raise ModelLoadError(path, f"architecture {meta.get('general.architecture')!r} is not supported "
                                    f"(kvgen runs: {known_names()})")
@@ -112,7 +110,7 @@ def _config(path: Path, arch: Architecture, meta: dict[str, Any], tensors: dict[
     try:
         hidden, heads = int(meta[p + "embedding_length"]), int(meta[p + "attention.head_count"])
         head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
-        kv_heads, widths = meta.get(p + "attention.head_count_kv", heads), meta[p + "feed_forward_length"]
+        kv_heads, widths = meta.get(p + "attention.head_count_kv", heads), _mlp_widths(p, meta)
         config = ModelConfig(
             vocab_size=_vocab_size(p, meta, tensors),
             hidden_size=hidden,
@@ -144,6 +142,12 @@ def _config(path: Path, arch: Architecture, meta: dict[str, Any], tensors: dict[
         raise ModelLoadError(path, f"GGUF metadata key {e.args[0]} is missing") from None
     except (TypeError, ValueError) as e:
         raise ModelLoadError(path, f"bad GGUF metadata: {e}") from None
+
+
+def _mlp_widths(p: str, meta: dict[str, Any]) -> int | list[int]:
+    """feed_forward_length, which a file whose every layer is a mixture of experts may leave out (a
+    Qwen3.5-MoE's: its config has no dense width): 0 there."""
+    return meta[p + "feed_forward_length"] if p + "expert_count" not in meta else meta.get(p + "feed_forward_length", 0)
 
 
 def _sliding_window(p: str, meta: dict[str, Any]) -> int | None:

@@ -90,3 +90,11 @@ def test_kv_size_prints_state_apart(tmp_path, capsys):
     assert report["dtype"] == "float16" and report["ratio"] <= 1 / 3
     with capsys.disabled():
         print(f"\n{out}")
+
+
+def test_a_qwen35_moe_directory_is_sized_as_hybrid_too():
+    """Qwen3.5-MoE's layers are Qwen3.5's: 1 of the fixture's 4 keeps KV, 3 a state."""
+    from tests.loaders.arch_fixtures import arch_checkpoint
+
+    shape = hybrid_shape_of(arch_checkpoint("qwen35moe").hf_dir)
+    assert (shape.attention_layers, shape.recurrent_layers, shape.recurrent) == (1, 3, RecurrentShape(2, 4, 16, 16, 4))

@@ -2,9 +2,7 @@
 memory of a sequence comes to, and every path not wired for a state pool refused in one line."""
 
 import json
-import shutil
 
-import numpy as np
 import pytest
 
 from kvgen import LLM, SamplingParams
@@ -12,7 +10,7 @@ from kvgen.cache.sizing import kv_bytes_per_token, plan_kv
 from kvgen.cli import main
 from kvgen.config import EngineConfig, ModelConfig
 from kvgen.engine.recurrent import build_state_pool, recurrent_refusal
-from kvgen.errors import InvalidRequestError, ModelLoadError
+from kvgen.errors import InvalidRequestError
 from tests.loaders.arch_fixtures import arch_checkpoint
 
 CONTEXT = 32768
@@ -80,29 +78,6 @@ def test_a_draft_model_with_recurrent_layers_is_refused():
     qwen35 = str(arch_checkpoint("qwen35").hf_dir)
     with pytest.raises(ValueError, match="draft model qwen35"):
         LLM(str(arch_checkpoint("qwen3").hf_dir), speculative_method="draft", draft_model=qwen35)
-
-
-def test_a_multimodal_qwen35_moe_says_only_its_text_model_runs(tmp_path):
-    """qwen3_5_moe_text runs (tests/loaders/test_moe_models.py); the multimodal wrapper is refused."""
-    hf = shutil.copytree(arch_checkpoint("qwen35").hf_dir, tmp_path / "hf")
-    config = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps(config | {"model_type": "qwen3_5_moe"}))
-    with pytest.raises(ModelLoadError) as refused:
-        LLM(str(hf))
-    assert "qwen3_5_moe_text" in str(refused.value) and "\n" not in str(refused.value)
-
-
-def test_a_qwen35moe_gguf_says_so_too(tmp_path):
-    import gguf
-
-    path = tmp_path / "moe.gguf"
-    writer = gguf.GGUFWriter(path, "qwen35moe")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ModelLoadError, match="its GGUF and multimodal checkpoints are not supported yet"):
-        LLM(str(path))
 
 
 def test_the_start_up_log_and_metrics_show_the_state_pool_apart_from_kv():

@@ -21,7 +21,7 @@ Tokenizers (the converter must accept them; see _bpe_tokenizer_dir for why these
 - llama, phi3, gemma3, gemma3-hf: stories260K's SentencePiece tok512.model (512 pieces) as
   tokenizer.model -> GGUF tokenizer.ggml.model "llama", pre "default";
 - qwen2: Qwen2's own BPE (151936), from the converter's sdist -> "gpt2", pre "qwen2";
-- qwen3, qwen35: SmolLM2's BPE (49152), from the shared SmolLM2 GGUF -> "gpt2", pre "smollm";
+- qwen3, qwen35, qwen35moe: SmolLM2's BPE (49152), from the shared SmolLM2 GGUF -> "gpt2", pre "smollm";
 - gemma4: tok512 as transformers' fast tokenizer saves it (tokenizer.json, a BPE with byte fallback):
   the Gemma 4 converter reads only a tokenizer.json (gguf LlamaHfVocab) -> tokenizer.ggml.model "gemma4".
 
@@ -56,6 +56,11 @@ of each GGUF agree with the HF directory, which `test_arch_fixtures.py` checks):
   config did (the fixture uses 1e-5), and neither says whether the top-k weights are renormalised
   (llama.cpp fixes it per architecture: qwen3moe yes, olmoe no). transformers 5.25 cannot read these
   GGUFs back (see TRANSFORMERS_GGUF_ARCHS): the HF directory is the reference.
+- Qwen3.5-MoE (`qwen35moe`): qwen35's layout plus the mixture's and shared expert's (ffn_*_shexp,
+  ffn_gate_inp_shexp); no feed_forward_length. transformers loads a qwen3_5_moe_text directory's tokenizer
+  as Qwen3_5Tokenizer whatever tokenizer_config.json says, which the converter recognises only with Qwen3.5's
+  own vocabulary: it converts a config.json without model_type (`convert_config`; it then reads the file as
+  it is, and AutoTokenizer the saved class), writing the tensors and metadata it writes for the real model.
 - Gemma 4 (`gemma4`): the GGUF says the window pattern (attention.sliding_window_pattern), both head
   sizes (key_length 32 for global layers, key_length_swa 16), shared_kv_layers, per-layer input width
   and the soft-cap; the global layers' proportional partial RoPE is written as rope.dimension_count =
@@ -120,11 +125,13 @@ class ArchSpec:
     init_range: float = 0.5
     emb_norm: float = 4.0
     convert_flags: tuple[str, ...] = ()  # more flags for convert_hf_to_gguf.py
+    convert_config: dict | None = None  # config.json as the converter reads it: these keys set (None: removed)
 
 
 # GQA everywhere: 4 query heads over 2 KV heads.
 _BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+_NO_MLP = {k: v for k, v in _BASE.items() if k != "intermediate_size"}
 _SPM = dict(vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # tok512: <unk> <s> </s>
 _SMOL = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)  # <|im_start|> <|im_end|>
 _QWEN = dict(vocab_size=151936, bos_token_id=151643, eos_token_id=151643, pad_token_id=151643)  # <|endoftext|>
@@ -192,18 +199,18 @@ SPECS: dict[str, ArchSpec] = {
     "olmoe": ArchSpec("OlmoeConfig", "OlmoeForCausalLM", _BASE | _SMOL | dict(
         num_hidden_layers=2, intermediate_size=32, rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=4, norm_topk_prob=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), "smollm2"),
-    # Qwen3.5-MoE: qwen35's layers (3 Gated DeltaNet, 1 gated attention) with Qwen2-MoE's mixture in place of
-    # the MLP (top-2 of 8 experts of 32, always renormalised; a shared expert of 64 behind a sigmoid gate).
-    # HF directory only: transformers loads a qwen3_5_moe_text directory's tokenizer as Qwen3_5Tokenizer,
-    # whose pre-tokenizer the converter recognises only with Qwen3.5's own 248320-token vocabulary.
-    "qwen35moe": ArchSpec("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _BASE | _SMOL | dict(
+    # Qwen3.5-MoE: qwen35's layers with Qwen2-MoE's mixture for the MLP (top-2 of 8 experts of 32, always
+    # renormalised; a gated shared expert of 64) and, as its configs, no intermediate_size. At init 0.5 two
+    # logits of a ragged-batch prompt tie within 1e-5 (transformers' generate and forward disagree); 0.3: >= 0.018.
+    "qwen35moe": ArchSpec("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _NO_MLP | _SMOL | dict(
         num_hidden_layers=4, head_dim=32, tie_word_embeddings=True,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
         linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
         linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, shared_expert_intermediate_size=64,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                         "mrope_interleaved": True, "mrope_section": [11, 11, 10]}), "smollm2", gguf=False),
+                         "mrope_interleaved": True, "mrope_section": [11, 11, 10]}), "smollm2",
+        init_range=0.3, convert_flags=("--no-mtp",), convert_config={"model_type": None}),
     # Qwen2-MoE: q/k/v biases, top-2 of 8 experts not renormalised, and a shared expert of 64 behind a
     # sigmoid gate (the shape Qwen3.5-MoE's layers have too).
     "qwen2moe": ArchSpec("Qwen2MoeConfig", "Qwen2MoeForCausalLM", _BASE | _QWEN | dict(
@@ -213,12 +220,11 @@ SPECS: dict[str, ArchSpec] = {
 }
 ARCHS = list(SPECS)
 GGUF_ARCHS = [a for a in ARCHS if SPECS[a].gguf]
-# GGUFs transformers 5.25 reads back into the same model: it has no GGUF mapping for qwen35, and reads
-# a gemma4 GGUF with its config defaults for what it does not map (head sizes 256/512, per-layer
-# inputs of 256, 262144 tokens), so the weights do not fit (see the module docstring). Nor the mixtures:
-# it reads a qwen3moe GGUF without expert_feed_forward_length (its default 768 does not fit the experts)
-# and has no olmoe or qwen2moe mapping.
-TRANSFORMERS_GGUF_ARCHS = [a for a in GGUF_ARCHS if a not in ("qwen35", "gemma4", "qwen3moe", "olmoe", "qwen2moe")]
+# GGUFs transformers 5.25 reads back into the same model. Not: qwen35 and qwen35moe (no GGUF mapping), gemma4
+# (read with its config defaults for what it does not map: head sizes 256/512, per-layer inputs of 256,
+# so the weights do not fit), the mixtures (a qwen3moe GGUF read without expert_feed_forward_length, its
+# default 768 not fitting the experts; no olmoe or qwen2moe mapping).
+TRANSFORMERS_GGUF_ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma3"]
 
 
 def _log(msg: str) -> None:
@@ -235,12 +241,23 @@ def converter_dir() -> Path:
         raise FixtureError(str(e)) from None
 
 
-def convert(hf_dir: Path, out: Path, outtype: str = "f32", extra: tuple[str, ...] = ()) -> Path:
-    """Runs convert_hf_to_gguf.py on `hf_dir`; raises FixtureError with its output on failure."""
+def convert(arch: str, hf_dir: Path, out: Path, outtype: str) -> Path:
+    """Runs convert_hf_to_gguf.py with the spec's flags on `hf_dir` or, where the spec edits the config the
+    converter reads (`convert_config`), on a sibling folder of links to its files beside the edited
+    config.json; raises FixtureError with its output on failure."""
+    spec, source = SPECS[arch], out.parent / f".{out.stem}-source"
+    shutil.rmtree(source, ignore_errors=True)
     try:
-        return llama_tools.convert(hf_dir, out, outtype, cache_root(), extra)
+        if spec.convert_config is not None:
+            shutil.copytree(hf_dir, source, copy_function=os.symlink, ignore=shutil.ignore_patterns("config.json"))
+            config = json.loads((hf_dir / "config.json").read_text()) | spec.convert_config
+            (source / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+        return llama_tools.convert(source if source.exists() else hf_dir, out, outtype, cache_root(),
+                                   spec.convert_flags)
     except llama_tools.ToolError as e:
         raise FixtureError(str(e)) from None
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
 
 
 # -- tokenizers ------------------------------------------------------------------------------------
@@ -319,14 +336,18 @@ def arch_checkpoint(arch: str) -> ArchCheckpoint:
     if arch not in SPECS:
         raise ValueError(f"unknown arch {arch!r}; known: {ARCHS}")
     spec, root = SPECS[arch], fixture_dir(arch)
-    done = root / "DONE"
-    if not done.is_file():
-        with llama_tools.file_lock(cache_root() / f".{arch}.lock"):
-            if not done.is_file():
-                _build(arch, spec, root)
     gguf = root / f"{arch}-f32.gguf" if spec.gguf else None
+    if not _built(root, gguf):
+        with llama_tools.file_lock(cache_root() / f".{arch}.lock"):
+            if not _built(root, gguf):
+                _build(arch, spec, root)
     q8 = root / f"{arch}-q8_0.gguf" if spec.gguf else None
     return ArchCheckpoint(arch, root / "hf", gguf, q8, json.loads((root / "hf" / "config.json").read_text()))
+
+
+def _built(root: Path, gguf: Path | None) -> bool:
+    """Done, with the GGUF the spec asks for (a spec that once had none left a fixture without it)."""
+    return (root / "DONE").is_file() and (gguf is None or gguf.is_file())
 
 
 def _build(arch: str, spec: ArchSpec, root: Path) -> None:
@@ -341,7 +362,7 @@ def _build(arch: str, spec: ArchSpec, root: Path) -> None:
         if spec.gguf:
             for outtype in ("f32", "q8_0"):
                 t = time.perf_counter()
-                convert(tmp / "hf", tmp / f"{arch}-{outtype}.gguf", outtype, spec.convert_flags)
+                convert(arch, tmp / "hf", tmp / f"{arch}-{outtype}.gguf", outtype)
                 timing[f"convert_{outtype}_s"] = round(time.perf_counter() - t, 2)
         (tmp / "DONE").write_text(json.dumps(timing))
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the fixture from other users of the cache
@@ -365,7 +386,7 @@ def with_context(arch: str, max_positions: int) -> ArchCheckpoint:
                     config = json.loads((tmp / "hf" / "config.json").read_text()) | {
                         "max_position_embeddings": max_positions}
                     (tmp / "hf" / "config.json").write_text(json.dumps(config, indent=2))
-                    convert(tmp / "hf", tmp / f"{arch}-f32.gguf", "f32", SPECS[arch].convert_flags)
+                    convert(arch, tmp / "hf", tmp / f"{arch}-f32.gguf", "f32")
                     (tmp / "DONE").write_text("{}")
                     tmp.chmod(0o755)
                     shutil.rmtree(root, ignore_errors=True)

@@ -76,6 +76,10 @@ def test_features(arch_ckpt, arch):
         assert c["linear_num_value_heads"] > c["linear_num_key_heads"]  # key heads shared by value heads
         assert "model.layers.0.linear_attn.A_log" in names and "model.layers.3.self_attn.q_norm.weight" in names
         assert not any(n.startswith("mtp.") for n in names)
+    if arch == "qwen35moe":  # Qwen3.5's layers, each MLP a mixture with a gated shared expert
+        assert c["model_type"] == "qwen3_5_moe_text" and "intermediate_size" not in c
+        assert {"model.layers.0.linear_attn.A_log", "model.layers.3.mlp.shared_expert_gate.weight",
+                "model.layers.3.mlp.experts.7.up_proj.weight"} <= names
     if arch == "gemma4":
         assert c["model_type"] == "gemma4_text" and c["architectures"] == ["Gemma4ForCausalLM"]
         assert c["num_kv_shared_layers"] > 0 and c["hidden_size_per_layer_input"] > 0
@@ -140,6 +144,24 @@ def test_gguf_qwen35_fields(arch_ckpt):
     assert {"blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.0.attn_qkv.weight", "blk.0.attn_gate.weight",
             "blk.3.attn_q.weight", "blk.3.attn_k_norm.weight"} <= names
     assert not any("nextn" in n or "mtp" in n for n in names)
+
+
+def test_gguf_qwen35moe_fields(arch_ckpt):
+    """The converter, reading the Qwen3.5-MoE directory's config without model_type (arch_fixtures'
+    docstring), writes qwen35moe: the experts' and shared expert's widths, no dense width, the saved
+    tokenizer, and the mixture's tensors beside the delta-net's."""
+    ckpt = arch_ckpt("qwen35moe")
+    c, fields = ckpt.config, gguf_fields(ckpt.gguf)
+    assert fields["general.architecture"] == "qwen35moe" and fields["tokenizer.ggml.pre"] == "smollm"
+    assert (fields["qwen35moe.expert_count"], fields["qwen35moe.expert_used_count"]) == (8, 2)
+    assert fields["qwen35moe.expert_feed_forward_length"] == c["moe_intermediate_size"]
+    assert fields["qwen35moe.expert_shared_feed_forward_length"] == c["shared_expert_intermediate_size"]
+    assert "qwen35moe.feed_forward_length" not in fields
+    from gguf import GGUFReader
+
+    names = {t.name for t in GGUFReader(ckpt.gguf).tensors}
+    assert {"blk.0.ssm_a", "blk.0.ffn_gate_inp.weight", "blk.0.ffn_up_exps.weight", "blk.3.ffn_down_shexp.weight",
+            "blk.3.ffn_gate_inp_shexp.weight"} <= names
 
 
 def test_gguf_gemma4_fields(arch_ckpt):

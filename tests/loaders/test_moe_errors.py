@@ -85,7 +85,6 @@ def test_an_unknown_gguf_expert_layout_is_one_line(arch_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("model_type,extra", [
-    ("qwen3_5_moe", {}),  # Qwen3.5-MoE: Gated DeltaNet layers and a gated shared expert
     ("gpt_oss", {}),  # gpt-oss: MXFP4 experts, attention sinks, YaRN
     ("gemma4_text", {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2}),  # Gemma 4's MoE
 ])

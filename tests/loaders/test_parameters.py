@@ -1,4 +1,4 @@
-"""Total and active parameter counts: Qwen3-30B-A3B's published figures from its config alone, and
+"""Total and active parameter counts: Qwen3-30B-A3B's and Qwen3.5-35B-A3B's from their configs alone, and
 `kvgen kv-size` printing them for a mixture."""
 
 import json
@@ -19,6 +19,23 @@ def test_qwen3_30b_a3b_is_30_5b_total_3_3b_active():
     assert round(total / 1e9, 1) == 30.5 and 3.3e9 <= active < 3.4e9  # Qwen's model card: 30.5B, 3.3B activated
     assert "30.53B total, 3.35B active per token (8 of 128 experts" in describe_parameters(
         ModelConfig.from_hf(QWEN3_30B_A3B))
+
+
+# Qwen3.5-35B-A3B's text config (no intermediate_size: every layer's MLP is its mixture).
+QWEN35_35B_A3B = {
+    "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False, "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25}}
+
+
+def test_qwen35_35b_a3b_counts_its_shared_expert_as_active():
+    """34.66B in the text model (the model card's 35B adds the vision encoder), 3.45B a token reads: 8 of
+    256 experts, the shared expert and the delta-net layers."""
+    total, active = parameter_counts(ModelConfig.from_hf(QWEN35_35B_A3B))
+    assert round(total / 1e9, 2) == 34.66 and round(active / 1e9, 2) == 3.45
 
 
 def test_a_dense_model_is_all_active():

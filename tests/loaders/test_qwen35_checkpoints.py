@@ -3,7 +3,7 @@
 by `nextn_predict_layers` and in `block_count`) loads, the MTP tensors kept beside the model and
 decoding the model's own; and a `Qwen3_5ForConditionalGeneration` directory (the text model under
 `model.language_model.`, a vision tower and MTP weights beside it, the text config nested) runs its
-text part."""
+text part, as does Qwen3.5-MoE's."""
 
 import json
 import shutil
@@ -43,11 +43,14 @@ def test_mtp_layers_are_kept_beside_the_model_and_decoding_is_unchanged(tmp_path
     assert mtp.generate([prompt], GREEDY)[0].outputs[0].token_ids == expected
 
 
-def test_the_text_part_of_a_multimodal_checkpoint_runs(tmp_path):
-    source = arch_checkpoint("qwen35").hf_dir
+@pytest.mark.parametrize("arch,model_type,architecture", [
+    ("qwen35", "qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    ("qwen35moe", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")])
+def test_the_text_part_of_a_multimodal_checkpoint_runs(tmp_path, arch, model_type, architecture):
+    source = arch_checkpoint(arch).hf_dir
     path = shutil.copytree(source, tmp_path / "vl", ignore=shutil.ignore_patterns("model.safetensors", "config.json"))
     text = json.loads((source / "config.json").read_text())
-    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+    config = {"model_type": model_type, "architectures": [architecture],
               "tie_word_embeddings": True, "text_config": text | {"tie_word_embeddings": False},
               "vision_config": {"depth": 1}}
     (path / "config.json").write_text(json.dumps(config))
