@@ -1,4 +1,6 @@
-"""Which float kernel this CPU runs many rows of x faster on, measured once per process.
+"""How packed layers run many rows of x: on the integer kernel with x in one int8 part where its
+build is fast at that (INT8_ISAS), else on the float kernel this CPU runs faster, measured once per
+process.
 
 A CPU's bf16 dot products (vdpbf16ps, 32 multiply-adds) may issue at a quarter of its fp32
 multiply-adds' rate (16 each), so that fp32 does twice bf16's work a second, or fast enough that
@@ -30,12 +32,22 @@ log = logging.getLogger(__name__)
 # bf16's and cost ~10% of the matmul more to write.
 FP32_MARGIN = 1.15
 ROWS, IN, OUT = 256, 576, 1152  # the matmul timed: a prompt chunk through a small model's layer
+# The integer kernel's builds (kvgen.model.kernels.qmatmul) that run many rows with x in one int8 part
+# (as ggml's q8_0 activations, and KQuantLinear) faster than either float kernel on the weight
+# dequantized per call: its AVX-512 VNNI build did Q4_0 / Q8_0 layers of a 1B shape (3,072 x 2,048
+# to 2,048 x 8,192) at 16 / 64 / 512 rows in 6.1 / 22.7 / 199 ms (Q4_0) and 8.3 / 25.1 / 217 ms (Q8_0)
+# of one core where bf16 took 31 / 57 / 407 and 32 / 58 / 402 (AMD EPYC, avx512_bf16, CPU time).
+# The AVX2 build (vpmaddubsw, two instructions a product pair) is slower than the float kernels there.
+INT8_ISAS = ("avx512-vnni",)
 
 
-def many_rows_dtype(requested: torch.dtype | None = None) -> torch.dtype | None:
-    """The dtype packed layers run many rows in: `requested` where its kernel runs here; else, where
-    both the bf16 and the fp32 kernel run, bf16 unless fp32 measures faster (fp32_beats("bf16
-    kernel")); else the one that runs; None where neither does."""
+def many_rows_dtype(requested: torch.dtype | None = None, isa: str | None = None) -> torch.dtype | None:
+    """The dtype packed layers run many rows in: int8 where requested or, unrequested, where the
+    integer kernel's build `isa` is one of INT8_ISAS; else `requested` where its kernel runs here;
+    else, where both the bf16 and the fp32 kernel run, bf16 unless fp32 measures faster
+    (fp32_beats("bf16 kernel")); else the one that runs; None where neither does."""
+    if requested == torch.int8 or (requested is None and isa in INT8_ISAS):
+        return torch.int8
     available = [dtype for dtype, kernel in ((torch.bfloat16, bf16_kernel()), (torch.float32, f32_kernel()))
                  if kernel is not None]
     if requested in available or len(available) < 2:

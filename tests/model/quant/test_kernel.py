@@ -12,8 +12,8 @@ from kvgen.model.formats.gguf_blocks import convert
 from kvgen.model.kernels.qmatmul import qmatmul_kernel
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.f32 import pack as pack_f32
-from kvgen.model.kernels.many_rows_choice import many_rows_dtype
-from kvgen.model.linear import FP32_FROM_ROWS, KernelQuantLinear, ManyRows
+from kvgen.model.kernels.many_rows_choice import INT8_ISAS, many_rows_dtype
+from kvgen.model.linear import FP32_FROM_ROWS, MANY_ROWS, KernelQuantLinear, ManyRows
 from tests.support.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix
@@ -164,10 +164,28 @@ def test_many_rows_run_in_fp32_within_its_rounding(ggml_type):
     assert torch.equal(below, qmatmul_kernel().bind(w, "int8x2")(x[:from_rows - 1]))
 
 
-def test_many_rows_take_the_float_kernel_this_cpu_runs_faster():
-    """Where both float kernels run, the choice is measured (and the same for every layer)."""
-    chosen = many_rows_dtype()
-    assert chosen in (None, torch.bfloat16, torch.float32)
+def test_many_rows_take_the_path_this_cpu_runs_faster():
+    """int8 on the integer kernel's AVX-512 VNNI build; else, where both float kernels run, the
+    choice is measured (and the same for every layer)."""
+    isa = qmatmul_kernel().isa
+    chosen = many_rows_dtype(None, isa)
+    assert chosen == torch.int8 if isa in INT8_ISAS else chosen in (None, torch.bfloat16, torch.float32)
     if chosen is not None:
         layer = KernelQuantLinear(gguf_weight(MAPPED[0], out=13), None, "int8x2", ManyRows(Bf16Tiles()))
-        assert ("bf16_matmul" if chosen == torch.bfloat16 else "f32_matmul") in layer.kernel
+        path = {torch.int8: "x int8", torch.bfloat16: "bf16_matmul"}.get(chosen, "f32_matmul")
+        assert f"rows {path}" in layer.kernel
+
+
+@pytest.mark.parametrize("rows", [MANY_ROWS, 70])
+@pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
+def test_many_rows_run_in_one_int8_part_on_the_integer_kernel(ggml_type, rows):
+    """From MANY_ROWS rows x goes in one int8 part (within bounds.py's bound); a row's bits do not
+    depend on the rows beside it; below, the layer's own activations, as before."""
+    w = gguf_weight(ggml_type, out=37)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    layer = KernelQuantLinear(w, None, "int8x2", ManyRows(Bf16Tiles(), torch.int8))
+    got = layer(x)
+    check_kernel_output(got, w, x, "int8")
+    assert torch.equal(got[:MANY_ROWS], layer(x[:MANY_ROWS]))
+    assert f"from {MANY_ROWS} rows x int8" in layer.kernel
+    assert torch.equal(layer(x[:MANY_ROWS - 1]), qmatmul_kernel().bind(w, "int8x2")(x[:MANY_ROWS - 1]))
