@@ -32,9 +32,9 @@
 Over weights that stay quantized in memory (kvgen.model.formats):
     KernelQuantLinear  the generic packed format, AVX-512 VNNI or AVX2 (qmatmul.c); x quantized in
                   the call per 32, to int8 or two int8 parts (`int8x2`, ~15 bits: 100% top-1 against
-                  the fp32 model on the real Q4_1 file, 97.8-98.2% for int8). At many rows (prefill,
-                  compute-bound) x in one int8 part on AVX-512 VNNI, else the weight dequantized per
-                  call for the float kernel this CPU runs faster (kernels/many_rows_choice.py).
+                  the fp32 model on the real Q4_1 file, 97.8-98.2% for int8). From BF16_FROM_ROWS /
+                  FP32_FROM_ROWS rows (prefill, compute-bound) the weight is dequantized per call for
+                  the float kernel this CPU runs faster (kernels/many_rows_choice.py).
     KQuantLinear  Q4_K / Q5_K / Q6_K in kquant.c's layout (AVX-512 VNNI), one kernel at every row
                   count; x in one int8 part from MANY_ROWS rows, where a second would double its work.
     TorchQuantLinear  CUDA and other devices: dequantize per call, then `F.linear`.
@@ -73,7 +73,7 @@ from kvgen.model.kernels.f32 import F32Matmul, f32_kernel
 from kvgen.model.formats.kquant import KPacked
 from kvgen.model.formats.packed import PackedWeight, dequantize
 from kvgen.model.kernels.kquant import kquant_kernel
-from kvgen.model.kernels.many_rows_choice import fp32_beats, many_rows_dtype
+from kvgen.model.kernels.many_rows_choice import INTEGER_BELOW_ROWS, fp32_beats, integer_beats, many_rows_dtype
 from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, kernel_name, qmatmul_kernel
 from kvgen.model.kernels.step import step_kernels
 from kvgen.threads import WORKERS_SLEEP
@@ -91,15 +91,17 @@ DECODED_FROM_ROWS = 16
 # Many GEMV rows over a large matrix (an LM head) go tile by tile so each tile is read from memory
 # once and then from cache; a tile's GEMV gives the same bits as the whole matrix's.
 GEMV_TILE_BYTES = 4 << 20
-# From this many rows of x on, one int8 part (KQuantLinear, KernelQuantLinear on AVX-512 VNNI); fused
-# decode steps run below 16 rows (kvgen.model.fused): decode and verify chunks keep the layer's activations.
-MANY_ROWS = 16
-# Where the integer kernel is slow at many rows (AVX2), from this many rows on a packed layer runs on
-# its weight dequantized per call, in bf16 (1.3-1.9x faster than x int8x2 at 16 rows, 2.5-3.4x at
-# 64-512) or fp32: a 3,072 x 576 int4 matrix at 64 / 128 / 512 rows took 9.8 / 20.5 / 81.9 ms on the
-# AVX2 integer kernel (x int8x2), 10.1 / 11.4 / 16.1 ms dequantized (2 threads, Zen 3; BENCHMARKS.md).
+# From this many rows of x on (prefill chunks, large decode batches; INTEGER_BELOW_ROWS where that
+# measures faster) a packed layer runs on its weight dequantized per call, in bf16 or fp32
+# (KernelQuantLinear). bf16: 1.3-1.9x faster than x int8x2 at 16 rows on some VMs (BENCHMARKS.md).
 BF16_FROM_ROWS = 16
+# fp32, by the integer kernel's build: a 3,072 x 576 int4 matrix at 64 / 128 / 512 rows took 9.8 / 20.5 / 81.9
+# ms on the AVX2 integer kernel (x int8x2), 10.1 / 11.4 / 16.1 ms dequantized, packed and multiplied (2 threads,
+# Zen 3); on an AVX-512 VM 0.51 / 0.91 / 1.92 ms at 16 / 32 / 64 rows against 0.88 / 0.93 / 1.35 (BENCHMARKS.md).
 FP32_FROM_ROWS = {"avx512-vnni": 32, "avx2": 128}
+# From this many rows of x on, one int8 part (KQuantLinear); fused decode steps run below 16 rows
+# (kvgen.model.fused), so decode and verify chunks keep the layer's activations.
+MANY_ROWS = 16
 
 
 def uses_blas(device: torch.device, dtype: torch.dtype) -> bool:
@@ -312,9 +314,9 @@ class QuantLinear(Linear):
 
 @dataclass(frozen=True)
 class ManyRows:
-    """How a packed layer runs many rows of x (see KernelQuantLinear): `dtype` int8, on the integer
-    kernel with x in one int8 part; or on its weight dequantized per call into `tiles` (a buffer the
-    model's layers share) in bf16 or fp32; None: this CPU's fastest (kernels/many_rows_choice.py)."""
+    """How a packed layer runs many rows of x (see KernelQuantLinear): on its weight dequantized per
+    call into `tiles` (a buffer the model's layers share), in `dtype` (bf16 or fp32; None: this CPU's
+    faster, kvgen.model.kernels.many_rows_choice)."""
 
     tiles: Bf16Tiles
     dtype: torch.dtype | None = None
@@ -327,14 +329,14 @@ class KernelQuantLinear(QuantLinear):
         kernel = qmatmul_kernel()
         assert kernel is not None, "KernelQuantLinear needs the compiled kernel (see qmatmul_kernel())"
         self._matmul = kernel.bind(weight, activations)
-        dtype = many_rows_dtype(many_rows.dtype, kernel.isa) if many_rows is not None else None
-        self._int8 = kernel.bind(weight, "int8") if dtype == torch.int8 else None
+        dtype = many_rows_dtype(many_rows.dtype) if many_rows is not None else None
         self._bf16 = bf16_kernel() if dtype == torch.bfloat16 else None
         self._f32 = f32_kernel() if dtype == torch.float32 else None
         self._tiles = many_rows.tiles if dtype is not None else None
-        self._from_rows = None if dtype is None else {torch.int8: MANY_ROWS, torch.bfloat16: BF16_FROM_ROWS}.get(
-            dtype, FP32_FROM_ROWS[kernel.isa])
-        path = {torch.int8: "x int8", torch.bfloat16: "bf16_matmul"}.get(dtype, "f32_matmul")
+        self._from_rows = (None if dtype is None else BF16_FROM_ROWS if dtype == torch.bfloat16
+                           else FP32_FROM_ROWS[kernel.isa])
+        self._from_rows = self._from_rows and max(self._from_rows, INTEGER_BELOW_ROWS * integer_beats(dtype))
+        path = "bf16_matmul" if self._bf16 is not None else "f32_matmul"
         many = f"; from {self._from_rows} rows {path}" if self._from_rows is not None else ""
         self.kernel = f"{kernel_name(weight)} [{kernel.isa}] (x {activations}{many})"
 
@@ -362,10 +364,8 @@ class KernelQuantLinear(QuantLinear):
         return self._from_rows is not None and x.shape[0] >= self._from_rows
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] @ W^T -> fp32 [T, out]: on the integer kernel with x in one int8 part, in bf16 on
-        W^ rounded to bf16, or in fp32 on W^ (see ManyRows)."""
-        if self._int8 is not None:
-            return self._int8.run(x.float().contiguous())
+        """x [T, in] @ W^T -> fp32 [T, out]: in bf16 on W^ rounded to bf16 where the bf16 kernel runs,
+        else in fp32 on W^."""
         if self._bf16 is not None:
             tiles = self._matmul.dequantize_bf16(self._tiles)
             return self._bf16(x.to(torch.bfloat16).contiguous(), tiles, self.out_features, torch.float32)
