@@ -54,15 +54,12 @@
 /* Bytes of one panel's super-block. */
 #define BLOCK_BYTES(kind) ((kind) == 4 ? META + LOW : (kind) == 5 ? META + LOW + 512 : META + LOW + 1024)
 
-/* x quantized: rows = parts * T, row parts*t + p; span by span (as qmatmul.c), so that a pass's rows
- * of one span lie together, each a fixed offset from one pointer: with a pointer per row, 8 rows'
- * pointers left the general registers and each broadcast of x reloaded one from the stack. */
+/* x quantized: rows = parts * T, row parts*t + p. */
 struct kx {
-    int64_t rows;
-    int8_t *q;      /* [K / 32, rows, 32] */
-    float *sx;      /* [K / 32, rows] */
-    float *xsum;    /* [K / 32, rows]: sx * sum of q over the 32 */
-    int32_t *init;  /* [K / 32, rows, 2]: -32 * sum of q over each 16 (Q6_K's offset) */
+    int8_t *q;      /* [rows, K] */
+    float *sx;      /* [rows, K / 32] */
+    float *xsum;    /* [rows, K / 32]: sx * sum of q over the 32 */
+    int32_t *init;  /* [rows, K / 16]: -32 * sum of q over the 16 (Q6_K's offset) */
 };
 
 ALWAYS_INLINE int sum_i8x16(__m128i q) { return _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q)); }
@@ -98,7 +95,6 @@ static int quantize_x(const float *x, int64_t T, int64_t K, int parts, int threa
     char *scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!scratch)
         return 1;
-    kx->rows = rows;
     kx->q = (int8_t *)scratch;
     kx->sx = (float *)(scratch + rows * K);
     kx->xsum = kx->sx + rows * spans;
@@ -109,12 +105,12 @@ static int quantize_x(const float *x, int64_t T, int64_t K, int parts, int threa
             float r[32];
             const float *values = x + t * K + 32 * g;
             for (int p = 0; p < parts; p++) {
-                const int64_t row = parts * t + p, at = g * rows + row;
+                const int64_t row = parts * t + p, at = row * spans + g;
                 if (p) {
-                    residual(values, kx->q + 32 * (at - 1), kx->sx[at - 1], r);
+                    residual(values, kx->q + (row - 1) * K + 32 * g, kx->sx[at - spans], r);
                     values = r;
                 }
-                quantize_span(values, kx->q + 32 * at, kx->sx + at, kx->xsum + at, kx->init + 2 * at);
+                quantize_span(values, kx->q + row * K + 32 * g, kx->sx + at, kx->xsum + at, kx->init + 2 * at);
             }
         }
     return 0;
@@ -136,22 +132,6 @@ ALWAYS_INLINE __m512i codes_at(const __m512i *low, const __m512i *high, int g, c
     return c;
 }
 
-/* Vectors g0 .. g1-1 of sub-block s's codes (lo, hi: the block's low-nibble and high-bit planes),
- * each loaded where it is used: Q6_K takes its 8 in two halves, which keeps the codes, the rows'
- * accumulators and their sums in registers at 8 rows of x. */
-ALWAYS_INLINE void sub_block_codes(const uint8_t *lo, const uint8_t *hi, int s, const int g0, const int g1,
-                                   __m512i *c, const int kind) {
-    UNROLL for (int g = g0; g < g1; g++) {
-        __m512i low[4], high[2];
-        low[g >> 1] = _mm512_loadu_si512(lo + 256 * s + 64 * (g >> 1));
-        if (kind == 5)
-            high[0] = _mm512_loadu_si512(hi + 64 * s);
-        if (kind == 6)
-            high[g >> 2] = _mm512_loadu_si512(hi + 128 * s + 64 * (g >> 2));
-        c[g] = codes_at(low, high, g, kind);
-    }
-}
-
 ALWAYS_INLINE __m512 f16x16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 ALWAYS_INLINE __m512 u8x16(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -160,32 +140,33 @@ ALWAYS_INLINE __m512 i8x16(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-/* a[r] += sum over g in [g0, g1) of codes c[g] by row r's 4 bytes g of x (row r's span at xq + 8 r),
- * the rows' chains of dependent vpdpbusd interleaved to hide its latency (at R <= 2, two chains a
- * row). Integer sums: the same whatever the order. */
-ALWAYS_INLINE void dots(const __m512i *c, const int32_t *xq, const int g0, const int g1, const int R, __m512i *a) {
+/* a[r] += sum over g in [g0, g1) of codes c[g] by row r's 4 bytes g of x, the rows' chains of
+ * dependent vpdpbusd interleaved to hide its latency (at R <= 2, two chains a row). Integer sums:
+ * the same whatever the order. */
+ALWAYS_INLINE void dots(const __m512i *c, const int32_t *const *xq, const int g0, const int g1, const int R,
+                        __m512i *a) {
     if (R <= 2) {
         __m512i b[2];
         UNROLL for (int r = 0; r < R; r++)
             b[r] = _mm512_setzero_si512();
         UNROLL for (int g = g0; g < g1; g += 2)
             UNROLL for (int r = 0; r < R; r++) {
-                a[r] = _mm512_dpbusd_epi32(a[r], c[g], _mm512_set1_epi32(xq[8 * r + g]));
-                b[r] = _mm512_dpbusd_epi32(b[r], c[g + 1], _mm512_set1_epi32(xq[8 * r + g + 1]));
+                a[r] = _mm512_dpbusd_epi32(a[r], c[g], _mm512_set1_epi32(xq[r][g]));
+                b[r] = _mm512_dpbusd_epi32(b[r], c[g + 1], _mm512_set1_epi32(xq[r][g + 1]));
             }
         UNROLL for (int r = 0; r < R; r++)
             a[r] = _mm512_add_epi32(a[r], b[r]);
     } else {
         UNROLL for (int g = g0; g < g1; g++)
             UNROLL for (int r = 0; r < R; r++)
-                a[r] = _mm512_dpbusd_epi32(a[r], c[g], _mm512_set1_epi32(xq[8 * r + g]));
+                a[r] = _mm512_dpbusd_epi32(a[r], c[g], _mm512_set1_epi32(xq[r][g]));
     }
 }
 
 /* out[rows r0 .. r0+R-1, panel's 16 columns] for one panel (`w`: its first block) and R rows of x. */
 ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, const int R, float *out,
                          int64_t N, int64_t ldo, int64_t n0, const int kind) {
-    const int64_t blocks = K / QK;
+    const int64_t blocks = K / QK, spans = K / 32;
     const int bytes = BLOCK_BYTES(kind);
     __m512 y[8];
     UNROLL for (int r = 0; r < R; r++)
@@ -198,31 +179,43 @@ ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_
         const __m512 d = f16x16(meta + 256);
         const __m512 neg_dmin = kind == 6 ? d : _mm512_sub_ps(_mm512_setzero_ps(), f16x16(meta + 288));
         for (int s = 0; s < 8; s++) {
-            const int64_t at = (b * 8 + s) * x->rows + r0; /* row r0's entries of the span */
-            const int32_t *xq = (const int32_t *)(x->q + 32 * at);
-            __m512i a[8], c[8];
+            __m512i low[4], high[2], c[8];
+            for (int v = 0; v < 4; v++)
+                low[v] = _mm512_loadu_si512(lo + 256 * s + 64 * v);
+            if (kind == 5)
+                high[0] = _mm512_loadu_si512(hi + 64 * s);
+            if (kind == 6) {
+                high[0] = _mm512_loadu_si512(hi + 128 * s);
+                high[1] = _mm512_loadu_si512(hi + 128 * s + 64);
+            }
+            for (int g = 0; g < 8; g++)
+                c[g] = codes_at(low, high, g, kind);
+            const int64_t span = b * 8 + s, at = span;
+            const int32_t *xq[8];
+            __m512 sx[8];
+            __m512i a[8];
+            UNROLL for (int r = 0; r < R; r++) {
+                xq[r] = (const int32_t *)(x->q + (r0 + r) * K + 32 * span);
+                sx[r] = _mm512_set1_ps(x->sx[(r0 + r) * spans + at]);
+            }
             if (kind == 6) { /* per 16 columns: dot - 32 sum q_x, scaled by d*sc */
-                UNROLL for (int half = 0; half < 2; half++) {
-                    sub_block_codes(lo, hi, s, 4 * half, 4 * half + 4, c, kind); /* half the codes at a time */
+                for (int half = 0; half < 2; half++) {
                     const __m512 sc = _mm512_mul_ps(d, i8x16(meta + 32 * s + 16 * half));
                     UNROLL for (int r = 0; r < R; r++)
-                        a[r] = _mm512_set1_epi32(x->init[2 * (at + r) + half]);
+                        a[r] = _mm512_set1_epi32(x->init[2 * ((r0 + r) * spans + at) + half]);
                     dots(c, xq, 4 * half, 4 * half + 4, R, a);
                     UNROLL for (int r = 0; r < R; r++)
-                        y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a[r]),
-                                                             _mm512_set1_ps(x->sx[at + r])), sc, y[r]);
+                        y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), sx[r]), sc, y[r]);
                 }
             } else {
-                sub_block_codes(lo, hi, s, 0, 8, c, kind);
                 const __m512 sc = _mm512_mul_ps(d, u8x16(meta + 16 * s));
                 const __m512 mn = _mm512_mul_ps(neg_dmin, u8x16(meta + 128 + 16 * s));
                 UNROLL for (int r = 0; r < R; r++)
                     a[r] = _mm512_setzero_si512();
                 dots(c, xq, 0, 8, R, a);
                 UNROLL for (int r = 0; r < R; r++) {
-                    y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a[r]),
-                                                         _mm512_set1_ps(x->sx[at + r])), sc, y[r]);
-                    y[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x->xsum[at + r]), y[r]);
+                    y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), sx[r]), sc, y[r]);
+                    y[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x->xsum[(r0 + r) * spans + at]), y[r]);
                 }
             }
         }
@@ -362,12 +355,8 @@ int kq_quantize(const float *x, int64_t T, int64_t K, int32_t parts, int8_t *q, 
     struct kx kx;
     if (quantize_x(x, T, K, parts, 1, &kx))
         return 1;
-    const int64_t spans = K / 32;
-    for (int64_t row = 0; row < kx.rows; row++)
-        for (int64_t j = 0; j < spans; j++) {
-            memcpy(q + row * K + 32 * j, kx.q + 32 * (j * kx.rows + row), 32);
-            sx[row * spans + j] = kx.sx[j * kx.rows + row];
-        }
+    memcpy(q, kx.q, (size_t)(parts * T * K));
+    memcpy(sx, kx.sx, sizeof(float) * parts * T * (K / 32));
     free(kx.q);
     return 0;
 }
