@@ -1,23 +1,29 @@
 """TTFT of a long document prompt: cold, after a restart (the disk tier), and after eviction (the host
-tier), with greedy output tokens compared to the cold run's (kvgen.cache.tiers; docs/kv-cache.md).
+tier), with greedy output tokens compared to the cold run's (kvgen.cache.tiers; docs/kv-cache.md). Each
+row is printed as soon as it is measured, with the seconds each tier spent (disk: writing through and
+reading back), so that a long document's run shows its figures as they come.
 
     python benchmarks/kv_tiers_ttft.py --model qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --tokens 4096
 
 A "restart" is a new engine over the same --kv-cache-dir, as a server stopped and started again would
 be; each engine first answers a two-token prompt (its threads and kernels started), then the runs are
-timed; one request at a time.
+timed; one request at a time. Order: cold; the restarted engine (disk tier); then, on it, a filler
+prompt of the same length pushes the document out of its pool and the document is asked again (host tier).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from kvgen import LLM, SamplingParams
+from kvgen.bench.report import machine_info, run_info
 
 DATA = Path(__file__).resolve().parents[1] / "kvgen" / "eval" / "data"
 
@@ -94,29 +100,38 @@ def main() -> None:
     prompt = doc + question
     n = len(probe.tokenizer.encode(prompt))
     del probe
-    rows = {}
-    # One engine with both tiers and a pool that holds the document but not the document and the filler.
-    blocks = -(-(n + 256) // 16) + 4
-    first = LLM(args.model, kv_offload_memory=4 << 30, kv_cache_dir=directory, num_kv_blocks=blocks, **options)
-    ask(first, "Hello", 1)  # a warm engine: thread pools and kernels started, as on a server that has served
-    rows["cold"] = ask(first, prompt, args.max_tokens)
-    ask(first, filler + question, 1)  # pushes the document out of the pool, into RAM
-    rows["host (after eviction)"] = ask(first, prompt, args.max_tokens)
-    del first
-    restarted = LLM(args.model, kv_cache_dir=directory, num_kv_blocks=blocks, **options)  # pool empty, disk full
-    ask(restarted, "Hello", 1)
-    rows["disk (after restart)"] = ask(restarted, prompt, args.max_tokens)
-
-    cold_ttft, cold_tokens, _ = rows["cold"]
+    rows: dict[str, tuple[float, list[int], int]] = {}
+    command = shlex.join(["python", "benchmarks/kv_tiers_ttft.py", *sys.argv[1:]])
+    report = {"mode": "kv-tiers-ttft", "machine": machine_info(), "run": {**run_info(sys.argv[1:]), "command": command},
+              "settings": {"model": args.model, "tokens": args.tokens, "prompt_tokens": n, "max_tokens": args.max_tokens},
+              "runs": {}}  # `kvgen bench report` renders it as a section of BENCHMARKS.md (benchmarks/page.py)
     print(f"{args.model}: a {n}-token prompt, {args.max_tokens} greedy tokens; disk tier {directory}")
-    print(f"{'run':<24} {'TTFT s':>8} {'vs cold':>8} {'computed':>9} {'tokens equal':>13}")
-    report = {"model": args.model, "prompt_tokens": n, "runs": {}}
-    for name, (ttft, tokens, computed) in rows.items():
-        equal = tokens == cold_tokens
-        print(f"{name:<24} {ttft:>8.3f} {cold_ttft / ttft:>7.1f}x {computed:>9} {str(equal):>13}")
-        report["runs"][name] = {"ttft_s": ttft, "speedup": cold_ttft / ttft, "computed": computed, "equal": equal}
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"{'run':<24} {'TTFT s':>8} {'vs cold':>8} {'computed':>9} {'tokens equal':>13}  seconds in each tier (this engine)", flush=True)
+
+    def timed(name: str, llm: LLM) -> None:
+        """Asks the document, prints the row at once (a long run shows its figures as they come)."""
+        rows[name] = ttft, tokens, computed = ask(llm, prompt, args.max_tokens)
+        cold_ttft, cold_tokens, _ = rows["cold"]
+        tiers = {t: round(r["seconds"], 3) for t, r in llm.engine.stats().kv_tiers}
+        print(f"{name:<24} {ttft:>8.3f} {cold_ttft / ttft:>7.1f}x {computed:>9} {str(tokens == cold_tokens):>13}  "
+              f"{tiers}", flush=True)
+        report["runs"][name] = {"ttft_s": ttft, "speedup": cold_ttft / ttft, "computed": computed,
+                                "equal": tokens == cold_tokens, "tier_seconds": tiers}
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+
+    # A pool that holds the document but not the document and the filler. The disk tier is written
+    # through as the cold run computes its blocks; a new engine over the same directory is the restart.
+    blocks = -(-(n + 256) // 16) + 4
+    first = LLM(args.model, kv_cache_dir=directory, num_kv_blocks=blocks, **options)
+    ask(first, "Hello", 1)  # a warm engine: thread pools and kernels started, as on a server that has served
+    timed("cold", first)
+    del first
+    restarted = LLM(args.model, kv_offload_memory=4 << 30, kv_cache_dir=directory, num_kv_blocks=blocks, **options)
+    ask(restarted, "Hello", 1)
+    timed("disk (after restart)", restarted)  # the pool is empty, the disk holds the document
+    ask(restarted, filler + question, 1)  # pushes the document out of the pool, into RAM
+    timed("host (after eviction)", restarted)
     if not args.kv_cache_dir:
         shutil.rmtree(directory, ignore_errors=True)
 

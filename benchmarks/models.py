@@ -13,6 +13,12 @@
     qwen3-30b-a3b  Qwen3-30B-A3B's layer at full width (hidden 2048, 128 experts of 768, top-8, 32 heads
                    over 4 KV heads of 128, vocabulary 151936) with 8 of its 48 layers, which fit this
                    machine beside llama.cpp's copy
+    gemma4-e2b     Gemma 4 E2B's text shape (35 layers of hidden 1536, 8 heads over one KV head of 256 in
+                   the window layers (window 512) and 512 in every fifth, global, layer; the last 20
+                   layers reading layers 13 and 14's K/V, with MLPs of 12288 against 6144; per-layer
+                   inputs of 256) with a 32,768-piece vocabulary: E2B's own 262,144 makes a per-layer
+                   table of 2.3G parameters, which this machine cannot draw and convert (the LM head
+                   and both tables shrink; the layers are E2B's)
     NAME:MIX       a generated architecture as llama.cpp's own converter and llama-quantize make a GGUF
                    of it, MIX one of QUANT_MIXES (e.g. llama-1b:Q4_K_M); built once, then cached
                    (benchmarks.random_models, benchmarks.llama_tools)
@@ -55,6 +61,16 @@ _QWEN35 = dict(family=Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "qwen2",
                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                                 "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
                bos_token_id=151643, eos_token_id=151643, dtype="bfloat16")  # Qwen2's <|endoftext|>
+# Gemma 4 E2B's text config as google/gemma-4-E2B gives it, but for the vocabulary (see the docstring)
+# and the context.
+_GEMMA4_E2B = dict(family=Family("Gemma4TextConfig", "Gemma4ForCausalLM", "placeholder-json"),
+                   hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
+                   num_key_value_heads=1, head_dim=256, global_head_dim=512, sliding_window=512,
+                   layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7, num_kv_shared_layers=20,
+                   use_double_wide_mlp=True, hidden_size_per_layer_input=256, vocab_size=32768,
+                   vocab_size_per_layer_input=32768, final_logit_softcapping=30.0, tie_word_embeddings=True,
+                   max_position_embeddings=8192, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                   dtype="bfloat16")
 # Each generated architecture: its family's transformers config fields (LlamaConfig's unless `family`
 # names another: benchmarks.random_models.Family).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -69,6 +85,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                      num_attention_heads=24, num_key_value_heads=8, head_dim=128),
     "qwen35-0.8b": dict(_QWEN35, hidden_size=1024, intermediate_size=3584),
     "qwen35-2b": dict(_QWEN35, hidden_size=2048, intermediate_size=6144),
+    "gemma4-e2b": _GEMMA4_E2B,
     "qwen3-30b-a3b": dict(
         family=Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen2"), hidden_size=2048, num_hidden_layers=8,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,

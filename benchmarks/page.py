@@ -44,6 +44,8 @@ REQUIRED = {
     "throughput": ("settings.model", "settings.dtype", "settings.num_requests", "settings.prompt_len_range",
                    "settings.output_len_range", "results.kvgen", "machine.cpu", "machine.date"),
     "kv-perplexity": ("settings.model", "settings.dtype", "settings.policy", "rows", "machine.cpu", "machine.date"),
+    "kv-tiers-ttft": ("settings.model", "settings.prompt_tokens", "settings.max_tokens", "runs.cold", "machine.cpu",
+                      "machine.date"),  # benchmarks/kv_tiers_ttft.py
 }
 PLOT_NAME = "benchmark-ratios.png"
 
@@ -100,8 +102,8 @@ def load_run(path: Path) -> Run:
         raise ValueError(f"{path}: not JSON ({e})") from None
     mode = data.get("mode") if isinstance(data, dict) else None
     if mode not in REQUIRED:
-        raise ValueError(f"{path}: not the JSON of kvgen bench latency or throughput, or of kvgen eval-ppl "
-                         f"--text-set (mode {mode!r})")
+        raise ValueError(f"{path}: not the JSON of kvgen bench latency or throughput, of kvgen eval-ppl "
+                         f"--text-set or of benchmarks/kv_tiers_ttft.py (mode {mode!r})")
     for key in REQUIRED[mode]:
         if _lookup(data, key) is None:
             raise ValueError(f"{path}: a {mode} JSON without {key} (truncated, or not written by kvgen bench)")
@@ -139,6 +141,8 @@ def section(run: Run) -> list[str]:
         lines += table(run, workload) + [""]
     if run.mode == "kv-perplexity":
         lines += perplexity_table(run) + [""]
+    if run.mode == "kv-tiers-ttft":
+        lines += tiers_table(run) + [""]
     return lines
 
 
@@ -146,6 +150,9 @@ def title(run: Run) -> str:
     s = run.data["settings"]
     if run.mode == "kv-perplexity":
         return f"{_model(run)}, {s['dtype']}: perplexity by KV pool dtype, policy {s['policy']}, one token per step"
+    if run.mode == "kv-tiers-ttft":
+        return (f"{_model(run)}: TTFT of a {s['prompt_tokens']:,}-token document, cold and from the KV tiers, "
+                f"{s['max_tokens']} greedy tokens")
     if run.mode == "latency":
         return (f"{_model(run)}, {s['dtype']}: latency, {s.get('task', 'random')} prompt {s['prompt_len']}, "
                 f"{s['gen_len']} new tokens, median of {s['repeats']}")
@@ -231,6 +238,16 @@ def perplexity_table(run: Run) -> list[str]:
         change = "ref" if row["kv_cache_dtype"] == "float32" else f"{row['change_percent']:+.2f}%"
         lines.append(f"| {row['text']} | {row['tokens']} | {row['weights']} | {row['kv_cache_dtype']} | "
                      f"{row['perplexity']:.4f} | {change} |")
+    return lines
+
+
+def tiers_table(run: Run) -> list[str]:
+    """Each ask of the document: its TTFT against the cold one, the prompt tokens computed, and whether its
+    greedy tokens equal the cold run's."""
+    lines = ["| run | TTFT s | vs cold | prompt tokens computed | tokens equal the cold run's |", "|---|---|---|---|---|"]
+    for name, row in run.data["runs"].items():
+        lines.append(f"| {name} | {row['ttft_s']:.3f} | {_ratio_text(row['speedup'])} | {row['computed']:,} | "
+                     f"{'yes' if row['equal'] else 'no'} |")
     return lines
 
 

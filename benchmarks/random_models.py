@@ -64,7 +64,8 @@ def build_atomically(path: Path, build: Callable[[Path], None], directory: bool 
 @dataclass(frozen=True)
 class Family:
     """The transformers classes of a generated architecture, the vocabulary llama.cpp's converter is
-    given for it ("placeholder" SentencePiece or "qwen2" BPE) and the converter's extra flags."""
+    given for it ("placeholder" SentencePiece, "placeholder-json" a BPE one as a tokenizer.json, or
+    "qwen2" BPE) and the converter's extra flags."""
 
     config_class: str = "LlamaConfig"
     model_class: str = "LlamaForCausalLM"
@@ -185,6 +186,23 @@ def save_spm_placeholder(vocab_size: int, path: Path) -> None:
     (path / "tokenizer.model").write_bytes(model.SerializeToString())
 
 
+def save_bpe_placeholder_json(vocab_size: int, path: Path) -> None:
+    """A SentencePiece-style BPE placeholder as a tokenizer.json (Gemma 4's converter reads only that, and
+    llama.cpp's gemma4 vocabulary needs merges): <unk> <s> </s>, the 256 byte tokens, '▁', 'w', the
+    digits, '▁w', then ▁w0, ▁w1, ...; each ▁w<n> is the merge of ▁w<n // 10> (or ▁w) and its last digit."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", "w", *"0123456789", "\u2581w"]
+    words = [f"\u2581w{n}" for n in range(vocab_size - len(pieces))]
+    merges = [("\u2581", "w")] + [(f"\u2581w{n // 10}" if n >= 10 else "\u2581w", str(n % 10)) for n in range(len(words))]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces + words)}, merges, byte_fallback=True,
+                               fuse_unk=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+
+
 # -- llama.cpp's GGUF files ------------------------------------------------------------------------
 
 
@@ -214,6 +232,8 @@ def _convert(hf_dir: Path, out: Path, family: Family) -> None:
         if family.vocabulary == "qwen2":
             for f in llama_tools.qwen2_tokenizer_dir(cache_root()).iterdir():
                 shutil.copy(f, Path(stage) / f.name)
+        elif family.vocabulary == "placeholder-json":
+            save_bpe_placeholder_json(config["vocab_size"], Path(stage))
         else:
             save_spm_placeholder(config["vocab_size"], Path(stage))
         llama_tools.convert(Path(stage), out, "bf16", cache_root(), family.convert_flags)

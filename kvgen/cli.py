@@ -23,6 +23,7 @@ from kvgen.commands import SUBSYSTEM_COMMANDS
 from kvgen.config import DTYPES, KV_CACHE_DTYPES, KV_OFFLOAD_DTYPES, ModelConfig
 from kvgen.engine.base import Engine
 from kvgen.errors import KVGenError
+from kvgen.loaders.parameters import describe_parameters, parameter_counts
 from kvgen.options import (_byte_size, add_engine_options, add_sampling_options, build_engine_from_args, config_only,
                            sampling_params)
 from kvgen.sampling_params import SamplingParams
@@ -149,6 +150,8 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
     config = config_only(Path(args.model)) if args.model else _default_config()
     if (hybrid := HybridShape.from_config(config)) is not None:  # a GGUF of a model with recurrent layers
         return _print_hybrid(hybrid, args)
+    if (shared := SharedKVShape.from_model_config(config)) is not None:  # a Gemma 4 GGUF
+        return _print_hybrid(shared, args)
     dtype = DTYPES[args.dtype] if args.kv_cache_dtype in (None, "auto") else args.kv_cache_dtype
     element, scale = KV_ELEMENT_BYTES[dtype], kv_scale_bytes(dtype, config.head_dim)
     per_layer = kv_bytes_per_token(1, config.num_kv_heads, config.head_dim, element, scale)
@@ -162,6 +165,8 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
     tier_per_token = (int8_tier_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim)
                       if args.kv_offload_dtype == "int8" else per_token)
     report["tiers"] = tier_tokens(tier_per_token, args.block_size, args.kv_offload_memory, args.kv_cache_disk)
+    if config.is_moe:
+        report["parameters_total"], report["parameters_active"] = parameter_counts(config)
     if config.is_hybrid:
         report["kinds"] = _hybrid_kinds(config, per_layer, args.tokens)
         report["bytes_total_hybrid"] = sum(kind["bytes"] for kind in report["kinds"])
@@ -182,6 +187,8 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
         what = "global" if kind["window"] is None else f"window {kind['window']}"
         print(f"hybrid cache, {kind['layers']} {what} layers: {kind['bytes_per_token']:,} bytes per token, "
               f"{kind['tokens_held']:,} tokens held = {kind['bytes']:,} bytes ({format_bytes(kind['bytes'])})")
+    if config.is_moe:
+        print(describe_parameters(config))
     for tier, row in report["tiers"].items():
         print(f"{tier} tier of {format_bytes(row['bytes'], binary=True)}: {row['tokens']:,} tokens "
               f"({row['blocks']:,} blocks of {args.block_size})")

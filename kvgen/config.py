@@ -54,11 +54,23 @@ class ModelConfig:
     recurrent_layout: str = "hf"
     mtp_layers: int = 0  # multi-token-prediction layers a GGUF carries after the decoder's (kept, unused)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Gemma 4: per layer, its head size and KV heads (window and global layers differ; empty: head_dim
+    # and num_kv_heads everywhere) and the layer whose K/V it attends over (itself, or for a layer
+    # sharing K/V its donor: kvgen.cache.shared_kv; empty: itself); per-layer inputs of
+    # `per_layer_input_size` from a table of `per_layer_vocab_size` rows (0: none).
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_kv_donors: tuple[int, ...] = ()
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    attention_k_eq_v: bool = False  # Gemma 4: the global layers' V is their key projection (no v_proj)
+    double_wide_mlp: bool = False  # Gemma 4: the layers sharing K/V have MLPs of 2 x intermediate_size
     # Mixtures of experts (kvgen.architectures.spec.MoESpec): 0 experts for a dense model.
     num_experts: int = 0
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0  # the shared expert's width, where the layers have one
 
     @property
     def is_moe(self) -> bool:
@@ -71,8 +83,18 @@ class ModelConfig:
             )
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"experts per token ({self.experts_per_token}) must be in 1..{self.num_experts}")
-        if self.layer_windows and len(self.layer_windows) != self.num_layers:
-            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        for name in ("layer_windows", "layer_head_dims", "layer_kv_heads", "layer_kv_donors"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {self.num_layers} layers")
+        self._check_kv_donors()
+
+    def _check_kv_donors(self) -> None:
+        """A layer reads the K/V of an earlier layer that holds its own, of the same window and shape."""
+        for i, donor in enumerate(self.layer_kv_donors):
+            if donor != i and not (0 <= donor < i and self.kv_donor(donor) == donor
+                                   and self.window(donor) == self.window(i)
+                                   and self.head_dim_of(donor) == self.head_dim_of(i)):
+                raise ValueError(f"layer {i} cannot read the K/V of layer {donor}")
 
     @property
     def arch(self) -> Architecture:
@@ -81,11 +103,6 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: it attends to every earlier token)."""
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
-
-    @property
-    def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep K/V in the paged pools (not the recurrent ones, which keep a state)."""
-        return tuple(i for i in range(self.num_layers) if i not in self.recurrent_layers)
 
     @property
     def is_hybrid(self) -> bool:
@@ -98,9 +115,27 @@ class ModelConfig:
             return self.local_rope_theta
         return self.rope_theta
 
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def kv_donor(self, layer: int) -> int:
+        """The layer whose cached K/V `layer` attends over: itself unless it shares an earlier one's."""
+        return self.layer_kv_donors[layer] if self.layer_kv_donors else layer
+
+    @property
+    def kv_holders(self) -> list[int]:
+        """The layers that hold K/V in the cache: every layer but those sharing an earlier one's (Gemma 4)
+        and the recurrent ones, which keep a state instead (Qwen3.5: kvgen.cache.state_pool)."""
+        return [i for i in range(self.num_layers) if self.kv_donor(i) == i and i not in self.recurrent_layers]
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: object = "config.json") -> "ModelConfig":
-        """Builds the config from a Hugging Face `config.json` dict (transformers 4.x and 5.x layouts)."""
+        """Builds the config from a Hugging Face `config.json` dict (transformers 4.x and 5.x layouts);
+        of a multimodal checkpoint, its text model's (`text_part`)."""
+        cfg = text_part(cfg)
         model_type = cfg.get("model_type", "llama")
         arch = BY_HF_MODEL_TYPE.get(model_type)
         if model_type in NOT_YET:
@@ -108,8 +143,6 @@ class ModelConfig:
         if arch is None:
             raise ModelLoadError(source, f"model_type {model_type!r} is not supported (kvgen runs: {known_names()}; "
                                          "multimodal checkpoints need their text-only part)")
-        if arch.hf_text_config is not None:
-            cfg = arch.hf_text_config(cfg)
         try:
             hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             if cfg.get("mlp_bias"):
@@ -121,7 +154,9 @@ class ModelConfig:
             config = cls(
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
+                # none where every layer's MLP is a mixture of experts (Qwen3.5-MoE)
+                intermediate_size=int(cfg["intermediate_size"] if "moe_intermediate_size" not in cfg
+                                      else cfg.get("intermediate_size", 0)),
                 num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -142,6 +177,16 @@ class ModelConfig:
             return replace(config, **arch.hf_fields(cfg, config)) if arch.hf_fields else config
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(source, f"bad model config: {e!r}") from None
+
+
+def text_part(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a multimodal checkpoint (its `text_config`, where that names a
+    model kvgen runs: Gemma 4's and Qwen3.5's ...ForConditionalGeneration), tied as the outer config
+    says; else `cfg` itself."""
+    text = cfg.get("text_config")
+    if not (isinstance(text, dict) and text.get("model_type") in BY_HF_MODEL_TYPE):
+        return cfg
+    return text | {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

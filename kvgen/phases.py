@@ -42,7 +42,8 @@ def prefill(model: DecoderModel, prompt_token_ids: list[int], kv_cache: str = "c
     state = DecodeState(token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids))
     if kv_cache == "contiguous":
         state.cache = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                        max_seq or model.max_positions, model.device, model.dtype)
+                                        max_seq or model.max_positions, model.device, model.dtype,
+                                        [(cfg.kv_heads_of(i), cfg.head_dim_of(i)) for i in range(cfg.num_layers)])
     return _run(model, state, start=0), state
 
 

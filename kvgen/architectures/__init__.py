@@ -16,6 +16,7 @@ a spec in `spec.py` and its code in kvgen.model.blocks).
     phi3     the Llama block, stored with fused qkv_proj and gate_up_proj
     gemma3   QK-norm, GeGLU, norms before and after attention and MLP, RMSNorm by (1 + w), scaled
              embeddings, sliding-window layers interleaved with global ones
+    qwen35   three Gated DeltaNet layers (a recurrent state per sequence) to one of gated attention
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ BY_GGUF_NAME = {arch.gguf_name: arch for arch in ARCHITECTURES.values()}
 
 # Architectures whose checkpoints kvgen recognises but does not run yet (GGUF names and HF model
 # types): why, in one line.
-NOT_YET = dict.fromkeys(("qwen35moe", "qwen3_5_moe", "qwen3_5_moe_text"),
-                        "Qwen3.5 MoE is not supported yet: MoE arrives with its own issue (43)")
+NOT_YET = dict.fromkeys(("qwen35moe", "qwen3_5_moe"),
+                        "Qwen3.5 MoE runs from its text model's HF directory (model_type qwen3_5_moe_text) only: "
+                        "its GGUF and multimodal checkpoints are not supported yet")
 
 
 def known_names() -> str:

@@ -18,22 +18,6 @@ from kvgen.architectures.spec import (GGUF_BLOCK_NAMES, GGUF_QK_NORM_NAMES, Arch
 
 MLP = Branch("post_attention_layernorm", GatedMLPSpec())
 FULL, LINEAR = (LayerSpec((Branch("input_layernorm", b), MLP)) for b in (GatedAttentionSpec(), GatedDeltaNetSpec()))
-TEXT = "model.language_model."
-
-
-def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal checkpoint's `text_config`, tied as the outer config says; a text one as it is."""
-    tied = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}
-    return cfg["text_config"] | tied if "text_config" in cfg else cfg
-
-
-def weight_name(name: str) -> str | None:
-    """The text model's weights by the decoder's names; the vision tower and MTP layers: None."""
-    if name.startswith(("model.visual.", "mtp.")):
-        return None
-    return "model." + name[len(TEXT):] if name.startswith(TEXT) else name
-
-
 def recurrent_layers(num_layers: int, full: list[bool] | None, interval: int) -> tuple[int, ...]:
     """The delta-net layers: those `full` says are not full attention, else all but every `interval`-th."""
     full = [(i + 1) % interval == 0 for i in range(num_layers)] if full is None else full[:num_layers]
@@ -75,5 +59,4 @@ ARCHITECTURE = Architecture(
             ("ssm_a", "decay_rate"), ("ssm_conv1d", "conv1d"), ("ssm_dt.bias", "dt_bias"), ("ssm_norm", "norm"),
             ("ssm_out", "out_proj"))},
     hf_fields=hf_fields, gguf_fields=gguf_fields, plain_norms=("linear_attn.norm.weight",),
-    hf_text_config=text_config, hf_weight_name=weight_name,
 )

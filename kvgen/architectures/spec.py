@@ -64,19 +64,32 @@ class AttentionSpec(BlockSpec):
     qkv_bias: bool = False
     fused_qkv: bool = False  # the HF checkpoint stores one qkv_proj (Phi-3); kept fused, as kvgen runs it
     qk_norm_whole: bool = False  # QK-norm over the whole q and k projections, not per head (OLMoE)
+    # Gemma 4: the layer's own head size and KV heads where kinds of layer differ (None: the config's),
+    # V normed by RMS without a weight, K/V read from an earlier layer's cache (no k/v projections),
+    # V taken from the key projection (attention_k_eq_v: no v projection).
+    head_dim: int | None = None
+    kv_heads: int | None = None
+    value_norm: bool = False
+    shared_kv: bool = False
+    k_eq_v: bool = False
+
+    def dims(self, config: Any) -> tuple[int, int]:
+        """(head size, KV heads) of the layer."""
+        return self.head_dim or config.head_dim, self.kv_heads or config.num_kv_heads
 
     def tensors(self, config: Any) -> dict[str, tuple[int, ...]]:
-        p, hidden, dim = self.prefix + ".", config.hidden_size, config.head_dim
-        q_rows, kv_rows = config.num_heads * dim, config.num_kv_heads * dim
+        p, hidden = self.prefix + ".", config.hidden_size
+        dim, kv_heads = self.dims(config)
+        q_rows, kv_rows = config.num_heads * dim, kv_heads * dim
         if self.fused_qkv:
             shapes = {p + "qkv_proj.weight": (q_rows + 2 * kv_rows, hidden)}
         else:
-            shapes = {p + f"{n}_proj.weight": (rows, hidden) for n, rows in (("q", q_rows), ("k", kv_rows),
-                                                                               ("v", kv_rows))}
+            own = (("q", q_rows),) if self.shared_kv else (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
+            shapes = {p + f"{n}_proj.weight": (rows, hidden) for n, rows in own if not (n == "v" and self.k_eq_v)}
         shapes[p + "o_proj.weight"] = (hidden, q_rows)
         if self.qk_norm:
             q_width, k_width = (q_rows, kv_rows) if self.qk_norm_whole else (dim, dim)
-            shapes |= {p + "q_norm.weight": (q_width,), p + "k_norm.weight": (k_width,)}
+            shapes |= {p + "q_norm.weight": (q_width,)} | ({} if self.shared_kv else {p + "k_norm.weight": (k_width,)})
         if config.qkv_bias:
             shapes |= {p + f"{n}_proj.bias": (rows,) for n, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))}
         if config.o_bias:
@@ -92,13 +105,14 @@ class GatedMLPSpec(BlockSpec):
     prefix: str = "mlp"
     activation: str = "silu"
     fused_gate_up: bool = False  # one gate_up_proj in the HF checkpoint (Phi-3)
+    intermediate_size: int | None = None  # the layer's own (Gemma 4's double-wide MLPs); None: the config's
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
 
     def tensors(self, config: Any) -> dict[str, tuple[int, ...]]:
-        p, hidden, inter = self.prefix + ".", config.hidden_size, config.intermediate_size
+        p, hidden, inter = self.prefix + ".", config.hidden_size, self.intermediate_size or config.intermediate_size
         if self.fused_gate_up:
             shapes = {p + "gate_up_proj.weight": (2 * inter, hidden)}
         else:
@@ -114,11 +128,14 @@ class MoESpec(BlockSpec):
 
     Experts are stored stacked per layer, as GGUF holds them (`ffn_{gate,up,down}_exps`):
     `experts.gate_proj` / `up_proj` [experts, inner, hidden], `experts.down_proj` [experts, hidden,
-    inner]; the HF loader stacks a checkpoint's per-expert tensors so (kvgen.loaders.experts)."""
+    inner]; the HF loader stacks a checkpoint's per-expert tensors so (kvgen.loaders.experts).
+    `shared_expert`: every token also runs one gated MLP of `config.shared_expert_intermediate_size`,
+    scaled by sigmoid(`shared_expert_gate` . x) (Qwen2-MoE, Qwen3.5-MoE)."""
 
     kind: ClassVar[str] = "moe"
     prefix: str = "mlp"
     activation: str = "silu"
+    shared_expert: bool = False
 
     def __post_init__(self) -> None:
         if self.activation != "silu":
@@ -127,10 +144,17 @@ class MoESpec(BlockSpec):
     def tensors(self, config: Any) -> dict[str, tuple[int, ...]]:
         p, hidden = self.prefix + ".", config.hidden_size
         experts, inner = config.num_experts, config.expert_intermediate_size
-        return {p + "gate.weight": (experts, hidden),
-                p + "experts.gate_proj.weight": (experts, inner, hidden),
-                p + "experts.up_proj.weight": (experts, inner, hidden),
-                p + "experts.down_proj.weight": (experts, hidden, inner)}
+        shapes = {p + "gate.weight": (experts, hidden),
+                  p + "experts.gate_proj.weight": (experts, inner, hidden),
+                  p + "experts.up_proj.weight": (experts, inner, hidden),
+                  p + "experts.down_proj.weight": (experts, hidden, inner)}
+        if self.shared_expert:
+            shared = config.shared_expert_intermediate_size
+            shapes |= {p + "shared_expert.gate_proj.weight": (shared, hidden),
+                       p + "shared_expert.up_proj.weight": (shared, hidden),
+                       p + "shared_expert.down_proj.weight": (hidden, shared),
+                       p + "shared_expert_gate.weight": (1, hidden)}
+        return shapes
 
 
 # GGUF names of a routed MoE layer (llama.cpp's -> HF's stacked ones, kvgen.loaders.experts).
@@ -139,6 +163,12 @@ GGUF_MOE_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+}
+GGUF_SHARED_EXPERT_NAMES = {
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 
 
@@ -213,19 +243,36 @@ class RecurrentShape:
 
 
 @dataclass(frozen=True)
-class Branch:
-    """x += out_norm(block(norm(x))): `norm` and `out_norm` name RMSNorm weights under the layer."""
+class PerLayerInputSpec(BlockSpec):
+    """Gemma 4's per-layer input (E2B/E4B): proj(act(gate(x)) * per_layer_input), where the layer's
+    per-layer input [T, P] comes from an embedding table of its own and a projection of the
+    embeddings (computed once per step for every layer: kvgen.model.blocks.per_layer_input)."""
 
-    norm: str
+    kind: ClassVar[str] = "per_layer_input"
+    activation: str = "gelu_tanh"
+
+    def tensors(self, config: Any) -> dict[str, tuple[int, ...]]:
+        hidden, width = config.hidden_size, config.per_layer_input_size
+        return {"per_layer_input_gate.weight": (width, hidden), "per_layer_projection.weight": (hidden, width)}
+
+
+@dataclass(frozen=True)
+class Branch:
+    """x += out_norm(block(norm(x))): `norm` and `out_norm` name RMSNorm weights under the layer
+    (`norm` None: the block reads the residual stream as it is, as Gemma 4's per-layer input)."""
+
+    norm: str | None
     block: BlockSpec
     out_norm: str | None = None
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """A decoder layer: its branches, run in order on the residual stream."""
+    """A decoder layer: its branches, run in order on the residual stream, then the stream times the
+    layer's `scalar` (a one-element tensor under the layer, Gemma 4's layer_scalar) where it has one."""
 
     branches: tuple[Branch, ...]
+    scalar: str | None = None
 
     def norm_names(self) -> tuple[str, ...]:
         return tuple(n for b in self.branches for n in (b.norm, b.out_norm) if n is not None)
@@ -234,7 +281,7 @@ class LayerSpec:
         shapes = {name + ".weight": (config.hidden_size,) for name in self.norm_names()}
         for branch in self.branches:
             shapes |= branch.block.tensors(config)
-        return shapes
+        return shapes | ({self.scalar: (1,)} if self.scalar else {})
 
 
 def pre_norm_layer(attention: AttentionSpec, mlp: GatedMLPSpec) -> LayerSpec:
@@ -266,11 +313,9 @@ class Architecture:
     gguf_interleaved_rope: bool = False  # llama.cpp's converter permuted the q/k rows
     hf_fields: ConfigFields | None = None
     gguf_fields: ConfigFields | None = None
-    # Qwen3.5's: norms stored as w where the others are 1 + w (its gated norm); the text part of a
-    # multimodal HF config and checkpoint (None: the file's names as they are, dropped: None)
-    plain_norms: tuple[str, ...] = ()
-    hf_text_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-    hf_weight_name: Callable[[str], str | None] | None = None
+    plain_norms: tuple[str, ...] = ()  # norms stored as w where the others are 1 + w (Qwen3.5's gated norm)
+    model_tensors: Callable[[Any], dict[str, tuple[int, ...]]] | None = None  # beside the layers' (config ->)
+    gguf_tensor_fields: Callable[[set[str], Any], dict[str, Any]] | None = None  # what a GGUF's tensor names say
 
     def layer_spec(self, index: int, config: Any) -> LayerSpec:
         return self.layer if self.layer_of is None else self.layer_of(index, config)
@@ -318,14 +363,36 @@ def rope_parameters(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
     return params
 
 
+# RoPE scalings kvgen runs: "proportional" (Gemma 4's global layers) rotates the first
+# partial_rotary_factor of the frequency pairs and leaves the others unrotated (frequency 0).
+ROPE_SCALINGS = ("linear", "llama3", "proportional")
+
+
 def rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
-    """The scaling of `rope_parameters`' result, or None (kvgen runs linear and llama3 scaling)."""
+    """The scaling of `rope_parameters`' result, or None (kvgen runs the ROPE_SCALINGS)."""
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind == "default":
         return None
-    if kind not in ("linear", "llama3"):
-        raise ValueError(f"rope scaling {kind!r} is not supported (linear and llama3 are)")
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"rope scaling {kind!r} is not supported ({', '.join(ROPE_SCALINGS)} are)")
     return {k: v for k, v in rope.items() if k not in ("rope_theta", "type")} | {"rope_type": kind}
+
+
+def kv_donors(layer_types: list[str], num_kv_shared_layers: int) -> list[int]:
+    """For each layer, the layer whose K/V it attends over: itself, or for the last
+    `num_kv_shared_layers` (Gemma 4) the last earlier non-sharing layer of its kind (transformers'
+    Gemma4TextConfig.kv_sharing_modes). ValueError where a sharing layer's kind has none."""
+    n = len(layer_types)
+    if not 0 <= num_kv_shared_layers <= n:
+        raise ValueError(f"num_kv_shared_layers must be in [0, {n}], got {num_kv_shared_layers}")
+    first_shared = n - num_kv_shared_layers
+    last_of_kind = {kind: i for i, kind in enumerate(layer_types[:first_shared])}
+    donors = list(range(first_shared))
+    for i in range(first_shared, n):
+        if layer_types[i] not in last_of_kind:
+            raise ValueError(f"layer {i} ({layer_types[i]}) shares K/V, but no earlier layer of its kind computes any")
+        donors.append(last_of_kind[layer_types[i]])
+    return donors
 
 
 def float32_value(value: float) -> float:

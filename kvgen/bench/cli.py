@@ -161,7 +161,7 @@ def _latency(args: argparse.Namespace) -> Report:
     longest = max(args.prompt_len, {"random": 0, "copy": CODE_TASK_TOKENS, "edit": CODE_TASK_TOKENS}.get(
         args.task, MIN_PASSAGE_TOKENS + 128)) + args.gen_len
     peers, unavailable = _peers(args, model, settings["dtype"], longest)
-    weights = sum(size for _, size in kvgen.engine.model.kernels().values())
+    weights = kvgen.engine.model.step_weight_bytes()
     report = latency.run(args, kvgen.engine.model_config, [kvgen, *plain, *peers], settings, weights,
                          kvgen.engine.tokenizer)
     return _with_speculation(_noting(report, unavailable), kvgen)

@@ -3,7 +3,8 @@
 Per run: time to first token, prefill tokens/s (P / TTFT), decode tokens/s over tokens 2..N.
 
 The roofline: decode at batch 1 is memory-bound, each step reading every matmul's weights once (the
-output head included; the embedding only for the rows it looks up) plus the K/V of the tokens so far.
+output head included; the embedding only for the rows it looks up; of a mixture's experts, the top-k
+a token is routed to) plus the K/V of the tokens so far.
 Each system's bytes per step are its own: kvgen's packed matrices as its kernels hold them and its
 KV dtype; llama.cpp's matrices as the GGUF file stores them and its F16 KV cache. Bytes per step x
 steps/s, against the bandwidth of a streaming read over a buffer far larger than the last-level cache
@@ -134,13 +135,19 @@ def step_bytes(weights: int, config: ModelConfig, kv_dtype: str, context: float)
 def gguf_matmul_bytes(path: str | Path) -> int:
     """The bytes of a GGUF's matrices that a decode step reads whole, as the file stores them: every 2-D
     tensor but the token embedding (looked up by row), which counts only where it is also the output
-    head (no output.weight: tied)."""
+    head (no output.weight: tied); of a mixture's 3-D expert stacks, the share of the experts a token
+    uses (`expert_used_count` of `expert_count`)."""
     from kvgen.loaders.gguf_reader import read_gguf
 
-    tensors = {t.name: t for t in read_gguf(path).tensors}
+    gguf = read_gguf(path)
+    tensors = {t.name: t for t in gguf.tensors}
     tied = "output.weight" not in tensors
-    return sum(t.data.nbytes for name, t in tensors.items()
-               if len(t.shape) == 2 and (name != "token_embd.weight" or tied))
+    arch = gguf.metadata.get("general.architecture")
+    used, count = gguf.metadata.get(f"{arch}.expert_used_count", 0), gguf.metadata.get(f"{arch}.expert_count", 0)
+    dense = sum(t.data.nbytes for name, t in tensors.items()
+                if len(t.shape) == 2 and (name != "token_embd.weight" or tied))
+    experts = sum(t.data.nbytes for t in tensors.values() if len(t.shape) == 3)
+    return dense + (experts * used // count if count else 0)
 
 
 def last_level_cache() -> int | None:

@@ -36,16 +36,20 @@ class LayerKind:
         return num_tokens if self.window is None else min(num_tokens, self.window + chunk + 2 * block_size)
 
 
-def layer_kinds(windows: Sequence[int | None]) -> list[LayerKind]:
-    """The model's layers grouped by their window (`windows[i]` of layer i), the global ones first."""
-    order = sorted(set(windows), key=lambda w: -1 if w is None else w)
-    return [LayerKind(w, tuple(i for i, lw in enumerate(windows) if lw == w)) for w in order]
+def layer_kinds(windows: Sequence[int | None], layers: Sequence[int] | None = None) -> list[LayerKind]:
+    """The model's layers grouped by their window (`windows[i]` of layer i), the global ones first;
+    `layers`: only those (the layers that hold K/V, where others share theirs: Gemma 4)."""
+    layers = range(len(windows)) if layers is None else layers
+    order = sorted({windows[i] for i in layers}, key=lambda w: -1 if w is None else w)
+    return [LayerKind(w, tuple(i for i in layers if windows[i] == w)) for w in order]
 
 
-def sequence_bytes(kinds: list[LayerKind], bytes_per_layer_token: int, max_len: int, chunk: int,
+def sequence_bytes(kinds: list[LayerKind], bytes_per_layer_token: int | Sequence[int], max_len: int, chunk: int,
                    block_size: int) -> list[int]:
-    """Per kind, the bytes one sequence of `max_len` tokens holds in its pool at most."""
-    return [len(k.layers) * bytes_per_layer_token * k.tokens_held(max_len, chunk, block_size) for k in kinds]
+    """Per kind, the bytes one sequence of `max_len` tokens holds in its pool at most;
+    `bytes_per_layer_token` one layer's, or per kind where their shapes differ (Gemma 4)."""
+    per_kind = [bytes_per_layer_token] * len(kinds) if isinstance(bytes_per_layer_token, int) else bytes_per_layer_token
+    return [len(k.layers) * b * k.tokens_held(max_len, chunk, block_size) for k, b in zip(kinds, per_kind)]
 
 
 def window_start(num_blocks: int, window: int, block_size: int) -> int:

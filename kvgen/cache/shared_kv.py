@@ -16,26 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgen.architectures.spec import kv_donors
 from kvgen.cache.sizing import kv_bytes_per_token
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-def kv_donors(layer_types: list[str], num_kv_shared_layers: int) -> list[int]:
-    """For each layer, the layer whose K/V it attends over: itself, or for the last
-    `num_kv_shared_layers` layers the last earlier non-sharing layer of the same kind. ValueError if a
-    sharing layer's kind has no earlier layer to read."""
-    n = len(layer_types)
-    if not 0 <= num_kv_shared_layers <= n:
-        raise ValueError(f"num_kv_shared_layers must be in [0, {n}], got {num_kv_shared_layers}")
-    first_shared = n - num_kv_shared_layers
-    last_of_kind = {kind: i for i, kind in enumerate(layer_types[:first_shared])}
-    donors = list(range(first_shared))
-    for i in range(first_shared, n):
-        if layer_types[i] not in last_of_kind:
-            raise ValueError(f"layer {i} ({layer_types[i]}) shares K/V, but no earlier layer of its kind computes any")
-        donors.append(last_of_kind[layer_types[i]])
-    return donors
 
 
 @dataclass(frozen=True)
@@ -62,6 +46,18 @@ class SharedKVShape:
             or config["num_key_value_heads"]
         return cls(tuple(types), config.get("num_kv_shared_layers", 0), {SLIDING: config["head_dim"], FULL: full_dim},
                    {SLIDING: config["num_key_value_heads"], FULL: full_heads}, config["sliding_window"])
+
+    @classmethod
+    def from_model_config(cls, config) -> SharedKVShape | None:
+        """From a kvgen.config.ModelConfig (a GGUF's too) whose layers share K/V, else None."""
+        if not config.layer_kv_donors or config.kv_holders == list(range(config.num_layers)):
+            return None
+        types = tuple(SLIDING if config.window(i) is not None else FULL for i in range(config.num_layers))
+        first = {kind: types.index(kind) for kind in set(types)}
+        return cls(types, config.num_layers - len(config.kv_holders),
+                   {kind: config.head_dim_of(i) for kind, i in first.items()},
+                   {kind: config.kv_heads_of(i) for kind, i in first.items()},
+                   next(w for i in range(config.num_layers) if (w := config.window(i)) is not None))
 
     @property
     def donors(self) -> list[int]:

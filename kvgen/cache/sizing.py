@@ -114,10 +114,17 @@ class KVPlan:
     num_layers: int
     blocks: tuple[int, ...]  # per kind; one entry for a model whose layers are all alike
     kinds: tuple[LayerKind, ...] = ()  # () unless the model is hybrid
+    kind_layer_bytes: tuple[int, ...] = ()  # per kind, one layer's K and V of one token (Gemma 4's differ)
+    sharing_layers: int = 0  # layers reading an earlier layer's K/V, which hold none (Gemma 4)
+
+    def layer_bytes_of(self, kind: int) -> int:
+        return self.kind_layer_bytes[kind] if self.kind_layer_bytes else self.layer_bytes_per_token
 
     @property
     def bytes_per_token(self) -> int:
-        """Every layer's K and V of one token."""
+        """Every layer's K and V of one token (of the layers that hold K/V)."""
+        if self.kinds:
+            return sum(len(k.layers) * self.layer_bytes_of(i) for i, k in enumerate(self.kinds))
         return self.num_layers * self.layer_bytes_per_token
 
     @property
@@ -140,13 +147,16 @@ class KVPlan:
     def report(self) -> str:
         """One line of what the pools hold, for the start-up log."""
         if self.kinds:
-            return "hybrid KV cache: " + "; ".join(self._kind_report(k, n) for k, n in zip(self.kinds, self.blocks))
+            shared = f"; {self.sharing_layers} layers read an earlier layer's K/V (no blocks)" \
+                if self.sharing_layers else ""
+            return "hybrid KV cache: " + "; ".join(self._kind_report(i, n) for i, n in enumerate(self.blocks)) + shared
         return (f"KV cache: {self.blocks[0]} blocks x {self.block_size} tokens = {self.capacity_tokens} "
                 f"tokens, {format_bytes(self.capacity_tokens * self.bytes_per_token)} "
                 f"({self.bytes_per_token} bytes/token, {self.kv_dtype})")
 
-    def _kind_report(self, kind: LayerKind, num_blocks: int) -> str:
-        per_token = len(kind.layers) * self.layer_bytes_per_token
+    def _kind_report(self, index: int, num_blocks: int) -> str:
+        kind = self.kinds[index]
+        per_token = len(kind.layers) * self.layer_bytes_of(index)
         tokens = num_blocks * self.block_size
         what = "global" if kind.window is None else f"window {kind.window}"
         return (f"{len(kind.layers)} {what} layers, {num_blocks} blocks x {self.block_size} = {tokens} tokens, "
@@ -157,24 +167,36 @@ def plan_kv(model: ModelConfig, config: EngineConfig, max_model_len: int) -> KVP
     """Blocks per pool: `num_kv_blocks` each, else the budget (`kv_cache_memory`, or enough for
     `max_num_seqs` sequences of `max_model_len` tokens up to DEFAULT_KV_MEMORY) in whole blocks. A
     hybrid model's budget is split between its kinds in proportion to what a full-length sequence
-    holds in each (kvgen.cache.hybrid.split_budget), so that they run out together."""
+    holds in each (kvgen.cache.hybrid.split_budget), so that they run out together. Layers that
+    read an earlier layer's K/V (Gemma 4) hold none: only the holders count."""
     per_layer = kv_bytes_per_token_of(1, model.num_kv_heads, model.head_dim, config.kv_dtype)
-    kv_layers = len(model.kv_layers)  # recurrent layers keep a state instead (kvgen.cache.state_pool)
-    kinds = layer_kinds([model.window(i) for i in range(model.num_layers)]) if model.is_hybrid else []
-    needs = (sequence_bytes(kinds, per_layer, max_model_len, config.max_num_batched_tokens, config.block_size)
-             if kinds else [kv_layers * per_layer * max_model_len])
+    holders = model.kv_holders  # recurrent layers keep a state instead (kvgen.cache.state_pool)
+    kinds = layer_kinds([model.window(i) for i in range(model.num_layers)], holders) if model.is_hybrid else []
+    kind_bytes = [kind_layer_bytes(model, k, config.kv_dtype) for k in kinds]
+    needs = (sequence_bytes(kinds, kind_bytes, max_model_len, config.max_num_batched_tokens, config.block_size)
+             if kinds else [len(holders) * per_layer * max_model_len])
     budget = config.kv_cache_memory
     if budget is None:
         budget = min(config.max_num_seqs * sum(needs), DEFAULT_KV_MEMORY)
     if config.num_kv_blocks is not None:
         blocks = [config.num_kv_blocks] * len(needs)
     elif kinds:
-        blocks = [num_blocks_for_budget(share, config.block_size, per_layer * len(k.layers))
-                  for share, k in zip(split_budget(budget, needs), kinds)]
+        blocks = [num_blocks_for_budget(share, config.block_size, b * len(k.layers))
+                  for share, k, b in zip(split_budget(budget, needs), kinds, kind_bytes)]
     else:
-        blocks = [num_blocks_for_budget(budget, config.block_size, kv_layers * per_layer)]
+        blocks = [num_blocks_for_budget(budget, config.block_size, len(holders) * per_layer)]
     if min(blocks) < 1:
         raise ValueError(f"the KV budget holds no block of {config.block_size} tokens in every kind of layer"
                          if kinds else f"the KV budget holds no block of {config.block_size} tokens "
-                         f"({kv_layers * per_layer} bytes per token)")
-    return KVPlan(config.block_size, config.kv_dtype, per_layer, kv_layers, tuple(blocks), tuple(kinds))
+                         f"({len(holders) * per_layer} bytes per token)")
+    return KVPlan(config.block_size, config.kv_dtype, per_layer, len(holders), tuple(blocks), tuple(kinds),
+                  tuple(kind_bytes) if kind_bytes != [per_layer] * len(kinds) else (), model.num_layers - len(holders))
+
+
+def kind_layer_bytes(model: ModelConfig, kind: LayerKind, kv_dtype: str) -> int:
+    """One layer of `kind`'s K and V bytes per token; ValueError where its layers' shapes differ."""
+    shapes = {(model.kv_heads_of(i), model.head_dim_of(i)) for i in kind.layers}
+    if len(shapes) != 1:
+        raise ValueError(f"layers {kind.layers} share a pool but not a shape (KV heads, head size): {sorted(shapes)}")
+    heads, dim = shapes.pop()
+    return kv_bytes_per_token_of(1, heads, dim, kv_dtype)

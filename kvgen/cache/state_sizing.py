@@ -56,7 +56,7 @@ class HybridShape:
         """From a loaded config (a GGUF's metadata), None for a model without recurrent layers."""
         if not config.recurrent_layers:
             return None
-        return cls(len(config.kv_layers), len(config.recurrent_layers), config.num_kv_heads, config.head_dim,
+        return cls(len(config.kv_holders), len(config.recurrent_layers), config.num_kv_heads, config.head_dim,
                    config.recurrent)
 
     @property

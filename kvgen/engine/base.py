@@ -47,6 +47,9 @@ class EngineStats:
     # KV tiers below the pool (kvgen.cache.tiers): per tier, a dict of blocks and bytes held, hits,
     # bytes in and out and seconds spent; () without tiers
     kv_tiers: tuple[tuple[str, dict[str, float]], ...] = ()
+    # A mixture of experts' router statistics: per MoE layer, (layer index, tokens routed to each expert
+    # since start); () for a dense model
+    expert_tokens: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 def sum_stats(readings: Iterable[EngineStats]) -> EngineStats:
@@ -54,14 +57,20 @@ def sum_stats(readings: Iterable[EngineStats]) -> EngineStats:
     readings add up by tier name."""
     readings = list(readings)
     counts = {f.name: sum(getattr(s, f.name) for s in readings)
-              for f in dataclasses.fields(EngineStats) if f.name != "kv_tiers"}
+              for f in dataclasses.fields(EngineStats) if f.name not in ("kv_tiers", "expert_tokens")}
     tiers: dict[str, dict[str, float]] = {}
     for stats in readings:
         for name, reading in stats.kv_tiers:
             total = tiers.setdefault(name, {})
             for key, value in reading.items():
                 total[key] = total.get(key, 0) + value
-    return EngineStats(**counts, kv_tiers=tuple(tiers.items()))
+    experts: dict[int, list[int]] = {}
+    for stats in readings:
+        for layer, tokens in stats.expert_tokens:
+            total = experts.setdefault(layer, [0] * len(tokens))
+            experts[layer] = [a + b for a, b in zip(total, tokens)]
+    return EngineStats(**counts, kv_tiers=tuple(tiers.items()),
+                       expert_tokens=tuple((layer, tuple(t)) for layer, t in sorted(experts.items())))
 
 
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from kvgen.cache.kv_manager import NULL_BLOCK
 from kvgen.cache.sizing import plan_kv
 from kvgen.cache.tiers.build import attach_pools, build_tiered_manager
 from kvgen.config import EngineConfig
+from kvgen.loaders.parameters import describe_parameters
 from kvgen.engine.admission import Admission, KVLimits
 from kvgen.engine.base import Engine, EngineStats, finite_rows
 from kvgen.engine.executor import Executor
@@ -122,7 +123,8 @@ class LLMEngine(Engine):
         extra = self.speculator.capacity_report() if self.speculator is not None else None
         report = report if extra is None else f"{report}; {extra}"
         where = self.executor.report()
-        return report if where is None else f"{report}\n{where}"
+        report = report if where is None else f"{report}\n{where}"
+        return f"{report}\n{describe_parameters(self.model_config)}" if self.model_config.is_moe else report
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -132,6 +134,7 @@ class LLMEngine(Engine):
             prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             kv_tiers=self.kv.tiers.readings() if self.config.kv_tiers else (), **self._spec_stats(),
             **(self.recurrent.stats() if self.recurrent is not None else {}),
+            expert_tokens=self.runner.model.expert_tokens(),
         )
 
     def pin_prefix(self, token_ids: list[int], pin: bool = True) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """GGUF files: metadata -> ModelConfig, tensors -> HF weights, vocabulary -> tokenizer.
 
-Architectures: those of kvgen.architectures (`llama`, `qwen2`, `qwen3`, `phi3`, `gemma3`); their
+Architectures: those of kvgen.architectures (`llama`, `qwen2`, `qwen3`, `phi3`, `gemma3`, `gemma4`); their
 metadata keys are prefixed by the name, their tensor names mapped to HF's by the description. Layout details that matter:
 - GGUF lists a tensor's dimensions fastest-varying first (ne0 = number of columns), the reverse of
   numpy/torch order: a [vocab, hidden] embedding is stored with shape (hidden, vocab).
@@ -40,7 +40,12 @@ GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",  # Gemma 4's per-layer inputs
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
 }
+ROPE_FREQS = "rope_freqs.weight"  # read into the config (`_rope_scaling`), not a weight
+UNROTATED = 1e20  # a rope_freqs factor at least this large stops its pair (llama.cpp's converter writes 1e30)
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")
 
 
@@ -107,13 +112,14 @@ def _config(path: Path, arch: Architecture, meta: dict[str, Any], tensors: dict[
     try:
         hidden, heads = int(meta[p + "embedding_length"]), int(meta[p + "attention.head_count"])
         head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
+        kv_heads, widths = meta.get(p + "attention.head_count_kv", heads), meta[p + "feed_forward_length"]
         config = ModelConfig(
             vocab_size=_vocab_size(p, meta, tensors),
             hidden_size=hidden,
-            intermediate_size=int(meta[p + "feed_forward_length"]),
+            intermediate_size=int(min(widths) if isinstance(widths, list) else widths),  # per layer: Gemma 4
             num_layers=int(meta[p + "block_count"]),
             num_heads=heads,
-            num_kv_heads=int(meta.get(p + "attention.head_count_kv", heads)),
+            num_kv_heads=int(kv_heads[0] if isinstance(kv_heads, list) else kv_heads),  # per layer: Gemma 4
             head_dim=head_dim,
             max_position_embeddings=int(meta[p + "context_length"]),
             rms_norm_eps=_f32(meta[p + "attention.layer_norm_rms_epsilon"]),
@@ -129,6 +135,8 @@ def _config(path: Path, arch: Architecture, meta: dict[str, Any], tensors: dict[
             architecture=arch.name,
         )
         config = replace(config, **arch.gguf_fields(p, meta, config)) if arch.gguf_fields else config
+        if arch.gguf_tensor_fields:  # what only the tensors present say (Gemma 4's V taken from K)
+            config = replace(config, **arch.gguf_tensor_fields(set(tensors), config))
         if int(meta.get(p + "rope.dimension_count", head_dim)) != (config.rotary_dim or head_dim):
             raise ValueError("partial rotary embeddings (rope.dimension_count != head dim) are not supported")
         return config
@@ -154,14 +162,27 @@ def _vocab_size(p: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) 
 
 
 def _rope_scaling(p: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any] | None:
-    if "rope_freqs.weight" in tensors or "rope_factors_long.weight" in tensors:
-        raise ValueError("per-frequency RoPE scaling (rope_freqs, rope_factors_long) is not supported")
+    if ROPE_FREQS in tensors:
+        return _proportional_rope(tensors[ROPE_FREQS])
+    if "rope_factors_long.weight" in tensors:
+        raise ValueError("per-frequency RoPE scaling (rope_factors_long) is not supported")
     kind = meta.get(f"{p}rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind != "linear":
         raise ValueError(f"rope scaling {kind!r} is not supported (linear is)")
     return {"rope_type": "linear", "factor": _f32(meta[f"{p}rope.scaling.factor"])}
+
+
+def _proportional_rope(tensor: ReaderTensor) -> dict[str, Any]:
+    """A rope_freqs whose factors are 1 for the first pairs and huge for the rest (Gemma 4's global
+    layers, as llama.cpp's converter writes "proportional" RoPE) as that scaling; other factors are
+    refused."""
+    factors = read_tensor(tensor, ROPE_FREQS).dequantize().tolist()
+    rotated = next((i for i, f in enumerate(factors) if f != 1.0), len(factors))
+    if any(f < UNROTATED for f in factors[rotated:]):
+        raise ValueError("per-frequency RoPE scaling (rope_freqs other than 1 / unrotated) is not supported")
+    return {"rope_type": "proportional", "partial_rotary_factor": rotated / len(factors)}
 
 
 def _hf_name(path: Path, arch: Architecture, name: str) -> str:
@@ -174,13 +195,16 @@ def _hf_name(path: Path, arch: Architecture, name: str) -> str:
         return f"model.layers.{layer}.{block_names[f'{kind}.{suffix}']}"
     if m is None or kind not in block_names:
         raise ModelLoadError(path, f"unexpected tensor {name!r} for a {arch.gguf_name} GGUF")
+    if block_names[kind] == arch.layer.scalar:  # a layer's scalar has no suffix in HF's names (Gemma 4)
+        return f"model.layers.{layer}.{block_names[kind]}"
     return f"model.layers.{layer}.{block_names[kind]}" + (f".{suffix}" if suffix else "")
 
 
 def _read_tensors(path: Path, arch: Architecture, tensors: dict[str, ReaderTensor]) -> dict[str, GGUFWeight]:
     """Every tensor, raw, under its HF name."""
     try:
-        return {(hf := _hf_name(path, arch, name)): read_tensor(t, hf) for name, t in tensors.items()}
+        return {(hf := _hf_name(path, arch, name)): read_tensor(t, hf) for name, t in tensors.items()
+                if name != ROPE_FREQS}
     except UnsupportedTensorType as e:
         raise ModelLoadError(path, str(e)) from None
     except ValueError as e:  # a byte count that does not fit the shape and type: a damaged header

@@ -20,12 +20,13 @@ from kvgen.loaders.rope_layout import interleaved_to_half
 from kvgen.loaders.gguf_reader import ReaderTensor, release_pages
 
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
-# Block-quantized types kvgen reads: the legacy 32-weight blocks and the 256-weight K-quants.
+# Block-quantized types kvgen reads: the legacy 32-weight blocks, the 256-weight K-quants and MXFP4
+# (32 e2m1 values and an e8m0 exponent, gpt-oss's experts).
 BLOCK_TYPES = frozenset({
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
     GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q2_K,
     GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-    GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q6_K, GGMLQuantizationType.MXFP4,
 })
 SUPPORTED_TYPES = FLOAT_TYPES | BLOCK_TYPES
 

@@ -1,6 +1,8 @@
 """The tokenizer a GGUF file describes in its `tokenizer.*` metadata.
 
 - `tokenizer.ggml.model == "llama"`: a SentencePiece-style scored vocabulary (`BPEVocabTokenizer`).
+- `tokenizer.ggml.model == "gemma4"`: SentencePiece-style BPE from the tokens + merges, with byte
+  fallback (`spm_bpe`), as llama.cpp's gemma4 vocabulary.
 - `tokenizer.ggml.model == "gpt2"`: byte-level BPE from `tokenizer.ggml.tokens` + `merges`, built with
   the `tokenizers` library. `tokenizer.ggml.pre` names how text is cut before merging; each name maps to
   the regexes llama.cpp chains for it (llama-vocab.cpp). For `default` (and names kvgen does not know,
@@ -20,7 +22,7 @@ from gguf import TokenType
 
 from kvgen.errors import ModelLoadError
 from kvgen.loaders.chat_templates import builtin_template
-from kvgen.loaders.tokenizers import BPEVocabTokenizer, HFTokenizer, byte_level_bpe
+from kvgen.loaders.tokenizers import BPEVocabTokenizer, HFTokenizer, byte_level_bpe, spm_bpe
 from kvgen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -53,22 +55,24 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
 
 
 # Texts of control tokens that end a chat turn, for files whose metadata names no end-of-turn token
-# (llama.cpp looks for the same texts): Gemma's, ChatML's, Llama 3's, Phi-3's.
-END_OF_TURN_TEXTS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
+# (llama.cpp looks for the same texts): Gemma 3's, ChatML's, Llama 3's, Phi-3's, Gemma 4's.
+END_OF_TURN_TEXTS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<turn|>")
 
 
 def gguf_tokenizer(path: Path, meta: dict[str, Any], architecture: str = "llama") -> Tokenizer:
     """The file's own tokenizer; a one-line ModelLoadError when it has none kvgen can build. A file
     without a chat template gets its architecture's usual one where kvgen knows it (Gemma's)."""
     model = meta.get("tokenizer.ggml.model")
-    if model not in ("llama", "gpt2"):
+    if model not in ("llama", "gpt2", "gemma4"):
         raise ModelLoadError(
-            path, f"GGUF tokenizer {model!r} is not supported (only 'llama' and 'gpt2'); pass tokenizer_path"
+            path, f"GGUF tokenizer {model!r} is not supported (only 'llama', 'gpt2' and 'gemma4'); pass tokenizer_path"
         )
     if not meta.get("tokenizer.ggml.tokens"):
         raise ModelLoadError(path, "GGUF has no tokenizer.ggml.tokens vocabulary; pass tokenizer_path")
     template = meta.get("tokenizer.chat_template") or builtin_template(architecture)
-    return _sentencepiece_style(meta, template) if model == "llama" else _byte_level(path, meta, template)
+    if model == "llama":
+        return _sentencepiece_style(meta, template)
+    return _byte_level(path, meta, template) if model == "gpt2" else _spm_bpe(path, meta, template)
 
 
 def token_id(meta: dict[str, Any], kind: str) -> int | None:
@@ -131,6 +135,22 @@ def _byte_level(path: Path, meta: dict[str, Any], template: str | None) -> HFTok
         extra_stop_ids=_end_of_turn_ids(meta),
         chat_template=template,
     )
+
+
+def _spm_bpe(path: Path, meta: dict[str, Any], template: str | None) -> HFTokenizer:
+    """A `gemma4` vocabulary: llama.cpp always adds its BOS (it overrides add_bos_token false)."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    if not meta.get("tokenizer.ggml.merges"):
+        raise ModelLoadError(path, "GGUF gemma4 tokenizer has no tokenizer.ggml.merges")
+    types = _token_types(meta)
+    control, user_defined = int(TokenType.CONTROL), int(TokenType.USER_DEFINED)
+    tok = spm_bpe(tokens, meta["tokenizer.ggml.merges"],
+                  special_ids=[i for i, t in enumerate(types) if t == control],
+                  added_ids=[i for i, t in enumerate(types) if t == user_defined])
+    bos, eos = token_id(meta, "bos"), token_id(meta, "eos")
+    return HFTokenizer(tok, bos_token=tokens[bos] if bos is not None else None,
+                       eos_token=tokens[eos] if eos is not None else None, add_bos=True,
+                       extra_stop_ids=_end_of_turn_ids(meta), chat_template=template)
 
 
 def _token_types(meta: dict[str, Any]) -> list[int]:

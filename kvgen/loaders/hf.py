@@ -15,7 +15,7 @@ import tokenizers
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvgen.config import ModelConfig
+from kvgen.config import ModelConfig, text_part
 from kvgen.errors import ModelLoadError
 from kvgen.loaders.experts import stack_experts
 from kvgen.loaders.weights import LoadedModel, finalize_weights, is_norm_weight, shard_plan
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
+MULTIMODAL_TEXT_PREFIX = "model.language_model."  # the text model in transformers' ...ForConditionalGeneration
 
 
 def load_hf(
@@ -46,31 +47,22 @@ def load_hf(
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(config_file, "missing: a HF model directory needs config.json")
-    config = ModelConfig.from_hf(_read_json(config_file), source=config_file)
+    raw_config = _read_json(config_file)
+    config = ModelConfig.from_hf(raw_config, source=config_file)
     config = _with_generation_ids(config, _read_json(path / "generation_config.json", default={}))
     plan = shard_plan(config, shard, path)
-    weights, origins, shapes = _read_safetensors(path, plan)
+    weights, origins, shapes = _read_safetensors(path, plan, text_only=text_part(raw_config) is not raw_config)
     if config.is_moe:  # experts stacked per layer (kvgen.loaders.experts)
         weights = stack_experts(weights, config, path)
         shapes = {name: tuple(w.shape) for name, w in weights.items()}
     if tokenizer is None:
         tokenizer = load_hf_tokenizer(path, eos_token_ids=config.eos_token_ids)
-    if config.arch.hf_weight_name is not None:
-        weights, origins, shapes = _text_weights(config, weights, origins, shapes)
     if config.arch.norm_plus_one:
         plain = config.arch.plain_norms
         weights = {name: w.float() + 1.0 if is_norm_weight(name) and not name.endswith(plain) else w
                    for name, w in weights.items()}
     weights = finalize_weights(weights, config, path, device, dtype, origins=origins, shapes=shapes)
     return LoadedModel(config, weights, tokenizer, str(path), shard=plan)
-
-
-def _text_weights(config: ModelConfig, weights: dict, origins: dict, shapes: dict) -> tuple[dict, dict, dict]:
-    """The decoder's weights under its own names (a multimodal checkpoint's text part), the rest left."""
-    rename = {name: new for name in weights if (new := config.arch.hf_weight_name(name)) is not None}
-    return ({new: weights[old] for old, new in rename.items()},
-            {new: origins[old] for old, new in rename.items() if old in origins},
-            {new: shapes[old] for old, new in rename.items() if old in shapes})
 
 
 def load_hf_tokenizer(
@@ -115,10 +107,11 @@ def _with_generation_ids(config: ModelConfig, generation: dict[str, Any]) -> Mod
     return dataclasses.replace(config, eos_token_ids=eos_ids, bos_token_id=bos)
 
 
-def _read_safetensors(path: Path, plan: ShardPlan | None = None) -> tuple[
+def _read_safetensors(path: Path, plan: ShardPlan | None = None, text_only: bool = False) -> tuple[
         dict[str, torch.Tensor], dict[str, Path], dict[str, tuple[int, ...]]]:
     """Every tensor of `model.safetensors`, or of the shards `model.safetensors.index.json` names
-    (the `plan`'s slice of it, if given), the file each came from, and its full shape."""
+    (the `plan`'s slice of it, if given), the file each came from, and its full shape. `text_only`:
+    a multimodal checkpoint's text model only, under the text model's names (`_text_name`)."""
     if (path / SINGLE_FILE).is_file():
         files = [path / SINGLE_FILE]
     elif (path / SHARD_INDEX).is_file():
@@ -136,14 +129,24 @@ def _read_safetensors(path: Path, plan: ShardPlan | None = None) -> tuple[
             raise ModelLoadError(file, "missing shard")
         try:
             with safe_open(file, framework="pt") as shard:
-                for name in shard.keys():
-                    tensor_slice = shard.get_slice(name)
+                for stored in shard.keys():
+                    if (name := _text_name(stored) if text_only else stored) is None:
+                        continue
+                    tensor_slice = shard.get_slice(stored)
                     shapes[name] = tuple(tensor_slice.get_shape())
                     weights[name] = _read_part(tensor_slice, plan.slice_of(name) if plan else None)
-                origins |= dict.fromkeys(shard.keys(), file)
+                    origins[name] = file
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(file, f"unreadable safetensors file: {e}") from None
     return weights, origins, shapes
+
+
+def _text_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor under the text model's name (`model.language_model.X` ->
+    `model.X`, the LM head as it is), or None for the vision and audio towers and their projections."""
+    if name.startswith(MULTIMODAL_TEXT_PREFIX):
+        return "model." + name[len(MULTIMODAL_TEXT_PREFIX):]
+    return name if name.startswith("lm_head.") else None
 
 
 def _read_part(tensor_slice, part: Slice | None) -> torch.Tensor:

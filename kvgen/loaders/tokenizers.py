@@ -1,7 +1,8 @@
 """The three tokenizer implementations behind `kvgen.tokenizer.Tokenizer`.
 
-- `HFTokenizer`: a Hugging Face `tokenizer.json` (library `tokenizers`), or a byte-level BPE built
-  with that library from a vocabulary and merges (`byte_level_bpe`: GGUF `gpt2` tokenizers).
+- `HFTokenizer`: a Hugging Face `tokenizer.json` (library `tokenizers`), or a BPE built with that
+  library from a vocabulary and merges: byte-level (`byte_level_bpe`: GGUF `gpt2` tokenizers) or
+  SentencePiece-style with byte fallback (`spm_bpe`: GGUF `gemma4` tokenizers).
 - `SentencePieceTokenizer`: a SentencePiece `tokenizer.model` (library `sentencepiece`).
 - `BPEVocabTokenizer`: the SentencePiece-BPE vocabulary llama2.c `tok*.bin` files and GGUF files carry
   (pieces + scores, no merges list), encoded the way llama2.c and llama.cpp do it.
@@ -15,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from kvgen.tokenizer import Tokenizer
 
@@ -100,6 +101,28 @@ def byte_level_bpe(
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     added = [tokens[i] for i in added_ids if tokens[i] in vocab]
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    return tok
+
+
+def spm_bpe(
+    tokens: Sequence[str],
+    merges: Iterable[str],
+    *,
+    special_ids: Iterable[int] = (),
+    added_ids: Iterable[int] = (),
+) -> tokenizers.Tokenizer:
+    """SentencePiece-style BPE over merges, as llama.cpp runs a `gemma4` vocabulary: spaces become
+    '▁' (no prefix), the text is cut only at runs of newlines, merges apply by rank, and a piece with
+    no token is spelled in its UTF-8 bytes (`<0xNN>` tokens). Special and added tokens as in
+    `byte_level_bpe`."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = tokenizers.Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", SPM_SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special_ids if tokens[i]])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in added_ids if tokens[i]])
     return tok
 
 

@@ -48,13 +48,16 @@ class LoadedModel:
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight the model needs, HF names -> shape (lm_head only when untied): each layer's
-    tensors as its architecture's description lists them (kvgen.architectures: its blocks, its norms)."""
+    tensors as its architecture's description lists them (kvgen.architectures: its blocks, its norms),
+    and any the architecture has beside its layers (Gemma 4's per-layer input table)."""
     hidden = config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         shapes |= {p + name: shape for name, shape in config.arch.layer_spec(i, config).tensors(config).items()}
     shapes["model.norm.weight"] = (hidden,)
+    if config.arch.model_tensors is not None:
+        shapes |= config.arch.model_tensors(config)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     return shapes

@@ -36,6 +36,11 @@ class Attention(ABC):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D]."""
 
+    def attend_shared(self, donor: int, q: torch.Tensor) -> torch.Tensor:
+        """q [T, heads, D] over the K/V layer `donor` stored this step and before, storing nothing
+        (a Gemma 4 layer sharing its donor's K/V, with the donor's window) -> [T, heads, D]."""
+        raise NotImplementedError(f"{type(self).__name__} cannot attend over another layer's K/V")
+
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
     """q [B, Q, heads, D], k/v [B, L, kv_heads, D], mask [B, 1, Q, L] or None -> [B, Q, heads, D]."""
@@ -76,8 +81,16 @@ class NoCacheAttention(Attention):
 
     def __init__(self, windows: LayerWindows = ()) -> None:
         self.windows = windows
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this pass's K/V, for layers sharing them
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self._kv[layer] = (k, v)
+        return self._attend(layer, q, k, v)
+
+    def attend_shared(self, donor: int, q: torch.Tensor) -> torch.Tensor:
+        return self._attend(donor, q, *self._kv[donor])
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         window = _window(self.windows, layer)
         if window is None or q.shape[0] <= window:
             return sdpa(q[None], k[None], v[None], None, causal=True)[0]
@@ -96,9 +109,13 @@ class ContiguousAttention(Attention):
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         end = self.start + q.shape[0]
+        self.cache.k[layer][0, :, self.start : end] = k.transpose(0, 1)
+        self.cache.v[layer][0, :, self.start : end] = v.transpose(0, 1)
+        return self.attend_shared(layer, q)
+
+    def attend_shared(self, donor: int, q: torch.Tensor) -> torch.Tensor:
+        layer, end = donor, self.start + q.shape[0]
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        k_cache[0, :, self.start : end] = k.transpose(0, 1)
-        v_cache[0, :, self.start : end] = v.transpose(0, 1)
         keys = k_cache[:, :, :end].transpose(1, 2)  # [1, L, kv_heads, D]
         values = v_cache[:, :, :end].transpose(1, 2)
         window = _window(self.windows, layer)
@@ -180,9 +197,14 @@ class PagedAttention(Attention):
         return self.layer_kinds[layer] if self.layer_kinds else (0, layer)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kind, layer = self.kind_of(layer)
+        kind, local = self.kind_of(layer)
         cache, meta = self.kinds[kind]
-        self._write(cache, meta, layer, k, v)
+        self._write(cache, meta, local, k, v)
+        return self.attend_shared(layer, q)
+
+    def attend_shared(self, donor: int, q: torch.Tensor) -> torch.Tensor:
+        kind, layer = self.kind_of(donor)
+        cache, meta = self.kinds[kind]
         outputs = []
         for index, group in enumerate(meta.groups):
             batch, _, num_queries, _ = group.mask.shape

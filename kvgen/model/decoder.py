@@ -1,5 +1,5 @@
 """One decoder for every architecture of kvgen.architectures (Llama 2/3, Mistral, SmolLM, Qwen2/3,
-Phi-3, Gemma 3): an embedding, layers composed of blocks as the architecture's description says
+Phi-3, Gemma 3, Gemma 4): an embedding, layers composed of blocks as the architecture's description says
 (kvgen.model.blocks), a final norm and the LM head.
 
 Pure tensors: the model maps a flat batch of tokens (any mix of sequences) to hidden states and
@@ -19,6 +19,8 @@ from kvgen.model.attention import Attention
 from kvgen.model.blocks import BuildContext, StateBatch, StepContext
 from kvgen.model.blocks.embedding import embed, embedding_scale
 from kvgen.model.blocks.layer import DecoderLayer
+from kvgen.model.blocks.per_layer_input import PerLayerInputs
+from kvgen.model.blocks.moe import MoEBlock
 from kvgen.model.fused import DecodePrograms
 from kvgen.model.layers import RotaryEmbedding, make_rms_norm, make_rope
 from kvgen.model.linear import RowKernels
@@ -44,19 +46,24 @@ class DecoderModel:
         self.embed = Embedding(weights["model.embed_tokens.weight"], build,
                                self.lm_head if config.tie_word_embeddings else None)
         self.embed_scale = embedding_scale(config.arch, config, dtype)
-        layer_thetas = [config.rope_theta_of(i) for i in range(config.num_layers)]
-        thetas = [config.rope_theta, *sorted(set(layer_thetas) - {config.rope_theta})]
+        # A RoPE table per (base, head size): ropes[0] the global layers' (with the scaling); a hybrid
+        # model's windowed layers may have their own base, and Gemma 4's their own head size.
+        layer_ropes = [(config.rope_theta_of(i), config.head_dim_of(i)) for i in range(config.num_layers)]
+        first_global = next((i for i in range(config.num_layers) if config.window(i) is None), 0)
+        global_rope = (config.rope_theta, config.head_dim_of(first_global))
+        ropes = [global_rope, *sorted(set(layer_ropes) - {global_rope})]
         self.norm = make_rms_norm(self.device, dtype)
         self.rotate = make_rope(self.device, dtype)  # may rotate in place: q/k are fresh buffers
         context = BuildContext(config, weights, build, self.norm, self.rotate,
-                               lambda i: thetas.index(layer_thetas[i]))
+                               lambda i: ropes.index(layer_ropes[i]))
         self.layers = [DecoderLayer.build(config.arch.layer_spec(i, config), i, context)
                        for i in range(config.num_layers)]
         self.final_norm = build.float(weights["model.norm.weight"])
-        # ropes[0]: the global layers' base and scaling; a hybrid model's windowed layers may have their own.
-        self.ropes = [RotaryEmbedding(config if theta == config.rope_theta else
-                                      replace(config, rope_theta=theta, rope_scaling=None),
-                                      config.max_position_embeddings, self.device, dtype) for theta in thetas]
+        self.per_layer_inputs = PerLayerInputs(config, weights, build, self.norm) if config.per_layer_input_size \
+            else None
+        self.ropes = [RotaryEmbedding(replace(config, rope_theta=theta, head_dim=dim,
+                                              rope_scaling=config.rope_scaling if theta == config.rope_theta else None),
+                                      config.max_position_embeddings, self.device, dtype) for theta, dim in ropes]
         self.rope = self.ropes[0]
         self.decode_programs = DecodePrograms(self, fused_decode)
         # The multi-token-prediction layers a checkpoint may carry (GGUF names -> raw tensors): kept for
@@ -75,7 +82,24 @@ class DecoderModel:
             described = [describe(layer) for layer in layers]
             kernels = sorted({kernel for kernel, _ in described})
             report[role] = (" + ".join(kernels), sum(size for _, size in described))
+        experts = [block.experts for layer in self.layers for block in layer.blocks if isinstance(block, MoEBlock)]
+        if experts:  # a mixture's experts, stacked per layer (kvgen.model.experts)
+            kernels = sorted({s.kernel for e in experts for s in (e.gate_up, e.down)})
+            report["experts"] = (" + ".join(kernels), sum(e.nbytes for e in experts))
         return report
+
+    def step_weight_bytes(self) -> int:
+        """The weight bytes a batch-1 decode step reads: every projection's, and of a mixture's experts
+        the share a token is routed to (top-k of them, each read once)."""
+        report = self.kernels()
+        share = self.config.experts_per_token / self.config.num_experts if self.config.is_moe else 0.0
+        return sum(size for role, (_, size) in report.items() if role != "experts") + \
+            round(report.get("experts", ("", 0))[1] * share)
+
+    def expert_tokens(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Per mixture-of-experts layer: (its index, the tokens routed to each of its experts so far)."""
+        return tuple((layer.index, tuple(block.experts.counts.tolist())) for layer in self.layers
+                     for block in layer.blocks if isinstance(block, MoEBlock))
 
     @property
     def max_positions(self) -> int:
@@ -89,10 +113,12 @@ class DecoderModel:
         from C where it can (kvgen.model.fused), with the same bits as the layers below. `states`:
         the recurrent layers' state slots (kvgen.model.blocks.StateBatch), where the model has any."""
         x = self.embed_tokens(token_ids)
+        per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(token_ids, x, rows)
         program = self.decode_programs.find(token_ids.shape[0], attention)
         if program is not None:
-            return program(x, positions, attention, rows, states)
-        step = StepContext(positions, [rope.tables(positions) for rope in self.ropes], attention, rows, states)
+            return program(x, positions, attention, rows, states, per_layer)
+        step = StepContext(positions, [rope.tables(positions) for rope in self.ropes], attention, rows, states,
+                           per_layer)
         for layer in self.layers:
             layer.forward(x, step)
         return self.norm(x, self.final_norm, self.config.rms_norm_eps)

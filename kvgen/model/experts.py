@@ -1,7 +1,8 @@
 """A layer's experts, kept where a step streams them: each projection of every expert stacked in one
-buffer (expert e's matrix at e times a fixed stride), packed in its GGUF file's format where the
-packed kernels hold it, else fp32. A step hands the stacks to the C kernel (kvgen.model.kernels.moe),
-which reads only the experts its tokens chose, each once: nothing is gathered into new tensors.
+buffer (expert e's matrix at e times a fixed stride), packed as the dense layers of its GGUF file
+would be (K-quants in kquant.c's panels, other block types in the packed format), else fp32. A step
+hands the stacks to the C kernel (kvgen.model.kernels.moe), which reads only the experts its tokens
+chose, each once: nothing is gathered into new tensors.
 
     gate_up  [experts, 2 * inner, hidden]   each expert's gate rows, then its up rows
     down     [experts, hidden, inner]
@@ -18,10 +19,15 @@ import numpy as np
 import torch
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
+from kvgen.loaders.progress import advance
 from kvgen.model.formats.gguf_blocks import convert
+from kvgen.model.formats.kquant import KINDS, KPacked
+from kvgen.model.formats.kquant import dequantize as dequantize_k
 from kvgen.model.formats.packed import PANEL, PackedWeight
 from kvgen.model.formats.packed import dequantize as dequantize_packed
+from kvgen.model.kernels.block_pack import BLOCK_TYPES, block_packer
 from kvgen.model.kernels.build import KernelCall
+from kvgen.model.kernels.kquant import kquant_kernel
 from kvgen.model.kernels.moe import ExpertStackArgs, moe_kernel
 from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, qmatmul_kernel
 
@@ -31,28 +37,31 @@ Weight = torch.Tensor | GGUFWeight
 @dataclass
 class ExpertStack:
     """One projection of every expert: `args` for moe.c, over `weight` (fp32 [experts, N, K], or a
-    PackedWeight of experts * N rows)."""
+    PackedWeight / KPacked of experts * N rows)."""
 
-    weight: torch.Tensor | PackedWeight
+    weight: torch.Tensor | PackedWeight | KPacked
     args: ExpertStackArgs
     experts: int
 
     @property
     def kernel(self) -> str:
-        if isinstance(self.weight, torch.Tensor):
+        w = self.weight
+        if isinstance(w, torch.Tensor):
             return "moe f32"
-        return f"moe packed u{self.weight.bits} g{self.weight.group}"
+        return f"moe {w.kind}" if isinstance(w, KPacked) else f"moe packed u{w.bits} g{w.group}"
 
     @property
     def nbytes(self) -> int:
         w = self.weight
-        return w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
+        return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
 
     def dequantize(self) -> torch.Tensor:
         """The values as fp32 [experts, N, K] (the torch reference's weights)."""
-        if isinstance(self.weight, torch.Tensor):
-            return self.weight
-        return dequantize_packed(self.weight).view(self.experts, self.args.N, self.args.K)
+        w = self.weight
+        if isinstance(w, torch.Tensor):
+            return w
+        values = dequantize_k(w) if isinstance(w, KPacked) else dequantize_packed(w)
+        return values.view(self.experts, self.args.N, self.args.K)
 
 
 def float_stack(values: torch.Tensor) -> ExpertStack:
@@ -61,43 +70,66 @@ def float_stack(values: torch.Tensor) -> ExpertStack:
     experts, n, k = w.shape
     kernel = moe_kernel()
     matmul = kernel.f32_matmul if kernel is not None else None
-    stride = n * k * 4
-    return ExpertStack(w, ExpertStackArgs(matmul, w.data_ptr(), None, None, stride, 0, 0, 0, 1, n, k), experts)
+    args = ExpertStackArgs(matmul, w.data_ptr(), None, None, n * k * 4, 0, 0, 0, 1, n, k, 0)
+    return ExpertStack(w, args, experts)
+
+
+def expert_rows(parts: list[GGUFWeight]) -> list[np.ndarray]:
+    """The parts' raw rows in stack order: expert 0's rows of each part, then expert 1's, ... (views)."""
+    experts = parts[0].shape[0]
+    return [p.raw[e * p.shape[1]:(e + 1) * p.shape[1]] for e in range(experts) for p in parts]
+
+
+def kquant_stack(parts: list[GGUFWeight], activations: str) -> ExpertStack | None:
+    """K-quant experts in kquant.c's panels, packed in one pass from the file's map, or None where
+    that kernel does not run here."""
+    kernel = kquant_kernel()
+    if kernel is None:
+        return None
+    experts, n, k = parts[0].shape[0], sum(p.shape[1] for p in parts), parts[0].shape[2]
+    packed = kernel.pack(parts[0].ggml_type, expert_rows(parts))
+    stride = n // PANEL * packed.data.shape[1]
+    args = ExpertStackArgs(kernel.address(packed), packed.data.data_ptr(), None, None, stride, 0, 0, 0,
+                           ACTIVATION_PARTS[activations], n, k, 1)
+    return ExpertStack(packed, args, experts)
 
 
 def packed_stack(parts: list[GGUFWeight], activations: str) -> ExpertStack | None:
-    """GGUF expert tensors of one type ([experts, N_i, K] each) stacked per expert along N and packed,
-    or None where the packed kernels cannot hold them (a type no format keeps, rows that do not fill
-    panels, no packed kernel on this CPU)."""
+    """Experts of a legacy block type (Q8_0, Q4_0, ...) or another type the packed format holds, in
+    that format, or None where no format holds it or no packed kernel runs here."""
     qmatmul = qmatmul_kernel()
-    types = {p.ggml_type for p in parts}
-    experts, _, k = parts[0].shape
-    n = sum(p.shape[1] for p in parts)
-    if qmatmul is None or moe_kernel() is None or len(types) > 1 or n % PANEL:
+    if qmatmul is None:
         return None
-    raw = np.concatenate([p.raw.reshape(experts, p.shape[1], -1) for p in parts], axis=1)
-    packed = convert(parts[0].ggml_type, raw.reshape(experts * n, -1), (experts * n, k))
+    ggml_type, experts, k = parts[0].ggml_type, parts[0].shape[0], parts[0].shape[2]
+    n = sum(p.shape[1] for p in parts)
+    if ggml_type in BLOCK_TYPES and block_packer() is not None:  # in one pass from the file's map
+        packed = block_packer().pack(ggml_type, expert_rows(parts))
+    else:
+        packed = convert(ggml_type, np.concatenate(expert_rows(parts)), (experts * n, k))
     if packed is None:
         return None
     panels = n // PANEL
-    codes_stride = panels * packed.codes.shape[1]
     scale_stride = panels * packed.scale.shape[1] * packed.scale.element_size()
     minimum = None if packed.min is None else packed.min.data_ptr()
     args = ExpertStackArgs(qmatmul.address(packed), packed.codes.data_ptr(), packed.scale.data_ptr(), minimum,
-                           codes_stride, scale_stride, scale_stride if minimum else 0, packed.offset,
-                           ACTIVATION_PARTS[activations], n, k)
+                           panels * packed.codes.shape[1], scale_stride, scale_stride if minimum else 0,
+                           packed.offset, ACTIVATION_PARTS[activations], n, k, 0)
     return ExpertStack(packed, args, experts)
 
 
 def expert_stack(parts: list[Weight], activations: str) -> ExpertStack:
     """Parts [experts, N_i, K] (stacked along N per expert) as one stack: packed where all are GGUF
-    blocks the packed kernels hold, else fp32."""
-    if all(isinstance(p, GGUFWeight) and p.is_quantized for p in parts):
-        packed = packed_stack(parts, activations)
-        if packed is not None:
+    blocks of one type a packed kernel holds (each expert's rows filling whole panels of 16), else fp32."""
+    advance(sum(p.raw.nbytes if isinstance(p, GGUFWeight) else p.nbytes for p in parts))  # the progress bar
+    quantized = all(isinstance(p, GGUFWeight) and p.is_quantized for p in parts)
+    if quantized and len({p.ggml_type for p in parts}) == 1 and sum(p.shape[1] for p in parts) % PANEL == 0 \
+            and moe_kernel() is not None:
+        build = kquant_stack if parts[0].ggml_type in KINDS else packed_stack
+        stack = build(parts, activations)
+        if stack is not None:
             for p in parts:
                 p.release()
-            return packed
+            return stack
     values = [p.dequantize() if isinstance(p, GGUFWeight) else p for p in parts]
     return float_stack(torch.cat(values, dim=1) if len(values) > 1 else values[0])
 

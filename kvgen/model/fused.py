@@ -115,7 +115,8 @@ class DecodeProgram:
         return [ref() for ref in self._caches] == [cache for cache, _ in attention.kinds]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
-                 rows: RowKernels | None = None, states: StateBatch | None = None) -> torch.Tensor:
+                 rows: RowKernels | None = None, states: StateBatch | None = None,
+                 per_layer_inputs: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] (the embedded tokens), positions [T] -> hidden states [T, hidden] after the final norm."""
         b = self._buffers
         b["x"].copy_(x)
@@ -135,7 +136,7 @@ class DecodeProgram:
             else:
                 if step is None:
                     step = StepContext(positions, [rope.tables(positions) for rope in self._ropes], attention,
-                                       rows, states)
+                                       rows, states, per_layer_inputs)
                 segment.forward(b["x"], step)
         return b["h"].clone()
 
@@ -180,7 +181,8 @@ class ProgramBuilder:
         if any(branch.out_norm is not None for branch in model.layers[0].branches):
             self.buffer("normed", (hidden,))
         for i in range(len(model.ropes)):
-            self.buffer(f"cos{i}", (1, model.config.head_dim)), self.buffer(f"sin{i}", (1, model.config.head_dim))
+            dim = model.ropes[i].cos.shape[1]  # the head size of the layers it rotates
+            self.buffer(f"cos{i}", (1, dim)), self.buffer(f"sin{i}", (1, dim))
         for kind in range(len(attention.kinds)):
             self.buffers[f"slots{kind}"] = torch.empty(rows, dtype=torch.int64)
 
@@ -195,6 +197,8 @@ class ProgramBuilder:
 
     def layer_calls(self, layer: DecoderLayer, eps: float) -> list[KernelCall] | None:
         """The layer's branches as calls (x += out_norm(block(norm(x)))), or None where one has none."""
+        if not layer.fuses():
+            return None
         calls = []
         for branch in layer.branches:
             block_calls = branch.block.fused_calls(self)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -20,10 +21,12 @@ class ContiguousKVCache:
     """Per layer K and V of shape [batch, kv_heads, max_seq, head_dim], preallocated; batch is 1 here."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        shape = (1, num_kv_heads, max_seq, head_dim)
-        self.k = [_zeros(shape, device, dtype) for _ in range(num_layers)]
-        self.v = [_zeros(shape, device, dtype) for _ in range(num_layers)]
+                 device: torch.device, dtype: torch.dtype,
+                 layer_shapes: Sequence[tuple[int, int]] | None = None) -> None:
+        """`layer_shapes`: (kv_heads, head_dim) per layer where they differ (Gemma 4)."""
+        shapes = [(1, heads, max_seq, dim) for heads, dim in layer_shapes or [(num_kv_heads, head_dim)] * num_layers]
+        self.k = [_zeros(shape, device, dtype) for shape in shapes]
+        self.v = [_zeros(shape, device, dtype) for shape in shapes]
         self.length = 0  # tokens stored so far
 
     @property

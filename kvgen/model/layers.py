@@ -74,7 +74,7 @@ def make_gate_mul(activation: str, device: torch.device, dtype: torch.dtype) -> 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """[rotary_dim / 2] inverse frequencies (rotary_dim: head_dim unless the model rotates part of
-    each head), with linear or llama3 scaling applied."""
+    each head), with linear, llama3 or proportional scaling applied."""
     dim = config.rotary_dim or config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
@@ -82,7 +82,19 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / float(scaling["factor"])
+    if scaling["rope_type"] == "proportional":
+        return _proportional_inv_freq(inv_freq, scaling)
     return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _proportional_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Gemma 4's global layers: the first partial_rotary_factor of the pairs keep their frequency
+    (exponents over the whole head size), the others get 0, so cos 1 and sin 0 leave them as they
+    are; all divided by `factor` (1 unless given), as transformers computes them."""
+    rotated = int(float(scaling["partial_rotary_factor"]) * inv_freq.shape[0] * 2 // 2)
+    inv_freq = inv_freq.clone()
+    inv_freq[rotated:] = 0.0
+    return inv_freq / float(scaling.get("factor", 1.0))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -90,13 +90,15 @@ class ModelRunner:
         if heavy_hitters is None:
             heavy_hitters = HeavyHitters(self.device, cache.block_size)
         self.policy_tensors = PolicyTensors(self.device, model.rope.tables, model.max_positions, heavy_hitters)
-        kv_layers = model.config.kv_layers  # a recurrent layer keeps a state slot instead (state_pool)
-        first_layers = [i for i in kv_layers if all(i not in kind.layers for kind in more_kinds)]
+        config = model.config
+        first_layers = [i for i in config.kv_holders if all(i not in kind.layers for kind in more_kinds)]
         self.kinds = [KVKind(cache, block_tables, None, first_layers), *more_kinds]
-        # per model layer: (its kind, its index in that kind's pools); None for a layer without K/V
-        self.layer_kinds = [next(((k, kind.layers.index(i)) for k, kind in enumerate(self.kinds) if i in kind.layers),
-                                 None) for i in range(model.config.num_layers)]
-        self._maps_layers = len(self.kinds) > 1 or len(kv_layers) < model.config.num_layers
+        # per model layer: (its kind, its index in that kind's pools); a layer reading another's K/V, its
+        # donor's; None for a recurrent layer, which keeps a state slot instead (kvgen.cache.state_pool)
+        self.layer_kinds = [None if i in config.recurrent_layers else
+                            next((k, kind.layers.index(d)) for k, kind in enumerate(self.kinds) if d in kind.layers)
+                            for i, d in enumerate(map(config.kv_donor, range(config.num_layers)))]
+        self._maps_layers = len(self.kinds) > 1 or len(config.kv_holders) < config.num_layers
         self.state_pool: StatePool | None = None  # a recurrent model's, set by the engine (kvgen.engine.recurrent)
 
     def copy_blocks(self, copies: list[tuple[int, int]] | list[list[tuple[int, int]]]) -> None:
@@ -258,8 +260,9 @@ def build_hybrid_runner(model: DecoderModel, config: EngineConfig, kinds: list[L
     """The runner over one pool per kind of layer (kvgen.cache.hybrid), the global kind first."""
     cfg = model.config
     pool_dtype = STORAGE_DTYPES[config.kv_dtype]
-    caches = [PagedKVCache(len(kind.layers), n, config.block_size, cfg.num_kv_heads, cfg.head_dim, model.device,
-                           pool_dtype, compute_dtype=model.dtype) for kind, n in zip(kinds, kind_blocks)]
+    caches = [PagedKVCache(len(kind.layers), n, config.block_size, cfg.kv_heads_of(kind.layers[0]),
+                           cfg.head_dim_of(kind.layers[0]), model.device, pool_dtype, compute_dtype=model.dtype)
+              for kind, n in zip(kinds, kind_blocks)]
     decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
     more = [KVKind(cache, table, kind.window, list(kind.layers))
             for cache, table, kind in zip(caches[1:], tables[1:], kinds[1:])]
@@ -273,7 +276,7 @@ def build_runner(model: DecoderModel, config: EngineConfig, num_blocks: int, blo
     """The runner over KV pools of `num_blocks` blocks for the model's (local) KV heads."""
     cfg = model.config
     pool_dtype = STORAGE_DTYPES[config.kv_dtype]
-    cache = cache_type(len(cfg.kv_layers), num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+    cache = cache_type(len(cfg.kv_holders), num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                        model.device, pool_dtype, compute_dtype=model.dtype)
     decode_kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
     return _on_device(runner_type(model, cache, block_tables, decode_kernel, heavy_hitters=heavy_hitters), config)

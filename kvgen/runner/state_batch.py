@@ -5,8 +5,9 @@ each sequence's slot and rows, in the order the runner laid the step out.
     slots       [  4  0  7 |    2     |       5        ]     one per sequence
     verify_rows [  -  -  - |    0     |       -        ]     a checkpoint row per verify chunk
 
-The decodes come first (ModelRunner.prepare puts them there), so a recurrent layer runs them as one
-batch over rows 0..num_decodes - 1. A chunk of one token that is not a verify chunk is a decode
+The decodes come first, then the verify chunks, then the prompt chunks (ModelRunner.prepare lays them
+out so), so that a recurrent layer runs the decodes as one batch over rows 0..num_decodes - 1 and the
+prompt chunks as one ragged batch over the last rows. A chunk of one token that is not a verify chunk is a decode
 whatever it is (the last token of a prompt is one step of the recurrence from the slot's state).
 """
 
@@ -48,5 +49,8 @@ def step_states(pool: StatePool, layers: tuple[int, ...], ordered: list[Schedule
         row_starts.append(row_starts[-1] + chunk.num_tokens)
         verify_rows.append(chunk.verify_row if chunk.draft else None)
     num_decodes = next((i for i, c in enumerate(ordered) if c.num_tokens > 1 or c.draft), len(ordered))
+    kinds = [bool(c.draft) for c in ordered[num_decodes:]]
+    if kinds != sorted(kinds, reverse=True):
+        raise ValueError("a step's rows run decodes, then verify chunks, then prompt chunks")
     return StepStates(pool, {layer: i for i, layer in enumerate(layers)}, torch.tensor(slots, dtype=torch.int64),
                       row_starts, num_decodes, verify_rows)

@@ -87,9 +87,9 @@ class StateSlots:
 
     def after_chunk(self, seq: Sequence) -> None:
         """Keeps a snapshot of `seq`'s state if its computed tokens now end at a snapshot boundary."""
-        end = seq.num_computed_tokens
-        if (not self.snapshots or not seq.policy.shares_prefixes or end == 0 or seq.state_slot is None
-                or (end % self.snapshot_every and end != self._last_boundary(seq)) or end > self._last_boundary(seq)):
+        end, last = seq.num_computed_tokens, self._last_boundary(seq)
+        at_boundary = 0 < end <= last and (end % self.snapshot_every == 0 or end == last)
+        if not (self.snapshots and seq.policy.shares_prefixes and at_boundary and seq.state_slot is not None):
             return
         parent, bs = None, self.block_size
         for i in range(end // bs):

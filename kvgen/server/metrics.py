@@ -48,6 +48,7 @@ def stats_families(stats: EngineStats) -> Iterator[Metric]:
     yield from tier_families(stats)
     if stats.state_slots_total:
         yield from state_families(stats)
+    yield from expert_families(stats)
     mean = (stats.spec_accepted + stats.spec_verify_steps) / stats.spec_verify_steps if stats.spec_verify_steps else 0.0
     yield GaugeMetricFamily("kvgen_spec_decode_mean_accepted_length",
                             "Tokens emitted per verifying sequence-step (accepted + the target's own).", mean)
@@ -85,6 +86,18 @@ def tier_families(stats: EngineStats) -> Iterator[Metric]:
         moved.add_metric([tier, "out"], r["bytes_out"])
         seconds.add_metric([tier], r["seconds"])
     yield from (held, held_bytes, hits, moved, seconds)
+
+
+def expert_families(stats: EngineStats) -> Iterator[Metric]:
+    """A mixture of experts' router statistics: tokens routed to each expert of each MoE layer."""
+    if not stats.expert_tokens:
+        return
+    tokens = CounterMetricFamily("kvgen_moe_expert_tokens", "Tokens the router sent to an expert of a layer.",
+                                 labels=["layer", "expert"])
+    for layer, counts in stats.expert_tokens:
+        for expert, n in enumerate(counts):
+            tokens.add_metric([str(layer), str(expert)], n)
+    yield tokens
 
 
 def labelled_families(readings: list[tuple[dict[str, str], EngineStats]]) -> Iterator[Metric]:

@@ -7,6 +7,7 @@ import copy
 import json
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,27 @@ def test_a_full_set_stays_under_the_line_bound(runs, tmp_path):
     assert page.count("\n## ") == 14 and page.count("| llama.cpp |") == 24 + 12
 
 
+def test_a_kv_tiers_ttft_run_is_a_section_with_its_table(tmp_path):
+    """benchmarks/kv_tiers_ttft.py on stories260K (a 96-token document): its JSON renders as a section."""
+    from kvgen.llm import default_model_path
+
+    out = tmp_path / "kv-tiers-ttft.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kv_tiers_ttft.py"), "--model", str(default_model_path()),
+                           "--tokens", "96", "--max-tokens", "4", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["run"]["command"].startswith("python benchmarks/kv_tiers_ttft.py --model")
+    output = tmp_path / "BENCHMARKS.md"
+    assert report(out, "--output", output) == 0
+    (heading, section), = [(h, s) for h, s in sections(output.read_text()).items() if "TTFT" in h]
+    assert f"TTFT of a {data['settings']['prompt_tokens']}-token document" in heading
+    rows = table_rows(section, "run")
+    assert [r[0] for r in rows] == ["cold", "disk (after restart)", "host (after eviction)"]
+    assert rows[0][2] == "**1.00x**" and all(r[4] == "yes" for r in rows)
+    assert int(rows[1][3]) < int(rows[0][3].replace(",", ""))  # the restart computed only the last tokens
+
+
 # -- bad input ----------------------------------------------------------------------------------------
 
 
@@ -157,8 +179,8 @@ def broken_files(runs: dict[str, Path], tmp_path: Path) -> list[tuple[Path, str]
     del data["results"]["kvgen"]
     partial.write_text(json.dumps(data))
     return [(tmp_path / "absent.json", "no such file"), (truncated, "not JSON"),
-            (other, "not the JSON of kvgen bench latency or throughput, or of kvgen eval-ppl --text-set "
-                    "(mode 'scaling')"),
+            (other, "not the JSON of kvgen bench latency or throughput, of kvgen eval-ppl --text-set or of "
+                    "benchmarks/kv_tiers_ttft.py (mode 'scaling')"),
             (partial, "a latency JSON without results.kvgen")]
 
 

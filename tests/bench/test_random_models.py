@@ -98,3 +98,25 @@ def test_a_qwen35_shape_is_made_by_llama_cpps_converter(tmp_path, monkeypatch):
     types = {t.name: t.tensor_type for t in reader.tensors}
     assert types["blk.0.ssm_out.weight"] == QType.Q4_K and "blk.3.attn_gate.weight" not in types
     assert types["blk.3.attn_q.weight"] == QType.Q4_K and types["blk.0.ssm_a"] == QType.F32
+
+
+@pytest.mark.slow  # llama.cpp's converter and llama-quantize: ~30 s
+def test_a_gemma4_shape_is_made_by_llama_cpps_converter(tmp_path, monkeypatch):
+    """Gemma 4's model saved by its transformers class, converted with the placeholder vocabulary as a
+    tokenizer.json (the only form its converter reads), quantized; kvgen reads the layers that share K/V."""
+    converter = llama_tools.converter_dir(cache_root())
+    (tmp_path / converter.name).symlink_to(converter)
+    monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path))
+    tiny = dict(models.ARCHITECTURES["gemma4-e2b"], hidden_size=256, intermediate_size=512, num_hidden_layers=10,
+                layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2, num_kv_shared_layers=2,
+                vocab_size=1024, vocab_size_per_layer_input=1024)
+    monkeypatch.setitem(models.ARCHITECTURES, "tiny4", tiny)
+    path = models.resolve("tiny4:Q4_K_M").path
+    reader = read_gguf(path)
+    assert reader.metadata["general.architecture"] == "gemma4"
+    assert reader.metadata["gemma4.attention.shared_kv_layers"] == 2
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert "blk.9.attn_k.weight" not in types and types["blk.0.attn_q.weight"] == QType.Q4_K
+    config = load_model(path).config
+    assert config.kv_holders == list(range(8)) and config.layer_head_dims == ((256,) * 4 + (512,)) * 2
+    assert config.double_wide_mlp and config.per_layer_input_size == 256

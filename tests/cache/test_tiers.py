@@ -4,6 +4,7 @@ and the faults they survive, the chain digest and the model identity, the pools'
 import json
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -55,10 +56,50 @@ def test_block_files_round_trip_across_a_restart_within_the_budget(tmp_path):
     disk = DiskTier(tmp_path, 3 * (HEADER_BYTES + 64 + 1000), b"A" * 32)
     for i in range(5):
         disk.put(bytes([i]) * 16, TOKENS, payload(i))
+    disk.flush()
     assert len(disk) == 3 and sum(p.stat().st_size for p in tmp_path.iterdir()) <= disk.capacity
     again = DiskTier(tmp_path, disk.capacity, b"A" * 32)
     assert len(again) == 3 and torch.equal(again.get(b"\4" * 16, TOKENS), payload(4))
     assert b"\0" * 16 not in again
+
+
+@pytest.fixture()
+def held_writes(monkeypatch):
+    """The disk tier's writer held before it renames a block into place, until the event is set."""
+    import kvgen.cache.tiers.disk as disk_module
+
+    release, replace = threading.Event(), os.replace
+
+    def held(src, dst):
+        assert release.wait(30)
+        replace(src, dst)
+
+    monkeypatch.setattr(disk_module.os, "replace", held)
+    yield release
+    release.set()
+
+
+def test_a_block_whose_write_is_pending_is_served_from_memory(tmp_path, held_writes):
+    disk = DiskTier(tmp_path, 1 << 20, b"A" * 32)
+    disk.put(b"\0" * 16, TOKENS, payload(0))
+    assert b"\0" * 16 in disk and not list(tmp_path.glob(f"*{SUFFIX}"))  # taken, not written yet
+    assert torch.equal(disk.get(b"\0" * 16, TOKENS), payload(0))
+    assert disk.get(b"\0" * 16, (1,) * 16) is None  # other tokens: never served
+    held_writes.set()
+    disk.flush()
+    assert [p.name for p in tmp_path.iterdir()] == [f"{'00' * 16}{SUFFIX}"]
+    assert torch.equal(DiskTier(tmp_path, 1 << 20, b"A" * 32).get(b"\0" * 16, TOKENS), payload(0))
+
+
+def test_a_block_dropped_for_the_budget_while_being_written_leaves_no_file(tmp_path, held_writes):
+    disk = DiskTier(tmp_path, HEADER_BYTES + 64 + 1000, b"A" * 32)  # one block
+    disk.put(b"\0" * 16, TOKENS, payload(0))
+    disk.put(b"\1" * 16, TOKENS, payload(1))  # block 0 is dropped while its write waits
+    assert b"\0" * 16 not in disk and len(disk) == 1
+    held_writes.set()
+    disk.flush()
+    assert [p.name for p in tmp_path.iterdir()] == [f"{'01' * 16}{SUFFIX}"] and disk.nbytes == disk.capacity
+    assert list_blocks(tmp_path) == {b"A" * 32: {"blocks": 1, "tokens": 16, "bytes": disk.capacity}}
 
 
 def test_a_foreign_directory_is_never_read_and_warns_once(tmp_path, caplog):

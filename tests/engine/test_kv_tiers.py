@@ -19,10 +19,13 @@ OTHERS = ["Tom had a big red dog " * 16, "The sun was hot and the sky " * 16]
 
 
 def run(prompts, **kw):
-    """Each prompt alone, in order, through a fresh engine; (token ids per prompt, prompt tokens computed, llm)."""
+    """Each prompt alone, in order, through a fresh engine; (token ids per prompt, prompt tokens computed, llm).
+    The disk tier's background writes are finished before it returns."""
     kw = {"num_kv_blocks": 14, "block_size": 16, "max_num_seqs": 1, **kw}
     llm = LLM(**kw)
     outs = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    if getattr(llm.engine.kv, "tiers", None) is not None and llm.engine.kv.tiers.disk is not None:
+        llm.engine.kv.tiers.disk.flush()
     llm.engine.kv.check_invariants()
     assert llm.engine.kv.num_used_blocks == 0
     stats = llm.engine.stats()

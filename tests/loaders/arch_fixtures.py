@@ -192,6 +192,24 @@ SPECS: dict[str, ArchSpec] = {
     "olmoe": ArchSpec("OlmoeConfig", "OlmoeForCausalLM", _BASE | _SMOL | dict(
         num_hidden_layers=2, intermediate_size=32, rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=4, norm_topk_prob=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), "smollm2"),
+    # Qwen3.5-MoE: qwen35's layers (3 Gated DeltaNet, 1 gated attention) with Qwen2-MoE's mixture in place of
+    # the MLP (top-2 of 8 experts of 32, always renormalised; a shared expert of 64 behind a sigmoid gate).
+    # HF directory only: transformers loads a qwen3_5_moe_text directory's tokenizer as Qwen3_5Tokenizer,
+    # whose pre-tokenizer the converter recognises only with Qwen3.5's own 248320-token vocabulary.
+    "qwen35moe": ArchSpec("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _BASE | _SMOL | dict(
+        num_hidden_layers=4, head_dim=32, tie_word_embeddings=True,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_interleaved": True, "mrope_section": [11, 11, 10]}), "smollm2", gguf=False),
+    # Qwen2-MoE: q/k/v biases, top-2 of 8 experts not renormalised, and a shared expert of 64 behind a
+    # sigmoid gate (the shape Qwen3.5-MoE's layers have too).
+    "qwen2moe": ArchSpec("Qwen2MoeConfig", "Qwen2MoeForCausalLM", _BASE | _QWEN | dict(
+        num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "qwen2"),
 }
 ARCHS = list(SPECS)
 GGUF_ARCHS = [a for a in ARCHS if SPECS[a].gguf]
@@ -199,8 +217,8 @@ GGUF_ARCHS = [a for a in ARCHS if SPECS[a].gguf]
 # a gemma4 GGUF with its config defaults for what it does not map (head sizes 256/512, per-layer
 # inputs of 256, 262144 tokens), so the weights do not fit (see the module docstring). Nor the mixtures:
 # it reads a qwen3moe GGUF without expert_feed_forward_length (its default 768 does not fit the experts)
-# and has no olmoe mapping.
-TRANSFORMERS_GGUF_ARCHS = [a for a in GGUF_ARCHS if a not in ("qwen35", "gemma4", "qwen3moe", "olmoe")]
+# and has no olmoe or qwen2moe mapping.
+TRANSFORMERS_GGUF_ARCHS = [a for a in GGUF_ARCHS if a not in ("qwen35", "gemma4", "qwen3moe", "olmoe", "qwen2moe")]
 
 
 def _log(msg: str) -> None:
@@ -331,6 +349,31 @@ def _build(arch: str, spec: ArchSpec, root: Path) -> None:
         _log(f"built {arch} in {root}: {timing}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def with_context(arch: str, max_positions: int) -> ArchCheckpoint:
+    """The fixture of `arch` with max_position_embeddings raised to `max_positions` (the same weights:
+    RoPE is computed, not stored, so it is the same model), for prompts past the fixtures' 512
+    positions: the HF directory and its F32 GGUF (no Q8_0), built once and cached like the others."""
+    base, root = arch_checkpoint(arch), cache_root() / f"{arch}-ctx{max_positions}-v{FIXTURE_VERSION}"
+    if not (root / "DONE").is_file():
+        with llama_tools.file_lock(cache_root() / f".{arch}-ctx{max_positions}.lock"):
+            if not (root / "DONE").is_file():
+                tmp = Path(tempfile.mkdtemp(dir=cache_root(), prefix=f".{arch}-ctx-"))
+                try:
+                    shutil.copytree(base.hf_dir, tmp / "hf")
+                    config = json.loads((tmp / "hf" / "config.json").read_text()) | {
+                        "max_position_embeddings": max_positions}
+                    (tmp / "hf" / "config.json").write_text(json.dumps(config, indent=2))
+                    convert(tmp / "hf", tmp / f"{arch}-f32.gguf", "f32", SPECS[arch].convert_flags)
+                    (tmp / "DONE").write_text("{}")
+                    tmp.chmod(0o755)
+                    shutil.rmtree(root, ignore_errors=True)
+                    tmp.rename(root)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    return ArchCheckpoint(arch, root / "hf", root / f"{arch}-f32.gguf", None,
+                          json.loads((root / "hf" / "config.json").read_text()))
 
 
 def build_timing(arch: str) -> dict:

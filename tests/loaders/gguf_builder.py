@@ -222,3 +222,26 @@ def _add_vocab(writer: gguf.GGUFWriter, vocab: Vocab) -> None:
     writer.add_eos_token_id(vocab.eos)
     for key, value in vocab.extra.items():
         getattr(writer, f"add_{key}")(value)
+
+
+def rewrite_gguf(source: Path, path: Path, fields: dict | None = None, tensors: dict | None = None) -> Path:
+    """A copy of the GGUF `source` at `path`, with `fields` (key -> new value, of the old field's type; a
+    new key is a uint32 or a string) and more `tensors` (name -> fp32 array, or name -> a function of the old
+    tensors giving them)."""
+    fields = dict(fields or {})
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(path, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, fields.pop(field.name, field.contents()), field.types[0], sub_type=sub_type)
+    for name, value in fields.items():
+        writer.add_key_value(name, value, gguf.GGUFValueType.STRING if isinstance(value, str) else
+                             gguf.GGUFValueType.UINT32)
+    old = {t.name: np.array(t.data) for t in reader.tensors}
+    for name, data in (old | (tensors(old) if callable(tensors) else tensors or {})).items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -76,6 +76,7 @@ def test_experts_of_another_width_than_the_config_is_one_line(arch_ckpt, tmp_pat
     assert "config implies" in refused(hf_copy(arch_ckpt, tmp_path, edit_config=narrower))
 
 
+@pytest.mark.slow  # ~10 s: gguf's writer copies a 49152-token vocabulary
 def test_an_unknown_gguf_expert_layout_is_one_line(arch_ckpt, tmp_path):
     """llama.cpp's fused gate/up experts tensor (ffn_gate_up_exps) is a layout kvgen does not read."""
     src = arch_ckpt("qwen3moe").gguf
@@ -99,3 +100,13 @@ def test_tensor_parallel_experts_are_one_line(arch_ckpt):
     with pytest.raises(ModelLoadError) as error:
         load_model(path, shard=(0, 2))
     assert "\n" not in str(error.value) and "mixtures of experts" in str(error.value)
+
+
+def test_a_mixture_off_the_cpu_is_one_line(arch_ckpt):
+    """The expert kernel is C over host memory: another device is refused as the model is built."""
+    from kvgen.model.decoder import DecoderModel
+
+    loaded = load_model(arch_ckpt("olmoe").hf_dir)
+    with pytest.raises(ValueError, match="mixtures of experts run on the CPU only") as error:
+        DecoderModel(loaded.config, loaded.weights, device="meta")
+    assert "\n" not in str(error.value)

@@ -1,4 +1,4 @@
-"""Mixtures of experts (Qwen3-MoE, OLMoE) from a HF directory and from the GGUF llama.cpp's converter
+"""Mixtures of experts (Qwen3-MoE, OLMoE, Qwen3.5-MoE, Qwen2-MoE with its shared expert) from a HF directory and from the GGUF llama.cpp's converter
 writes of it, against transformers on the same weights: greedy fp32 tokens through the paged engine
 over a 300-token prompt, alone and in a ragged batch of 6; prefix caching and ngram speculation give
 the plain engine's tokens."""
@@ -8,7 +8,11 @@ import pytest
 from kvgen import LLM, SamplingParams
 from tests.loaders.arch_fixtures import hf_greedy
 
-MOE_ARCHS = ["qwen3moe", "olmoe"]
+# qwen2moe's fixture has Qwen2's 151936-token vocabulary: ~40 s a test, so slow.
+# qwen35moe (Gated DeltaNet layers, experts and a shared expert) has a HF directory only (arch_fixtures.py);
+# slow here (~15 s: transformers' delta-net in torch), its 40-token parity is in test_architectures_parity.
+MOE_ARCHS = ["qwen3moe", "olmoe", pytest.param("qwen35moe", marks=pytest.mark.slow),
+             pytest.param("qwen2moe", marks=pytest.mark.slow)]
 N = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
 
@@ -37,18 +41,20 @@ def test_hf_and_gguf_match_transformers_at_batch_1(arch_ckpt, arch):
     ckpt = arch_ckpt(arch)
     prompt = long_prompt()
     want = hf_greedy(ckpt.hf_dir, prompt, N)
-    for path in (ckpt.hf_dir, ckpt.gguf):
+    for path in (ckpt.hf_dir, ckpt.gguf) if ckpt.gguf else (ckpt.hf_dir,):
         assert tokens(kvgen_llm(path), [prompt]) == [want], path
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+# qwen35moe: on the 120-token prompt transformers' own generate and its full forward disagree (top-2 logits
+# 1.2e-5 apart at the third token; kvgen picks the full forward's), so that fixture is no reference there.
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", pytest.param("qwen2moe", marks=pytest.mark.slow)])
 def test_ragged_batch_matches_transformers(arch_ckpt, arch):
     """Six prompts of 1 to 300 tokens at once (chunked prefill beside decodes, tokens of every
     sequence routed together), from the GGUF: each sequence gets transformers' tokens."""
     ckpt = arch_ckpt(arch)
     prompts = ragged_prompts()
     want = [hf_greedy(ckpt.hf_dir, p, N) for p in prompts]
-    assert tokens(kvgen_llm(ckpt.gguf, max_num_batched_tokens=128), prompts) == want
+    assert tokens(kvgen_llm(ckpt.gguf or ckpt.hf_dir, max_num_batched_tokens=128), prompts) == want
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
@@ -58,12 +64,14 @@ def test_prefix_caching_and_ngram_speculation_give_plain_tokens(arch_ckpt, arch)
     plain = tokens(kvgen_llm(ckpt.hf_dir, enable_prefix_caching=False), prompts)
     cached = kvgen_llm(ckpt.hf_dir)
     assert [tokens(cached, [p])[0] for p in prompts] == plain  # one after the other: the second hits the first's blocks
-    assert cached.engine.kv.prefix_hits >= 192
+    recurrent = bool(cached.engine.model_config.recurrent_layers)  # qwen35moe's delta-net state: no prefix hits
+    assert recurrent or cached.engine.kv.prefix_hits >= 192
     speculative = kvgen_llm(ckpt.hf_dir, speculative_method="ngram", num_speculative_tokens=3)
     assert tokens(speculative, prompts) == plain
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.slow  # ~4 s each; the fused step's bits are the layered ones by construction (tests/model/test_fused.py)
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe"])  # qwen2moe's biases and shared expert run layer by layer
 def test_fused_decode_steps_give_the_layered_tokens(arch_ckpt, arch):
     """Decode steps run the router and the expert kernel from the fused call list (fp32), with the
     layer-by-layer forward's tokens; the packed Q8_0 experts likewise."""

@@ -9,16 +9,31 @@ from pathlib import Path
 
 import torch
 
+from kvgen.cache.state_pool import StatePool
+from kvgen.config import ModelConfig
 from kvgen.loaders import load_model
 from kvgen.model.attention import NoCacheAttention
 from kvgen.model.decoder import DecoderModel
+from kvgen.runner.state_batch import StepStates
 
 
 def all_logits(model: DecoderModel, ids: list[int]) -> torch.Tensor:
-    """Teacher-forced logits [len(ids), vocab] in one pass without a cache (each layer's window kept)."""
+    """Teacher-forced logits [len(ids), vocab] in one pass without a cache (each layer's window kept; a
+    recurrent model's layers from a fresh state)."""
     windows = [model.config.window(i) for i in range(model.config.num_layers)]
-    hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), NoCacheAttention(windows))
+    hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), NoCacheAttention(windows),
+                           states=fresh_state(model.config, len(ids)))
     return model.logits(hidden)
+
+
+def fresh_state(config: ModelConfig, num_tokens: int) -> StepStates | None:
+    """One prompt of `num_tokens` from a zero state in a pool of one slot (None: no recurrent layers)."""
+    if not config.recurrent_layers:
+        return None
+    pool = StatePool(config.recurrent, len(config.recurrent_layers), 1)
+    slot = pool.allocate()
+    return StepStates(pool, {layer: i for i, layer in enumerate(config.recurrent_layers)}, torch.tensor([slot]),
+                      [0, num_tokens], 0, [None])
 
 
 def packed_model(path: Path) -> DecoderModel:

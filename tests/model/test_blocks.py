@@ -17,7 +17,8 @@ from kvgen.model.blocks.mlp import GatedMLP
 
 
 def test_every_architecture_is_one_small_file_found_by_the_registry():
-    assert sorted(ARCHITECTURES) == ["gemma3", "llama", "olmoe", "phi3", "qwen2", "qwen3", "qwen35", "qwen3moe"]
+    assert sorted(ARCHITECTURES) == ["gemma3", "gemma4", "llama", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen3",
+                                     "qwen35", "qwen35moe", "qwen3moe"]
     assert BY_HF_MODEL_TYPE["mistral"].name == "llama" and BY_GGUF_NAME["gemma3"].name == "gemma3"
     for name in ARCHITECTURES:
         lines = (Path(architectures.__file__).parent / f"{name}.py").read_text().splitlines()

@@ -4,8 +4,9 @@ float64 from the same (dequantized) weights, at 1, few and many tokens, fp32 and
 The bound is derived from the kernel's roundings, step by step (`expert_bound`):
 - each matmul: fp32 stacks gamma(K) sum |x||w|; packed stacks the activations' int8 step per span
   (max |x| / 127, half a step plus 4 * 127 ulps of rounding, tests/model/quant/bounds.py) times |w|,
-  plus the fp32 accumulation (K / 32 + 25) u over the weights' terms, plus an input already off by
-  x_err, times |w|;
+  plus the fp32 accumulation over the weights' terms |s (q - o)| + |m|, (K / 8 + 25) u (the larger of
+  qmatmul.c's K / 32 + 25 and kquant.c's 2 K / 16 + 4, tests/model/quant/test_kquant.py), plus an
+  input already off by x_err, times |w|;
 - SwiGLU: silu is 1.1-Lipschitz, so |silu(g') u' - silu(g) u| <= 1.1 e_g (|u| + e_u) + |silu(g)| e_u,
   plus 8 ulps of its own (expf, a division, two products);
 - routing weights: softmax over E logits and the renormalisation, (E + 2K + 8) ulps relative;
@@ -17,12 +18,14 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
-from kvgen.model.experts import Experts, ExpertStack, expert_stack, moe_reference, route
-from kvgen.model.formats.packed import PackedWeight
+from kvgen.model.experts import Experts, expert_stack, moe_reference, route
+from kvgen.model.formats.gguf_blocks import convert
 from kvgen.model.kernels.moe import moe_kernel
 from kvgen.model.kernels.qmatmul import qmatmul_kernel
 from tests.model.quant.bounds import U, term_magnitudes
 from tests.model.quant.raw_blocks import raw_matrix
+from tests.model.quant.test_kquant import K_TYPES
+from tests.model.quant.test_kquant import magnitudes as k_magnitudes
 from tests.support.tolerances import gamma
 
 pytestmark = pytest.mark.skipif(moe_kernel() is None, reason="no C compiler: the experts run in torch")
@@ -41,23 +44,26 @@ def gguf_experts(ggml_type: Q, experts: int, hidden: int, inner: int) -> list[GG
             for i, s in enumerate(shapes)]
 
 
-def matmul_bound(x_abs: torch.Tensor, x_err: torch.Tensor, w: torch.Tensor | PackedWeight, w_abs: torch.Tensor):
-    """Bound on |kernel(x') - x W^T| for |x' - x| <= x_err, x_abs = |x| float64 [T, K], w one expert."""
+def matmul_bound(x_abs: torch.Tensor, x_err: torch.Tensor, packed: bool, w_abs: torch.Tensor):
+    """Bound on |kernel(x') - x W^T| for |x' - x| <= x_err, x_abs = |x| float64 [T, K], w_abs one
+    expert's |w| (fp32) or term magnitudes (packed)."""
     k = x_abs.shape[1]
     upper = x_abs + x_err
-    if isinstance(w, torch.Tensor):
+    if not packed:
         return x_err @ w_abs.T + gamma(k) * upper @ w_abs.T
     span_max = upper.view(upper.shape[0], k // 32, 32).amax(-1).repeat_interleave(32, 1)
     step = span_max / 127 * (0.5 + 4 * 127 * U)
-    return (x_err + step) @ w_abs.T + (k / 32 + 25) * U * (upper + step) @ w_abs.T
+    return (x_err + step) @ w_abs.T + (k / 8 + 25) * U * (upper + step) @ w_abs.T
 
 
-def expert_bound(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, layer: Experts) -> tuple:
-    """(float64 reference [T, hidden], bound on the kernel's distance to it)."""
+def expert_bound(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, layer: Experts,
+                 terms: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    """(float64 reference [T, hidden], bound on the kernel's distance to it); `terms`: the stacks'
+    magnitudes (`magnitudes`)."""
     gate_up, down = layer.gate_up.dequantize().double(), layer.down.dequantize().double()
     experts, inner = down.shape[0], down.shape[2]
-    gu_terms = _terms(layer.gate_up, experts)
-    down_terms = _terms(layer.down, experts)
+    gu_terms, down_terms = terms
+    packed = not isinstance(layer.down.weight, torch.Tensor)
     x = x.double()
     ref, bound = torch.zeros_like(x), torch.zeros_like(x)
     top_k = chosen.shape[1]
@@ -66,14 +72,14 @@ def expert_bound(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, l
         tokens, k = torch.nonzero(chosen == e, as_tuple=True)
         xe = x[tokens]
         gu = xe @ gate_up[e].T
-        gu_err = matmul_bound(xe.abs(), torch.zeros_like(xe), layer.gate_up.weight, gu_terms[e])
+        gu_err = matmul_bound(xe.abs(), torch.zeros_like(xe), packed, gu_terms[e])
         g, u = gu.split(inner, dim=1)
         g_err, u_err = gu_err.split(inner, dim=1)
         a = torch.nn.functional.silu(g) * u
         a_err = 1.1 * g_err * (u.abs() + u_err) + torch.nn.functional.silu(g).abs() * u_err
         a_err = a_err + 8 * U * (a.abs() + a_err)
         y = a @ down[e].T
-        y_err = matmul_bound(a.abs(), a_err, layer.down.weight, down_terms[e])
+        y_err = matmul_bound(a.abs(), a_err, packed, down_terms[e])
         w = weights[tokens, k].double()[:, None]
         ref.index_add_(0, tokens, w * y)
         bound.index_add_(0, tokens, w * y_err + w_err[tokens, k][:, None] * (y.abs() + y_err)
@@ -81,40 +87,50 @@ def expert_bound(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, l
     return ref, bound
 
 
-def _terms(stack: ExpertStack, experts: int) -> torch.Tensor:
-    """Per expert, the magnitudes the kernel's fp32 sums run over: |w| (fp32) or |s (u - o)| + |m|."""
-    if isinstance(stack.weight, torch.Tensor):
-        return stack.weight.double().abs()
-    return term_magnitudes(stack.weight).view(experts, stack.args.N, stack.args.K)
+def magnitudes(parts: list) -> torch.Tensor:
+    """Per expert, the magnitudes a stack's fp32 sums run over, [experts, N, K] stacked as the kernel
+    stacks `parts`: |w| of float parts, |s (q - o)| + |m| (|d sc (q - o)| + |dmin m|) of GGUF blocks."""
+    def one(p):
+        if isinstance(p, torch.Tensor):
+            return p.double().abs()
+        experts, n, k = p.shape
+        if p.ggml_type in K_TYPES:
+            return k_magnitudes(p.ggml_type, p.raw, (experts * n, k)).view(experts, n, k)
+        return term_magnitudes(convert(p.ggml_type, p.raw, (experts * n, k))).view(experts, n, k)
+
+    return torch.cat([one(p) for p in parts], dim=1)
 
 
-def check(layer: Experts, tokens: int, seed: int = 0) -> None:
+def check(parts: list, top_k: int, norm: bool, tokens: int, seed: int = 0) -> Experts:
+    """Builds the experts of `parts` (gate, up, down) and checks one call of `tokens` random rows."""
+    terms = magnitudes(parts[:2]), magnitudes(parts[2:])
+    layer = Experts(*parts, top_k=top_k, norm_topk=norm, activations="int8")
     g = torch.Generator().manual_seed(seed)
     hidden = layer.down.args.N
     x = torch.randn(tokens, hidden, generator=g)
     logits = 3 * torch.randn(tokens, layer.num_experts, generator=g)
     chosen, weights = route(logits.double(), layer.top_k, layer.norm_topk)
     out = layer(x, logits)
-    ref, bound = expert_bound(x, chosen, weights, layer)
+    ref, bound = expert_bound(x, chosen, weights, layer, terms)
     assert torch.equal(layer.counts, torch.bincount(chosen.flatten(), minlength=layer.num_experts))
     assert ((out.double() - ref).abs() <= bound).all(), ((out.double() - ref).abs() / bound).max()
+    return layer
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 @pytest.mark.parametrize("top_k,norm", [(2, True), (4, False)])
 def test_fp32_experts_match_float64(tokens, top_k, norm):
-    layer = Experts(*random_experts(8, 64, 32), top_k=top_k, norm_topk=norm, activations="int8")
-    assert layer.gate_up.kernel == "moe f32"
-    check(layer, tokens)
+    assert check(random_experts(8, 64, 32), top_k, norm, tokens).gate_up.kernel == "moe f32"
 
 
 @pytest.mark.skipif(qmatmul_kernel() is None, reason="no packed kernel on this CPU")
 @pytest.mark.parametrize("tokens", [1, 5, 64])
-@pytest.mark.parametrize("ggml_type,hidden,inner", [(Q.Q8_0, 64, 32), (Q.Q4_K, 256, 256)], ids=["Q8_0", "Q4_K"])
-def test_packed_experts_match_float64(tokens, ggml_type, hidden, inner):
-    layer = Experts(*gguf_experts(ggml_type, 4, hidden, inner), top_k=2, norm_topk=True, activations="int8")
-    assert layer.gate_up.kernel.startswith("moe packed") and layer.down.kernel.startswith("moe packed")
-    check(layer, tokens)
+@pytest.mark.parametrize("ggml_type,hidden,inner,kernel", [
+    (Q.Q8_0, 64, 32, "moe packed u8 g32"), (Q.Q4_0, 64, 32, "moe packed u4 g32"), (Q.MXFP4, 64, 32, "moe packed u8 g32"),
+    (Q.Q4_K, 256, 256, "moe q4_k"), (Q.Q6_K, 256, 256, "moe q6_k")], ids=lambda v: getattr(v, "name", None))
+def test_packed_experts_match_float64(tokens, ggml_type, hidden, inner, kernel):
+    layer = check(gguf_experts(ggml_type, 4, hidden, inner), 2, True, tokens)
+    assert layer.gate_up.kernel == layer.down.kernel == kernel
 
 
 def test_a_token_reads_only_its_experts():

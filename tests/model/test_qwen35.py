@@ -71,9 +71,14 @@ def engine(path, **options) -> LLM:
     return LLM(str(path), quantization="none", **options)
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf"])
-@pytest.mark.parametrize("length", [10, 200, 700])
-@pytest.mark.parametrize("chunk", [48, 1024])
+def cases():
+    """Every source, length and chunking; the whole-prompt runs of the GGUF are slow-marked (the default
+    suite keeps the chunked ones and every HF one)."""
+    return [pytest.param(source, length, chunk, marks=[pytest.mark.slow] if (source, chunk) == ("gguf", 1024) else [])
+            for source in ("hf", "gguf") for length in (10, 200, 700) for chunk in (48, 1024)]
+
+
+@pytest.mark.parametrize("source,length,chunk", cases())
 def test_one_sequence_gives_transformers_tokens(sources, source, length, chunk):
     """48-token steps split the prompt across steps and across the delta rule's 64-token chunks."""
     ids = prompt(length)
@@ -129,3 +134,4 @@ def test_speculation_gives_plain_greedy_tokens(sources, method):
     stats = llm.engine.stats()
     assert stats.spec_accepted < stats.spec_proposed
     assert stats.spec_accepted > 0 or method != "suffix"
+

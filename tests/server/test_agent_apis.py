@@ -249,7 +249,7 @@ def test_claude_code_style_conversation_hits_the_prefix_cache(claude, url):
 @pytest.mark.slow
 def test_messages_agent_loop_on_the_1_5b(qwen_coder_15b_gguf):
     """The same loop on Qwen2.5-Coder-1.5B, which writes its calls in a ```json fence; after the result,
-    with tool_choice none, it answers in text."""
+    with tool_choice none, it answers in text (Messages, Responses and chat completions)."""
     with serve("--model", str(qwen_coder_15b_gguf), "--served-model-name", MODEL, "--max-model-len", "4096",
                "--kv-cache-memory", "256MiB", "--max-num-seqs", "4") as url:
         claude = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=600)
@@ -258,3 +258,29 @@ def test_messages_agent_loop_on_the_1_5b(qwen_coder_15b_gguf):
         _, answer = _agent_loop(claude, stream=True, tool_choice={"type": "none"})
         assert answer == _agent_loop(claude, stream=False, tool_choice={"type": "none"})[1]
         assert [kind for kind, _ in answer] == ["text"] and "get_weather" not in answer[0][1], answer
+        # The same loop in the Responses API: the function's output sent back, tool_choice none, a message.
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=600)
+        replies = []
+        for stream in (False, True):
+            first = _respond(oai, stream, input=QUESTION)
+            first = first[0] if stream else first
+            (call,) = [i for i in first.output if i.type == "function_call"]
+            second = _respond(oai, stream, previous_response_id=first.id, tool_choice="none",
+                              input=[{"type": "function_call_output", "call_id": call.call_id, "output": RESULT}])
+            replies.append(_items(second[0] if stream else second))
+        assert replies[0] == replies[1] and [kind for kind, _ in replies[0]] == ["message"], replies
+        assert "get_weather" not in replies[0][0][1]
+        # And in chat completions: the call, then the tool message, then an answer under tool_choice none.
+        tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                                   "parameters": t["parameters"]}} for t in O_TOOLS]
+        messages = [{"role": "user", "content": QUESTION}]
+        call = oai.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=96,
+                                           temperature=0).choices[0].message
+        (tool_call,) = call.tool_calls
+        messages += [call.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": tool_call.id, "content": RESULT}]
+        fields = dict(model=MODEL, messages=messages, tools=tools, tool_choice="none", max_tokens=96, temperature=0)
+        answer = oai.chat.completions.create(**fields).choices[0]
+        streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(stream=True, **fields))
+        assert answer.finish_reason == "stop" and not answer.message.tool_calls
+        assert answer.message.content == streamed and "get_weather" not in streamed

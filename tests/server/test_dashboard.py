@@ -68,6 +68,7 @@ def check_shape(body: dict) -> None:
     assert all(seq["status"] in ("running", "waiting") and seq["phase"] in ("prefill", "decode")
                for seq in body["sequences"])
     assert all(set(step) >= STEP_KEYS for step in body["steps"])
+    assert body["tiers"] == []  # no KV tiers below this pool (test_kv_tiers_server.py has them)
     assert "kvgen_kv_cache_blocks_used" in body["metrics"] and "kvgen_time_to_first_token_seconds_p90" in body["metrics"]
 
 

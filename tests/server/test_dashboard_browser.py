@@ -185,3 +185,58 @@ def test_the_page_keeps_up_with_64_sequences_on_a_50000_block_pool(browser):
     assert updates >= 3, "the page stopped updating"
     assert max(renders) < 250, f"drawing a snapshot took up to {max(renders)} ms"
     assert max(round_trips) < 1.0, f"the page took up to {max(round_trips):.2f} s to answer a script"
+
+
+def test_the_page_shows_the_tiers_below_the_pool(browser, tmp_path):
+    """A pool of 14 blocks over a host tier of two blocks and a disk tier: a document pushed out by another
+    prompt comes back from them, and the page's tier rows show what /dashboard/state counts."""
+    llm = LLM(num_kv_blocks=14, block_size=16, max_num_seqs=1, kv_offload_memory=2 * 20480,
+              kv_cache_dir=str(tmp_path))
+    app = create_app(llm.engine, model_name=MODEL)
+    doc = PREFIX * 4
+    with running(app) as url:
+        open_dashboard(browser, url, key=None)
+        assert browser.find_element(By.ID, "tiers").is_displayed()  # both tiers, empty
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        for prompt in (doc + " Q1", "Tom had a big red dog " * 16, doc + " Q2"):
+            assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=8).choices
+        with Server(url, app).client() as http:
+            tiers = {t["tier"]: t for t in http.get("/dashboard/state").json()["tiers"]}
+        assert tiers["host"]["hits"] + tiers["disk"]["hits"] > 0 and tiers["disk"]["blocks"] > 0
+
+        def shown() -> dict:
+            return browser.execute_script("""
+                const out = {};
+                for (const row of document.querySelectorAll('#tier-rows .tier'))
+                  out[row.id] = ['blocks', 'hits', 'stored'].map(k => +row.querySelector('.' + k).textContent)
+                    .concat([row.querySelector('.bar i').style.width]);
+                return out;""")
+
+        want = {f"tier-{name}": [t["blocks"], t["hits"], t["stored"]] for name, t in tiers.items()}
+        rows = wait_for(lambda: (r := shown()) and {k: v[:3] for k, v in r.items()} == want and r,
+                        "the page's tier rows to match the state")
+        assert float(rows["tier-host"][3].rstrip("%")) > 0  # the host tier's budget is drawn as filled
+
+
+@pytest.mark.slow  # ~10 s: a server of a mixture and a page
+def test_the_page_draws_expert_load_for_a_mixture(browser):
+    """A mixture's server: the heat map shows a row per MoE layer and a cell per expert, shaded (not
+    all one colour) once tokens were routed; a dense model's page hides it (the other tests' pages)."""
+    from tests.loaders.arch_fixtures import arch_checkpoint
+
+    llm = LLM(arch_checkpoint("olmoe").hf_dir, quantization="none", num_kv_blocks=64, block_size=16)
+    app = create_app(llm.engine, model_name="olmoe", api_key=API_KEY)
+    with running(app) as url:
+        with Server(url, app).client() as http:
+            done = http.post("/v1/completions", json={"prompt": list(range(3, 60)), "max_tokens": 4})
+            assert done.status_code == 200, done.text
+        open_dashboard(browser, url)
+        wait_for(lambda: browser.find_element(By.ID, "experts-panel").is_displayed(), "the expert panel")
+        assert browser.find_element(By.ID, "experts-shape").text == "2 layers × 8 experts"
+        shades = browser.execute_script("""
+            const c = document.getElementById('experts');
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            const seen = new Set();
+            for (let i = 0; i < d.length; i += 4) if (d[i + 3]) seen.add(d[i] * 65536 + d[i + 1] * 256 + d[i + 2]);
+            return seen.size;""")
+        assert shades > 2

@@ -43,6 +43,12 @@ def test_metrics_count_hits_and_bytes_per_tier(tiered):
     assert m[("kvgen_kv_tier_bytes_total", (("direction", "out"), ("tier", "host")))] > 0
     assert m[("kvgen_kv_tier_blocks", (("tier", "disk"),))] > 0
     assert ("kvgen_kv_tier_seconds_total", (("tier", "disk"),)) in m
+    with tiered.client() as http:  # the dashboard's tiers below the pool, as /metrics counts them
+        tiers = {t["tier"]: t for t in http.get("/dashboard/state").json()["tiers"]}
+    assert list(tiers) == ["host", "disk"] and tiers["host"]["capacity"] == 2 * 20480
+    for name, t in tiers.items():
+        assert t["hits"] == m[("kvgen_kv_tier_hits_total", (("tier", name),))]
+        assert t["blocks"] == m[("kvgen_kv_tier_blocks", (("tier", name),))] and t["enabled"]
 
 
 def test_pinned_blocks_stay_in_the_tiers_until_unpinned(tmp_path):

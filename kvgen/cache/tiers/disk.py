@@ -5,8 +5,12 @@
     header  magic "KVGT", version, model identity (32 bytes), block digest (16), token count,
             payload bytes, crc32 of tokens + payload
 
-Writes go to a temporary file that is renamed into place (a reader never sees half a block). The
-index is rebuilt on start by reading every file's header: a file of another model or KV layout is
+Writes run on a background thread (kvgen.cache.tiers.writer): `put` reserves the block's place in the
+index and budget at once and hands the payload over; until its file is renamed into place, a `get`
+of that block is served from the payload in memory. The writer goes to a temporary file that is
+renamed into place (a reader never sees half a block). A new tier on a directory first waits for
+this process's pending writes there, as `kvgen cache ls` does (and every pending write is finished
+at exit); a server killed mid-write loses only its pending blocks. The index is rebuilt on start by reading every file's header: a file of another model or KV layout is
 left alone and never read; a truncated one or a stale temporary file (its writer was killed) is
 removed; each kind of fault is logged once. A block whose checksum or tokens do not match when read
 is removed and recomputed. The budget is kept by removing the least recently used files. A full disk
@@ -15,10 +19,13 @@ is removed and recomputed. The budget is kept by removing the least recently use
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import os
 import struct
+import threading
+import weakref
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -26,7 +33,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvgen.cache.tiers.writer import BackgroundWriter
+
 log = logging.getLogger(__name__)
+PENDING_LIMIT = 256 << 20  # bytes of blocks handed to the writer and not yet written before `put` waits
+_LIVE: weakref.WeakSet[DiskTier] = weakref.WeakSet()
+
+
+def flush_writes(directory: str | os.PathLike) -> None:
+    """Waits for this process's pending block writes into `directory` (a new tier there, or a listing,
+    then sees every block given so far)."""
+    where = Path(directory).resolve()
+    for tier in list(_LIVE):
+        if tier.dir.resolve() == where:
+            tier.flush()
+
+
+@atexit.register
+def _flush_all() -> None:
+    for tier in list(_LIVE):
+        tier.flush()
 
 MAGIC = b"KVGT"
 VERSION = 1
@@ -71,9 +97,19 @@ class DiskTier:
         self.enabled = True
         self.nbytes = 0
         self._files: OrderedDict[bytes, int] = OrderedDict()  # digest -> file size, least recent first
+        # blocks handed to the writer whose file is not in place yet: digest -> (token ids, payload)
+        self._pending: dict[bytes, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self._lock = threading.Lock()  # the index (_files, nbytes, _pending), shared with the writer
+        self._writer = BackgroundWriter(self._write, PENDING_LIMIT)
         self._warned: set[str] = set()
         self.faults: dict[str, int] = {}
+        flush_writes(self.dir)
         self._scan()
+        _LIVE.add(self)
+
+    def flush(self) -> None:
+        """Waits until every block given to `put` so far is written (or dropped)."""
+        self._writer.flush()
 
     # -- the index ------------------------------------------------------------------------------
 
@@ -150,20 +186,28 @@ class DiskTier:
         """The block's payload, None (the file removed, one warning) if it is not exactly what was written."""
         if digest not in self:
             return None
+        with self._lock:
+            pending = self._pending.get(digest)
+            if pending is not None:  # its write has not finished: served from memory
+                self._files.move_to_end(digest)
+                return pending[1] if pending[0] == tuple(token_ids) else None
         path = self._path(digest)
         try:
             raw = path.read_bytes()
         except OSError:
-            self._forget(digest)
+            with self._lock:
+                self._forget(digest)
             return None
         payload = self._check(raw, digest, token_ids)
-        if payload is None:
-            self._warn_once("corrupt", "KV disk tier: %s failed its checksum (or holds other tokens); removed, "
-                            "its tokens are recomputed", path)
-            self._forget(digest)
-            self._unlink(path)
-            return None
-        self._files.move_to_end(digest)
+        with self._lock:
+            if payload is None:
+                self._warn_once("corrupt", "KV disk tier: %s failed its checksum (or holds other tokens); "
+                                "removed, its tokens are recomputed", path)
+                self._forget(digest)
+                self._unlink(path)
+                return None
+            if digest in self._files:
+                self._files.move_to_end(digest)
         return payload
 
     def _check(self, raw: bytes, digest: bytes, token_ids: tuple[int, ...]) -> torch.Tensor | None:
@@ -180,18 +224,35 @@ class DiskTier:
 
     def put(self, digest: bytes, token_ids: tuple[int, ...], payload: torch.Tensor,
             pinned: set[bytes] = frozenset()) -> None:
-        """Writes the block (atomically) unless it is there; keeps the budget by removing the oldest files."""
-        if not self.enabled or digest in self._files:
-            if digest in self._files:
-                self._files.move_to_end(digest)
+        """Takes the block (unless it is there) into the index and the budget, removing the oldest files
+        to make room, and hands it to the writer."""
+        size = HEADER_BYTES + 4 * len(token_ids) + payload.numel()
+        with self._lock:
+            if not self.enabled or digest in self._files:
+                if digest in self._files:
+                    self._files.move_to_end(digest)
+                return
+            if size > self.capacity:
+                return
+            self._shrink(size, pinned)
+            if self.nbytes + size > self.capacity:
+                return
+            self._files[digest] = size
+            self.nbytes += size
+            self._pending[digest] = (tuple(token_ids), payload)
+        self._writer.submit(digest, size)
+
+    def _write(self, digest: bytes) -> None:
+        """The writer thread's job: the block's file, atomically, unless the block was dropped meanwhile."""
+        with self._lock:
+            if not self.enabled:  # turned off by an earlier failed write: the blocks still queued are dropped
+                self._pending.pop(digest, None)
+                return
+            job = self._pending.get(digest)
+        if job is None:
             return
+        token_ids, payload = job
         body = np.asarray(token_ids, dtype=np.int32).tobytes() + payload.numpy().tobytes()
-        size = HEADER_BYTES + len(body)
-        if size > self.capacity:
-            return
-        self._shrink(size, pinned)
-        if self.nbytes + size > self.capacity:
-            return
         header = _HEADER.pack(MAGIC, VERSION, self.identity, digest, len(token_ids), payload.numel(),
                               zlib.crc32(body))
         path = self._path(digest)
@@ -200,21 +261,31 @@ class DiskTier:
             with open(tmp, "wb") as f:
                 f.write(header)
                 f.write(body)
-            os.replace(tmp, path)
+            if digest not in self._pending:  # dropped (the budget) while being written
+                self._unlink(tmp)
+                return
+            os.replace(tmp, path)  # not under the lock: a slow rename never holds up the engine
+            with self._lock:
+                if self._pending.pop(digest, None) is None:  # dropped while being renamed
+                    self._unlink(path)
         except OSError as error:
             self._unlink(tmp)
-            self.enabled = False
+            with self._lock:
+                self._pending.pop(digest, None)
+                self._forget(digest)
+                was_on, self.enabled = self.enabled, False
+            if not was_on:
+                return
             what = "the disk is full" if error.errno == errno.ENOSPC else f"a write failed ({error})"
             log.warning("KV disk tier off: %s in %s; prefixes are kept in the pool and the host tier only",
                         what, self.dir)
-            return
-        self._files[digest] = size
-        self.nbytes += size
 
     def _shrink(self, room: int, pinned: set[bytes] = frozenset()) -> None:
+        """Removes the least recently used blocks (written or pending) until `room` more bytes fit."""
         for digest in [d for d in self._files if d not in pinned]:
             if self.nbytes + room <= self.capacity:
                 break
+            self._pending.pop(digest, None)
             self._unlink(self._path(digest))
             self._forget(digest)
 
@@ -226,6 +297,7 @@ class DiskTier:
 
 def list_blocks(directory: str | os.PathLike) -> dict[bytes, dict[str, int]]:
     """Per model identity in a cache directory: its blocks, bytes and tokens (`kvgen cache ls`)."""
+    flush_writes(directory)
     out: dict[bytes, dict[str, int]] = {}
     for path in Path(directory).glob(f"*{SUFFIX}"):
         header = read_header(path)
@@ -241,6 +313,7 @@ def list_blocks(directory: str | os.PathLike) -> dict[bytes, dict[str, int]]:
 
 def clear_blocks(directory: str | os.PathLike) -> int:
     """Removes every block file (and temporary file) of a cache directory; returns how many."""
+    flush_writes(directory)
     count = 0
     for path in list(Path(directory).glob(f"*{SUFFIX}")) + list(Path(directory).glob("*.tmp")):
         try:

@@ -88,12 +88,14 @@ class Tiers:
         c.seconds += time.perf_counter() - started
 
     def readings(self) -> tuple[tuple[str, dict[str, float]], ...]:
-        """Per tier present: blocks and bytes held, and its counters (EngineStats.kv_tiers)."""
+        """Per tier present: blocks and bytes held, its budget, whether it is on (a disk tier turns off on
+        a write error), and its counters (EngineStats.kv_tiers)."""
         out = []
         for name, tier in (("host", self.host), ("disk", self.disk)):
             if tier is not None:
                 c = self.counters[name]
-                out.append((name, {"blocks": len(tier), "bytes": tier.nbytes, "hits": c.hits, "bytes_in": c.bytes_in,
+                out.append((name, {"blocks": len(tier), "bytes": tier.nbytes, "capacity": tier.capacity,
+                                   "enabled": getattr(tier, "enabled", True), "hits": c.hits, "bytes_in": c.bytes_in,
                                    "bytes_out": c.bytes_out, "seconds": c.seconds, "stored": c.stored}))
         return tuple(out)
 

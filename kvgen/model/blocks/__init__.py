@@ -8,6 +8,8 @@ layers next). The blocks, each a module of this package:
     attention   q/k/v (fused, biases), QK-norm, RoPE of the layer's base, paged KV via the backend, o
     gated_mlp   down(act(gate) * up), SwiGLU or GeGLU
     embedding   the token embedding, times sqrt(hidden) where the architecture scales it
+    gated_attention   attention whose q projection carries a sigmoid output gate, partial RoPE (Qwen3.5)
+    gated_delta_net   linear attention over a recurrent state per sequence, in the state pool (Qwen3.5)
 
 The interface (kvgen.model.blocks.base.Block):
 

@@ -1,5 +1,9 @@
 """Softmax attention over the KV cache: q/k/v in one matmul (biases where the architecture has them),
-optional per-head RMSNorm of q and k, RoPE of the layer's base, the backend's attention, o."""
+optional per-head RMSNorm of q and k, RoPE of the layer's base, the backend's attention, o.
+
+Gemma 4's options: the layer's own head size and KV heads; V RMS-normed without a weight; V taken
+from the key projection (k_eq_v); and a layer sharing an earlier layer's K/V, which projects only
+q and attends over its donor's cache (`Attention.attend_shared`)."""
 
 from __future__ import annotations
 
@@ -21,34 +25,59 @@ class AttentionBlock(Block):
     def __init__(self, spec: AttentionSpec, index: int, ctx: BuildContext) -> None:
         cfg, w, build = ctx.config, ctx.weights, ctx.build
         p = f"model.layers.{index}.{spec.prefix}."
-        self.index, self.rope = index, ctx.rope_index(index)
-        self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.index, self.rope, self.donor = index, ctx.rope_index(index), cfg.kv_donor(index)
+        self.dim, self.kv_heads = spec.dims(cfg)
+        self.heads, self.shared, self.k_eq_v = cfg.num_heads, spec.shared_kv, spec.k_eq_v
         self.norm, self.rotate, self.eps = ctx.norm, ctx.rotate, cfg.rms_norm_eps
-        qkv_bias = build.float(torch.cat([w[p + n + "_proj.bias"] for n in "qkv"])) if cfg.qkv_bias else None
+        projected = "q" if spec.shared_kv else "qk" if spec.k_eq_v else "qkv"
+        qkv_bias = build.float(torch.cat([w[p + n + "_proj.bias"] for n in projected])) if cfg.qkv_bias else None
         o_bias = build.float(w[p + "o_proj.bias"]) if cfg.o_bias else None
-        names = ["qkv_proj"] if spec.fused_qkv else [n + "_proj" for n in "qkv"]
+        names = ["qkv_proj"] if spec.fused_qkv else [n + "_proj" for n in projected]
         self.qkv: Linear = build.linear([w[p + n + ".weight"] for n in names], qkv_bias)  # hidden -> (H + 2 KV) * D
         self.o: Linear = build.linear([w[p + "o_proj.weight"]], o_bias)  # H * D -> hidden
         self.q_norm: torch.Tensor | None = None  # [D] (or [H * D], whole), times the query scale
         self.k_norm: torch.Tensor | None = None  # [D] (or [KV * D], whole)
         self.q_width, self.k_width = (self.heads * self.dim, self.kv_heads * self.dim) if spec.qk_norm_whole \
             else (self.dim, self.dim)  # how many values each RMSNorm of q and k spans
+        self.v_norm = build.float(torch.ones(self.dim)) if spec.value_norm else None  # [D] RMS only
         if spec.qk_norm:
-            self.q_norm = build.float(w[p + "q_norm.weight"].float() * query_scale(cfg))
-            self.k_norm = build.float(w[p + "k_norm.weight"])
-        elif cfg.attention_scale is not None and query_scale(cfg) != 1.0:
+            self.q_norm = build.float(w[p + "q_norm.weight"].float() * query_scale(cfg, self.dim))
+            self.k_norm = None if spec.shared_kv else build.float(w[p + "k_norm.weight"])
+        elif cfg.attention_scale is not None and query_scale(cfg, self.dim) != 1.0:
             raise ValueError(f"{cfg.architecture}: a query scale other than 1/sqrt(head_dim) needs QK-norm to carry it")
 
     def projections(self) -> dict[str, Linear]:
         return {"qkv": self.qkv, "o": self.o}
 
+    def fuses(self) -> bool:
+        """Gemma 4's options have no fused form yet: such a layer runs layer by layer in a fused step."""
+        return self.v_norm is None and not self.shared and not self.k_eq_v
+
     def forward(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
         q_size, kv_size = self.heads * self.dim, self.kv_heads * self.dim
-        qk, v = self.qkv(h, step.rows).split((q_size + kv_size, kv_size), dim=-1)
+        if self.shared:
+            return self._forward_shared(h, step)
+        if self.k_eq_v:
+            qk = self.qkv(h, step.rows)
+            v = qk[:, q_size:]  # V is the key projection, before K's norm and RoPE
+        else:
+            qk, v = self.qkv(h, step.rows).split((q_size + kv_size, kv_size), dim=-1)
+        v = v.reshape(-1, self.kv_heads, self.dim)
+        if self.v_norm is not None:
+            v = self.norm(v.reshape(-1, self.dim), self.v_norm, self.eps).view(-1, self.kv_heads, self.dim)
         qk = self.rotate(self._qk_heads(qk), *step.tables[self.rope])  # q, k at once
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
-        attn = step.attention(self.index, q, k, v.view(-1, self.kv_heads, self.dim))
+        attn = step.attention(self.index, q, k, v)
         return self.o(attn.reshape(-1, q_size), step.rows)
+
+    def _forward_shared(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """Only q is projected, normed and rotated; K/V are the donor layer's, already cached."""
+        q = self.qkv(h, step.rows).view(-1, self.heads, self.dim)
+        if self.q_norm is not None:
+            q = self.norm(q.reshape(-1, self.dim), self.q_norm, self.eps).view(-1, self.heads, self.dim)
+        q = self.rotate(q, *step.tables[self.rope])
+        attn = step.attention.attend_shared(self.donor, q)
+        return self.o(attn.reshape(-1, self.heads * self.dim), step.rows)
 
     def _qk_heads(self, qk: torch.Tensor) -> torch.Tensor:
         """The q and k parts of a qkv row [T, (H + KV) * D] -> [T, H + KV, D], each head normed where
@@ -68,6 +97,8 @@ class AttentionBlock(Block):
             program.buffer("qk", (self.heads + self.kv_heads, self.dim))
 
     def fused_calls(self, program: FusedProgram) -> list[KernelCall | None] | None:
+        if not self.fuses():
+            return None
         rows, heads, kv_heads, dim = program.rows, self.heads, self.kv_heads, self.dim
         q_size, kv_size = heads * dim, kv_heads * dim
         qkv = program.buffer("qkv", (q_size + 2 * kv_size,))
@@ -90,9 +121,9 @@ class AttentionBlock(Block):
                 self.o.call(attn, program.out)]
 
 
-def query_scale(config: ModelConfig) -> float:
+def query_scale(config: ModelConfig, head_dim: int) -> float:
     """What q is multiplied by so that attention's 1/sqrt(head_dim) becomes `attention_scale`: folded
     into q's norm weight (exactly 1 where, as in Gemma 3 270M, the two agree)."""
     if config.attention_scale is None:
         return 1.0
-    return config.attention_scale * math.sqrt(config.head_dim)
+    return config.attention_scale * math.sqrt(head_dim)

@@ -27,8 +27,8 @@ class StateBatch(Protocol):
     """A step's view of the per-sequence state pool, for blocks with a recurrent state (Qwen3.5's
     Gated DeltaNet). The runner fills it beside the paged-KV metadata (kvgen.runner.state_batch):
     the first `num_decodes` sequences have one row each (rows 0..num_decodes - 1, run as one batch),
-    the others a prompt chunk, or, where `verify_rows[b]` is set, a speculative verify chunk whose
-    state after each position goes to that checkpoint row and not to the slot."""
+    then come the speculative verify chunks (where `verify_rows[b]` is set: the state after each
+    position goes to that checkpoint row and not to the slot), then the prompt chunks."""
 
     slots: torch.Tensor  # [B] int64: each sequence's state slot in the pool, in batch order
     row_starts: list[int]  # [B + 1]: sequence b owns rows row_starts[b]:row_starts[b + 1]
@@ -51,6 +51,7 @@ class StepContext:
     attention: Attention  # paged (or contiguous) KV: attention(layer, q, k, v) stores and attends
     rows: RowKernels | None = None  # each row's matmul kernel by role (kvgen.model.linear)
     states: StateBatch | None = None  # recurrent blocks' state slots (None: the model has none)
+    per_layer_inputs: torch.Tensor | None = None  # [T, layers, P] Gemma 4's (kvgen.model.blocks.per_layer_input)
 
 
 @dataclass

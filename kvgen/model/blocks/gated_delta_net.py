@@ -7,9 +7,9 @@ kvgen.model.delta_net_layer (prefill, decode, verify), its memory in the state p
 
 A step's rows come in the order the runner laid them out (kvgen.model.blocks.base.StateBatch):
 the decodes first, one token each, run as one batch through the C step that updates their slots in
-place; then each prompt chunk from its slot's window and state (the chunked form), written back;
-then each verify chunk, whose state after every position goes to its checkpoint row, the slot left
-as it was until the engine accepts a number of positions (kvgen.cache.state_pool). No fused form:
+place; then each verify chunk, whose state after every position goes to its checkpoint row, the slot
+left as it was until the engine accepts a number of positions (kvgen.cache.state_pool); then the
+prompt chunks, all in one ragged call that continues each from its slot and leaves it updated. No fused form:
 the layer runs layer by layer inside a fused decode step.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from kvgen.architectures.spec import GatedDeltaNetSpec
 from kvgen.model.blocks.base import Block, BuildContext, StepContext, register
-from kvgen.model.delta_net_layer import DeltaNetLayer, decode, prefill, verify
+from kvgen.model.delta_net_layer import DeltaNetLayer, decode, prefill_ragged, verify
 from kvgen.model.kernels.gated_delta_net import gated_delta_net_kernel
 from kvgen.model.linear import Linear
 
@@ -56,16 +56,19 @@ class GatedDeltaNetBlock(Block):
         mixed, z, b, a = self.in_proj(h, step.rows).split(self.split, dim=-1)  # [T, conv_dim], [T, Hv Dv], [T, Hv] x 2
         conv, state = states.layer(self.index)  # [slots, conv_dim, K - 1], [slots, Hv, Dk, Dv]
         y = torch.empty(h.shape[0], self.split[1], dtype=h.dtype, device=h.device)
-        n = states.num_decodes
+        n, rows, kernel = states.num_decodes, states.row_starts, self.kernel
         if n:
-            y[:n] = decode(self.layer, mixed[:n], z[:n], a[:n], b[:n], conv, state, states.slots[:n], self.kernel)
-        for seq in range(n, len(states.verify_rows)):
-            r0, r1, slot = states.row_starts[seq], states.row_starts[seq + 1], int(states.slots[seq])
-            rows = (self.layer, mixed[r0:r1], z[r0:r1], a[r0:r1], b[r0:r1], conv[slot], state[slot])
-            row = states.verify_rows[seq]
-            if row is None:
-                y[r0:r1], conv[slot], state[slot] = prefill(*rows)
-            else:
+            y[:n] = decode(self.layer, mixed[:n], z[:n], a[:n], b[:n], conv, state, states.slots[:n], kernel)
+        prompts = [seq for seq in range(n, len(rows) - 1) if states.verify_rows[seq] is None]
+        for seq in range(n, len(rows) - 1):
+            if (row := states.verify_rows[seq]) is not None:
+                r0, r1, slot = rows[seq], rows[seq + 1], int(states.slots[seq])
                 conv_points, state_points = states.checkpoints(self.index)
-                y[r0:r1], conv_points[row, : r1 - r0], state_points[row, : r1 - r0] = verify(*rows)
+                y[r0:r1], conv_points[row, : r1 - r0], state_points[row, : r1 - r0] = verify(
+                    self.layer, mixed[r0:r1], z[r0:r1], a[r0:r1], b[r0:r1], conv[slot], state[slot], kernel)
+        if prompts:  # the step's last rows, one sequence's chunk after another
+            r0 = rows[prompts[0]]
+            lengths = [rows[seq + 1] - rows[seq] for seq in prompts]
+            y[r0:] = prefill_ragged(self.layer, mixed[r0:], z[r0:], a[r0:], b[r0:], conv, state,
+                                    states.slots[prompts], lengths, kernel)
         return self.out(y, step.rows)

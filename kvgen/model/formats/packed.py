@@ -68,7 +68,8 @@ def pack(q: np.ndarray, offset: int, bits: int, scale: np.ndarray, min: np.ndarr
     else:  # element 32s + 4g + b -> byte b, vector g
         codes = q.reshape(panels, PANEL, spans, 8, 4).transpose(0, 2, 3, 1, 4)
     arrays = [scale] + ([min] if min is not None else [])
-    narrow = group == GROUP and all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in arrays)
+    with np.errstate(over="ignore"):  # a scale past fp16's range (MXFP4's) is not narrow: inf != it
+        narrow = group == GROUP and all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in arrays)
     dtype = np.float16 if narrow else np.float32
 
     def tiled(a: np.ndarray | None) -> torch.Tensor | None:

@@ -70,6 +70,11 @@ class KQuantKernel:
         function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
         return BoundKQuant(function, getattr(self._library, f"kq_matmul_{w.kind}_call"), w, parts)
 
+    def address(self, w: KPacked) -> int:
+        """The address of the C kernel for `w`'s type, for C callers that run it on parts of a weight
+        (moe.c, over one expert of a stack at a time)."""
+        return ctypes.cast(getattr(self._library, f"kq_matmul_{w.kind}"), ctypes.c_void_p).value
+
     def rows(self, w: KPacked, rows: torch.Tensor) -> torch.Tensor:
         """Rows `rows` (int64 [n]) of w's values, fp32 [n, in]: kquant_format.dequantize_rows's
         values, in C (a prompt's embedding lookups)."""

@@ -7,7 +7,8 @@
  *
  * The experts' matrices are not read here: each projection's stack (every expert's [N, K], one after
  * the other at a fixed stride) is multiplied by the function it comes with, of the packed kernels'
- * signature (qmatmul.c's qmatmul_u{bits}_g{group}_{f16,f32}, on the packed stack of a GGUF file), or
+ * signature: qmatmul.c's qmatmul_u{bits}_g{group}_{f16,f32} on a packed stack of a GGUF file, or
+ * kquant.c's kq_matmul_{q4_k,q5_k,q6_k} on a K-quant stack (`kquant`: its signature), or
  * moe_f32_matmul below for fp32 stacks. So packed experts run the same integer dot products as every
  * other packed layer.
  *
@@ -27,14 +28,19 @@
 typedef int (*matmul_fn)(const float *x, int64_t T, int64_t K, const uint8_t *codes, const void *scale,
                          const void *min, int32_t offset, int64_t N, float *out, int32_t parts, int32_t threads);
 
+/* kquant.c's: out [T, N] (rows ldo apart) = x [T, K] @ W^T for K-quant panels at w. */
+typedef int (*kquant_fn)(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, float *out, int64_t ldo,
+                         int32_t parts, int32_t threads);
+
 /* One projection of every expert: expert e's matrix [N, K] at codes + e * codes_stride (its scales
- * and mins likewise, where the format has them). */
+ * and mins likewise, where the format has them). `matmul` is a kquant_fn where `kquant`. */
 struct expert_stack {
-    matmul_fn matmul;
+    void *matmul;
     const uint8_t *codes, *scale, *min;
     int64_t codes_stride, scale_stride, min_stride; /* bytes per expert */
     int32_t offset, parts;
     int64_t N, K;
+    int32_t kquant;
 };
 
 struct moe_args {
@@ -109,8 +115,11 @@ static inline const uint8_t *at(const uint8_t *base, int64_t stride, int64_t e) 
 /* rows [n, N] of x through expert e of `s`. */
 static int expert_matmul(const struct expert_stack *s, int64_t e, const float *x, int64_t n, float *out,
                          int threads) {
-    return s->matmul(x, n, s->K, at(s->codes, s->codes_stride, e), at(s->scale, s->scale_stride, e),
-                     at(s->min, s->min_stride, e), s->offset, s->N, out, s->parts, threads);
+    if (s->kquant)
+        return ((kquant_fn)s->matmul)(x, n, s->K, at(s->codes, s->codes_stride, e), s->N, out, s->N, s->parts,
+                                      threads);
+    return ((matmul_fn)s->matmul)(x, n, s->K, at(s->codes, s->codes_stride, e), at(s->scale, s->scale_stride, e),
+                                  at(s->min, s->min_stride, e), s->offset, s->N, out, s->parts, threads);
 }
 
 /* act [n, inner] = silu(gate) * up of gate_up rows [n, 2 * inner]. */

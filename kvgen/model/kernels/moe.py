@@ -26,7 +26,7 @@ class ExpertStackArgs(ctypes.Structure):
 
     _fields_ = [("matmul", _P), ("codes", _P), ("scale", _P), ("min", _P), ("codes_stride", _I64),
                 ("scale_stride", _I64), ("min_stride", _I64), ("offset", _I32), ("parts", _I32), ("N", _I64),
-                ("K", _I64)]
+                ("K", _I64), ("kquant", _I32)]
 
 
 class _Args(ctypes.Structure):

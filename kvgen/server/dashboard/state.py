@@ -4,7 +4,10 @@
     {"snapshot": id, "step": n, "taken_at": unix time,
      "pool": {"num_blocks", "block_size", "state": [...], "owner": [...], "ref_count": [...], "counts": {...},
               "kinds": [{"label", "num_blocks"}, ...]},    (a hybrid cache's pools, in order; else [])
-     "sequences": [...], "steps": [...], "metrics": {...}}
+     "tiers": [{"tier": "host" | "disk", "blocks", "bytes", "capacity", "enabled", "hits", "stored",
+                "bytes_in", "bytes_out", "seconds"}, ...],    (the KV tiers below the pool; else [])
+     "sequences": [...], "steps": [...], "metrics": {...},
+     "experts": [{"layer", "tokens": [per expert]}, ...]}   (a mixture's router statistics; else [])
 
 or, for the event stream, a compact pool: "codes", one letter per block (f free, c cached, u used,
 s shared, r released); "owner", base64 of little-endian unsigned ints of `owner_bytes` (2, or 4 for
@@ -48,8 +51,10 @@ def state_json(snap: DashboardSnapshot, compact: bool = False) -> dict:
             "kinds": [{"label": label, "num_blocks": n} for label, n in engine.pool_kinds]}
     pool.update(compact_pool(engine.blocks, engine.sequences) if compact else _full_pool(engine.blocks))
     return {"snapshot": snap.id, "step": engine.step, "taken_at": engine.taken_at, "pool": pool,
+            "tiers": [{"tier": name, **reading} for name, reading in engine.stats.kv_tiers],
             "sequences": [s.as_dict() for s in engine.sequences], "steps": [r.as_dict for r in engine.steps],
-            "metrics": snap.metrics}
+            "metrics": snap.metrics,
+            "experts": [{"layer": layer, "tokens": list(tokens)} for layer, tokens in engine.stats.expert_tokens]}
 
 
 def _full_pool(blocks: BlockStates) -> dict:

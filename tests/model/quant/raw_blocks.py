@@ -8,7 +8,7 @@ from gguf.quants import quantize
 
 Q = GGMLQuantizationType
 # gguf's Python package quantizes these; the K-quants it only dequantizes.
-QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1]
+QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.MXFP4]
 # Where each K-quant block keeps its fp16 super-block scales (d, and dmin where it has one).
 K_SCALE_FIELDS = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108], Q.Q2_K: [80, 82]}
 MAPPED = QUANTIZABLE + list(K_SCALE_FIELDS)

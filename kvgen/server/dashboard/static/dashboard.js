@@ -135,6 +135,8 @@ function show(state) {
   drawSteps(state.steps);
   showSequences(state.sequences);
   showMetrics(state.metrics);
+  showTiers(state.tiers || []);
+  drawExperts(state.experts || []);
   document.body.dataset.renderMs = (performance.now() - started).toFixed(1);
 }
 
@@ -303,6 +305,26 @@ function drawSteps(steps) {
       `${ms.toFixed(1)} ms a step (mean of the last ${tail.length})`
     : "no step yet";
 }
+// A heat map of expert load: a row per MoE layer, a cell per expert, its shade the expert's share of
+// the layer's tokens against an even spread (white: idle, full colour: twice the mean or more).
+function drawExperts(experts) {
+  $("experts-panel").hidden = experts.length === 0;
+  if (!experts.length) return;
+  const rows = experts.length, cols = experts[0].tokens.length;
+  const cell = Math.max(2, Math.min(14, Math.floor(600 / cols)));
+  const { ctx } = fitCanvas($("experts"), rows * cell);
+  for (const [r, layer] of experts.entries()) {
+    const total = layer.tokens.reduce((a, n) => a + n, 0);
+    const mean = total / cols || 1;
+    layer.tokens.forEach((n, c) => {
+      const load = Math.min(n / mean / 2, 1);
+      ctx.fillStyle = `hsl(20 85% ${Math.round(97 - 55 * load)}%)`;
+      ctx.fillRect(c * cell, r * cell, cell - 1, cell - 1);
+    });
+  }
+  $("experts-shape").textContent = `${rows} layers × ${cols} experts`;
+}
+
 function showSequences(sequences) {
   const rows = sequences.map((s) => {
     const phase = s.phase === "decode" ? "decode"
@@ -358,6 +380,27 @@ function showMetrics(metrics) {
     if (histogram !== name && !metrics[histogram + "_count"]) return `<dt>${label}</dt><dd>–</dd>`;
     const text = value === undefined ? "–" : format ? format(value) : String(Math.round(value));
     return `<dt>${label}</dt><dd>${text}</dd>`;
+  }).join("");
+}
+
+// The KV tiers below the pool: per tier a bar of its budget filled, and what it holds and served.
+const TIER_NAMES = { host: "host tier (RAM)", disk: "disk tier" };
+
+function size(bytes) {
+  const [unit, scale] = bytes >= 2 ** 30 ? ["GiB", 2 ** 30] : bytes >= 2 ** 20 ? ["MiB", 2 ** 20] : ["KiB", 2 ** 10];
+  return (bytes / scale).toFixed(1) + " " + unit;
+}
+
+function showTiers(tiers) {
+  $("tiers").hidden = tiers.length === 0;
+  $("tier-rows").innerHTML = tiers.map((t) => {
+    const fill = t.capacity ? Math.min(100, (100 * t.bytes) / t.capacity) : 0;
+    const state = t.enabled ? "" : ` <b class="off">off</b>`;
+    return `<div class="tier" id="tier-${t.tier}"><span class="name">${TIER_NAMES[t.tier] || t.tier}${state}</span>` +
+      `<span class="bar"><i style="width:${fill.toFixed(1)}%"></i></span>` +
+      `<span><b class="blocks">${t.blocks}</b> blocks · ${size(t.bytes)} of ${size(t.capacity)}</span>` +
+      `<span>hits <b class="hits">${t.hits}</b> · stored <b class="stored">${t.stored}</b> · ` +
+      `${size(t.bytes_out)} out · ${(t.seconds * 1000).toFixed(0)} ms</span></div>`;
   }).join("");
 }
 
