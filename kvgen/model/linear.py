@@ -73,7 +73,7 @@ from kvgen.model.kernels.f32 import F32Matmul, f32_kernel
 from kvgen.model.formats.kquant import KPacked
 from kvgen.model.formats.packed import PackedWeight, dequantize
 from kvgen.model.kernels.kquant import kquant_kernel
-from kvgen.model.kernels.many_rows_choice import fp32_beats, many_rows_dtype
+from kvgen.model.kernels.many_rows_choice import INTEGER_BELOW_ROWS, fp32_beats, integer_beats, many_rows_dtype
 from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, kernel_name, qmatmul_kernel
 from kvgen.model.kernels.step import step_kernels
 from kvgen.threads import WORKERS_SLEEP
@@ -91,14 +91,13 @@ DECODED_FROM_ROWS = 16
 # Many GEMV rows over a large matrix (an LM head) go tile by tile so each tile is read from memory
 # once and then from cache; a tile's GEMV gives the same bits as the whole matrix's.
 GEMV_TILE_BYTES = 4 << 20
-# From this many rows of x on (prefill chunks, large decode batches) a packed layer runs on its
-# weight dequantized per call, in bf16 or fp32 (KernelQuantLinear). bf16: 1.3-1.9x faster than
-# the integer kernel at 16 rows, 2.5-3.4x at 64-512, and slower below ~8 (BENCHMARKS.md).
+# From this many rows of x on (prefill chunks, large decode batches; INTEGER_BELOW_ROWS where that
+# measures faster) a packed layer runs on its weight dequantized per call, in bf16 or fp32
+# (KernelQuantLinear). bf16: 1.3-1.9x faster than x int8x2 at 16 rows on some VMs (BENCHMARKS.md).
 BF16_FROM_ROWS = 16
-# fp32, by the integer kernel's build: a 3,072 x 576 int4 matrix at 64 / 128 / 512 rows took 9.8 /
-# 20.5 / 81.9 ms on the AVX2 integer kernel (x int8x2) and 10.1 / 11.4 / 16.1 ms dequantized, packed
-# and multiplied (2 threads, Zen 3); on an AVX-512 VM 0.51 / 0.91 / 1.92 ms at 16
-# / 32 / 64 rows against 0.88 / 0.93 / 1.35 (BENCHMARKS.md).
+# fp32, by the integer kernel's build: a 3,072 x 576 int4 matrix at 64 / 128 / 512 rows took 9.8 / 20.5 / 81.9
+# ms on the AVX2 integer kernel (x int8x2), 10.1 / 11.4 / 16.1 ms dequantized, packed and multiplied (2 threads,
+# Zen 3); on an AVX-512 VM 0.51 / 0.91 / 1.92 ms at 16 / 32 / 64 rows against 0.88 / 0.93 / 1.35 (BENCHMARKS.md).
 FP32_FROM_ROWS = {"avx512-vnni": 32, "avx2": 128}
 # From this many rows of x on, one int8 part (KQuantLinear); fused decode steps run below 16 rows
 # (kvgen.model.fused), so decode and verify chunks keep the layer's activations.
@@ -336,6 +335,7 @@ class KernelQuantLinear(QuantLinear):
         self._tiles = many_rows.tiles if dtype is not None else None
         self._from_rows = (None if dtype is None else BF16_FROM_ROWS if dtype == torch.bfloat16
                            else FP32_FROM_ROWS[kernel.isa])
+        self._from_rows = self._from_rows and max(self._from_rows, INTEGER_BELOW_ROWS * integer_beats(dtype))
         path = "bf16_matmul" if self._bf16 is not None else "f32_matmul"
         many = f"; from {self._from_rows} rows {path}" if self._from_rows is not None else ""
         self.kernel = f"{kernel_name(weight)} [{kernel.isa}] (x {activations}{many})"

@@ -1,4 +1,5 @@
-"""Which float kernel this CPU runs many rows of x faster on, measured once per process.
+"""Which float kernel this CPU runs many rows of x faster on, and from how many rows packed layers
+leave the integer kernel for it, measured once per process.
 
 A CPU's bf16 dot products (vdpbf16ps, 32 multiply-adds) may issue at a quarter of its fp32
 multiply-adds' rate (16 each), so that fp32 does twice bf16's work a second, or fast enough that
@@ -23,6 +24,8 @@ from kvgen.model.kernels.bf16 import bf16_kernel
 from kvgen.model.kernels.bf16 import pack as pack_bf16
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.f32 import pack as pack_f32
+from kvgen.model.kernels.qmatmul import qmatmul_kernel
+from kvgen.model.formats.float_weights import quantize_int4
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +33,13 @@ log = logging.getLogger(__name__)
 # bf16's and cost ~10% of the matmul more to write.
 FP32_MARGIN = 1.15
 ROWS, IN, OUT = 256, 576, 1152  # the matmul timed: a prompt chunk through a small model's layer
+# Below this many rows, where the integer kernel beats the float path at INTEGER_ROWS rows
+# (integer_beats), packed layers keep the integer kernel with their own activations. On an AMD EPYC
+# (Zen 4) the integer kernel (x int8x2) ran 1B-shaped Q4_0 layers (3,072 x 2,048 to 2,048 x 8,192) at
+# 16 / 64 rows in 11.8 / 47.9 ms of one core where dequantizing to bf16 took 31.2 / 57.4, both near
+# 100 ms at ~128 and bf16 ahead beyond (407 against 437 ms at 512); where the 16-row threshold was
+# measured, bf16 ran 1.3-1.9x faster than the integer kernel at 16 rows.
+INTEGER_BELOW_ROWS, INTEGER_ROWS = 128, 64
 
 
 def many_rows_dtype(requested: torch.dtype | None = None) -> torch.dtype | None:
@@ -65,3 +75,27 @@ def fp32_beats(rival: str) -> bool:
     log.info("many rows of x: fp32 kernel %.2f ms, %s %.2f ms: %s", best["fp32"] * 1e3, rival, best[rival] * 1e3,
              "fp32" if beats else rival)
     return beats
+
+
+@functools.cache
+def integer_beats(dtype: torch.dtype) -> bool:
+    """Whether the integer kernel (which must run here; x int8x2) runs INTEGER_ROWS rows through a
+    packed int4 matrix faster than dequantizing it per call for the `dtype` kernel (which must run
+    here) and running that; best of 5 alternated runs each, once per process."""
+    generator = torch.Generator().manual_seed(0)
+    w = quantize_int4(torch.randn(OUT, IN, generator=generator))
+    x = torch.randn(INTEGER_ROWS, IN, generator=generator)
+    bound, xb = qmatmul_kernel().bind(w, "int8x2"), x.bfloat16()
+    runs: dict[str, Callable[[], torch.Tensor]] = {
+        "integer": functools.partial(bound.run, x),
+        "float": (lambda: bf16_kernel()(xb, bound.dequantize_bf16(), OUT, torch.float32)) if dtype == torch.bfloat16
+        else (lambda: f32_kernel()(x, bound.dequantize_f32(), OUT))}
+    best = dict.fromkeys(runs, math.inf)
+    for _ in range(5):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    log.info("%d rows of x: integer kernel %.2f ms, dequantized %s %.2f ms", INTEGER_ROWS, best["integer"] * 1e3,
+             dtype, best["float"] * 1e3)
+    return best["integer"] < best["float"]

@@ -12,8 +12,8 @@ from kvgen.model.formats.gguf_blocks import convert
 from kvgen.model.kernels.qmatmul import qmatmul_kernel
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.f32 import pack as pack_f32
-from kvgen.model.kernels.many_rows_choice import many_rows_dtype
-from kvgen.model.linear import FP32_FROM_ROWS, KernelQuantLinear, ManyRows
+from kvgen.model.kernels.many_rows_choice import INTEGER_BELOW_ROWS, integer_beats, many_rows_dtype
+from kvgen.model.linear import BF16_FROM_ROWS, FP32_FROM_ROWS, KernelQuantLinear, ManyRows
 from tests.support.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix
@@ -124,23 +124,30 @@ def test_dequantized_bf16_tiles_are_the_weights_rounded_to_bf16(ggml_type):
     assert (got == exact.bfloat16().float()).float().mean() > 0.999
 
 
-@pytest.mark.parametrize("rows", [16, 70])
+def from_rows(dtype: torch.dtype, rows: int) -> int:
+    """Where a packed layer leaves the integer kernel for the `dtype` kernel: `rows`, or
+    INTEGER_BELOW_ROWS where the integer kernel measures faster."""
+    return max(rows, INTEGER_BELOW_ROWS * integer_beats(dtype))
+
+
+@pytest.mark.parametrize("extra", [0, 54])
 @pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
-def test_many_rows_run_in_bf16_within_its_rounding(ggml_type, rows):
+def test_many_rows_run_in_bf16_within_its_rounding(ggml_type, extra):
     """x and W^ each rounded to bf16 (relative 2^-8), products exact in fp32, summed in fp32:
     |y - x W^T| <= ((1 + u)^2 - 1 + gamma(K) (1 + u)^2) sum |x| |W^|, u = 2^-8."""
     if bf16_kernel() is None:
         pytest.skip("this CPU has no AVX-512 BF16")
     w = gguf_weight(ggml_type, out=13)
-    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    first = from_rows(torch.bfloat16, BF16_FROM_ROWS)
+    x = torch.randn(first + extra, 512, generator=torch.Generator().manual_seed(extra))
     layer = KernelQuantLinear(w, None, "int8x2", ManyRows(Bf16Tiles(), torch.bfloat16))
     dense = dequantize(w).double()
     u = BF16_UNIT_ROUNDOFF
     bound = ((1 + u) ** 2 - 1 + gamma(512) * (1 + u) ** 2) * (x.double().abs() @ dense.abs().T)
     assert ((layer(x).double() - x.double() @ dense.T).abs() <= bound).all()
-    assert "from 16 rows bf16_matmul" in layer.kernel
-    below = layer(x[:15])  # the integer kernel, as without the bf16 path
-    assert torch.equal(below, qmatmul_kernel().bind(w, "int8x2")(x[:15]))
+    assert f"from {first} rows bf16_matmul" in layer.kernel
+    below = layer(x[:first - 1])  # the integer kernel, as without the bf16 path
+    assert torch.equal(below, qmatmul_kernel().bind(w, "int8x2")(x[:first - 1]))
 
 
 @pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
@@ -150,18 +157,18 @@ def test_many_rows_run_in_fp32_within_its_rounding(ggml_type):
     if f32_kernel() is None:
         pytest.skip("this CPU has no fp32 kernel (neither AVX-512 nor AVX2)")
     w = gguf_weight(ggml_type, out=13)
-    from_rows = FP32_FROM_ROWS[qmatmul_kernel().isa]
-    x = torch.randn(from_rows + 5, 512, generator=torch.Generator().manual_seed(3))
+    first = from_rows(torch.float32, FP32_FROM_ROWS[qmatmul_kernel().isa])
+    x = torch.randn(first + 5, 512, generator=torch.Generator().manual_seed(3))
     layer = KernelQuantLinear(w, None, "int8x2", ManyRows(Bf16Tiles(), torch.float32))
     assert torch.equal(qmatmul_kernel().bind(w).dequantize_f32(), pack_f32(dequantize(w)))  # exact panels
     dense = dequantize(w).double()
     bound = gamma(512) * (x.double().abs() @ dense.abs().T)
     got = layer(x)
     assert ((got.double() - x.double() @ dense.T).abs() <= bound).all()
-    assert torch.equal(got[:from_rows], layer(x[:from_rows]))  # a row's bits, whatever beside it
-    assert f"from {from_rows} rows f32_matmul" in layer.kernel
-    below = layer(x[:from_rows - 1])
-    assert torch.equal(below, qmatmul_kernel().bind(w, "int8x2")(x[:from_rows - 1]))
+    assert torch.equal(got[:first], layer(x[:first]))  # a row's bits, whatever beside it
+    assert f"from {first} rows f32_matmul" in layer.kernel
+    below = layer(x[:first - 1])
+    assert torch.equal(below, qmatmul_kernel().bind(w, "int8x2")(x[:first - 1]))
 
 
 def test_many_rows_take_the_float_kernel_this_cpu_runs_faster():
