@@ -48,12 +48,8 @@ class PoolIO:
         as 8-byte words where a row allows)."""
         if not block_ids:
             return
-        if any(p.numel() != self.block_bytes for p in payloads):
-            raise ValueError(f"a block payload is not the pools' {self.block_bytes} bytes a block")
-        device = self.rows[0].device
-        stacked = torch.stack(payloads).to(device)  # [n, block_bytes]
+        stacked, ids = self._stacked(block_ids, payloads, self.rows[0].device)  # [n, block_bytes], [n]
         n, bs = len(block_ids), self.block_size
-        ids = torch.tensor(block_ids, device=device)
         at = 0
         for rows, size in zip(self.rows, self.parts):
             heads, width = rows.shape[0], rows.shape[2]
@@ -66,6 +62,13 @@ class PoolIO:
     def write(self, block_id: int, payload: torch.Tensor) -> None:
         """Stores a payload of `read` into the block's slots in every pool."""
         self.write_many([block_id], [payload])
+
+    def _stacked(self, block_ids: list[int], payloads: list[torch.Tensor],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payloads as one [n, block_bytes] tensor on the pools' device, and the block ids beside them."""
+        if any(p.numel() != self.block_bytes for p in payloads):
+            raise ValueError(f"a block payload is not the {self.block_bytes} bytes a tier block takes here")
+        return torch.stack(payloads).to(device), torch.tensor(block_ids, device=device)
 
 
 class Int8PoolIO(PoolIO):
@@ -102,12 +105,8 @@ class Int8PoolIO(PoolIO):
         """Dequantizes payloads of `read` into many blocks: one indexed store per pool tensor."""
         if not block_ids:
             return
-        if any(p.numel() != self.block_bytes for p in payloads):
-            raise ValueError(f"a block payload is not the {self.block_bytes} bytes an int8 tier block takes")
-        device = self.tensors[0].device
-        stacked = torch.stack(payloads).to(device)  # [n, block_bytes]
+        stacked, ids = self._stacked(block_ids, payloads, self.tensors[0].device)  # [n, block_bytes], [n]
         n, bs = len(block_ids), self.block_size
-        ids = torch.tensor(block_ids, device=device)
         at = 0
         for t, size in zip(self.tensors, self.parts):
             heads, dim = t.shape[0], t.shape[2]

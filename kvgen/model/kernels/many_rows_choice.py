@@ -53,6 +53,18 @@ def many_rows_dtype(requested: torch.dtype | None = None) -> torch.dtype | None:
     return torch.float32 if fp32_beats("bf16 kernel") else torch.bfloat16
 
 
+def best_times(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Each run's best wall time in seconds over 5 rounds, the runs alternated within each round so
+    that a drift of the machine falls on all of them."""
+    best = dict.fromkeys(runs, math.inf)
+    for _ in range(5):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 @functools.cache
 def fp32_beats(rival: str) -> bool:
     """Whether the fp32 kernel (which must run here) runs the timed matmul FP32_MARGIN times faster
@@ -65,12 +77,7 @@ def fp32_beats(rival: str) -> bool:
                  else functools.partial(F.linear, xb, wb))
     runs: dict[str, Callable[[], torch.Tensor]] = {"fp32": functools.partial(f32_kernel(), x, pack_f32(w), OUT),
                                                    rival: rival_run}
-    best = dict.fromkeys(runs, math.inf)
-    for _ in range(5):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - start)
+    best = best_times(runs)
     beats = best["fp32"] * FP32_MARGIN < best[rival]
     log.info("many rows of x: fp32 kernel %.2f ms, %s %.2f ms: %s", best["fp32"] * 1e3, rival, best[rival] * 1e3,
              "fp32" if beats else rival)
@@ -90,12 +97,7 @@ def integer_beats(dtype: torch.dtype) -> bool:
         "integer": functools.partial(bound.run, x),
         "float": (lambda: bf16_kernel()(xb, bound.dequantize_bf16(), OUT, torch.float32)) if dtype == torch.bfloat16
         else (lambda: f32_kernel()(x, bound.dequantize_f32(), OUT))}
-    best = dict.fromkeys(runs, math.inf)
-    for _ in range(5):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - start)
+    best = best_times(runs)
     log.info("%d rows of x: integer kernel %.2f ms, dequantized %s %.2f ms", INTEGER_ROWS, best["integer"] * 1e3,
              dtype, best["float"] * 1e3)
     return best["integer"] < best["float"]
