@@ -6,6 +6,7 @@ chat template through the server, the packed weights' quality, and the hybrid ca
 from __future__ import annotations
 
 import openai
+import pytest
 import torch
 
 from kvgen import LLM, SamplingParams
@@ -97,6 +98,7 @@ def test_packed_weights_keep_top1_against_dequantized(gemma_gguf, gemma_llm):
     assert agreement >= 0.98, agreement
 
 
+@pytest.mark.slow
 def test_hybrid_cache_holds_a_quarter_of_the_full_kv_at_8k(gemma_gguf):
     """One sequence of 8,192 tokens: what its blocks take in the pools at the peak, against what every
     layer holding every token would take (measured from the pools' used blocks)."""

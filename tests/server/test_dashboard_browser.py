@@ -157,6 +157,7 @@ def test_the_page_shows_the_pool_as_metrics_count_it(browser, tmp_path):
         assert white_pixels(browser) == 0
 
 
+@pytest.mark.slow
 def test_the_page_keeps_up_with_64_sequences_on_a_50000_block_pool(browser):
     app = create_app(LLM(num_kv_blocks=50_000, block_size=1, max_num_seqs=64).engine, model_name=MODEL)
     with running(app) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
