@@ -1,7 +1,9 @@
 """llama.cpp's own `llama-server` as a peer: how llama.cpp users serve concurrent requests.
 
 The server runs as a child process on a loopback port, on a GGUF of the same weights, with
-`--parallel N` slots (continuous batching across them) and the bench's thread count. `run_at`
+`--parallel N` slots (continuous batching across them) and the bench's thread count;
+`llama-server-draft` adds llama.cpp's own draft-model speculation (`--model-draft`, the draft kvgen
+speculates with, `--spec-draft-n-max` its K, llama-server's other speculation defaults). `run_at`
 starts it with N = the batch size under test and sends every request at once, as `kvgen bench
 throughput` does to kvgen; the server queues what does not fit in its slots. Prompts go as token
 ids to `/completion`, greedy, EOS ignored, prompt cache off, and each answer must carry the
@@ -23,6 +25,7 @@ import urllib.request
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,6 +54,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Draft:
+    """The draft model and K of kvgen's draft speculation, for the peer that speculates as llama.cpp does."""
+
+    gguf: Path
+    k: int
+
+
 class LlamaServerSystem(System):
     name = "llama-server"
     batched = True
@@ -62,6 +73,7 @@ class LlamaServerSystem(System):
         self.max_len = max_len
         self.threads = torch.get_num_threads()
         self.slots = 0
+        self.last_timings: dict = {}  # the server's own timings of the last timed request
         self._process: subprocess.Popen | None = None
         self._url = ""
 
@@ -76,8 +88,10 @@ class LlamaServerSystem(System):
         start = time.monotonic()
         with self._post(prompt, output_len, stream=True) as response:
             for line in response:
-                if line.startswith(b"data: ") and json.loads(line[6:]).get("content") is not None:
+                event = json.loads(line[6:]) if line.startswith(b"data: ") else {}
+                if event.get("content") is not None:
                     times.append(time.monotonic())
+                self.last_timings = event.get("timings", self.last_timings)
         return TokenTimes(start, times[:output_len])
 
     def run_batch(self, requests: Sequence[BenchRequest]) -> None:
@@ -101,14 +115,17 @@ class LlamaServerSystem(System):
             return
         self._stop()
         port = free_port()
-        command = [str(self.binary), "--model", str(self.gguf), "--host", "127.0.0.1", "--port", str(port),
-                   "--parallel", str(slots), "--ctx-size", str(slots * self.max_len), "--threads", str(self.threads),
-                   "--threads-batch", str(self.threads), "--cont-batching", "--no-webui"]
+        command = self._server_args(slots, port)
         env = foreign_environment() | {"LD_LIBRARY_PATH": f"{self.binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
         self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         weakref.finalize(self, _terminate, self._process)
         self._url, self.slots = f"http://127.0.0.1:{port}", slots
         self._wait_healthy()
+
+    def _server_args(self, slots: int, port: int) -> list[str]:
+        return [str(self.binary), "--model", str(self.gguf), "--host", "127.0.0.1", "--port", str(port),
+                "--parallel", str(slots), "--ctx-size", str(slots * self.max_len), "--threads", str(self.threads),
+                "--threads-batch", str(self.threads), "--cont-batching", "--no-webui"]
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -144,6 +161,29 @@ class LlamaServerSystem(System):
         """Tokens the server generated for one request."""
         with self._post(request.prompt, request.output_len) as response:
             return json.loads(response.read())["tokens_predicted"]
+
+
+class LlamaServerDraftSystem(LlamaServerSystem):
+    """llama-server speculating with a draft model: the peer of kvgen's `--speculative-method draft`."""
+
+    name = "llama-server-draft"
+
+    def __init__(self, model: BenchModel, dtype: str, max_len: int, device: str, draft: Draft | None = None) -> None:
+        if draft is None or draft.gguf.suffix != ".gguf" or not draft.gguf.is_file():
+            raise PeerUnavailable(f"{self.name}: needs --draft-model, a GGUF file (got {draft and draft.gguf})")
+        super().__init__(model, dtype, max_len, device)
+        self.draft = draft
+
+    def _server_args(self, slots: int, port: int) -> list[str]:
+        return super()._server_args(slots, port) + ["--model-draft", str(self.draft.gguf), "--spec-type",
+                                                    "draft-simple", "--spec-draft-n-max", str(self.draft.k)]
+
+    def generate_timed(self, prompt: list[int], output_len: int) -> TokenTimes:
+        """As llama-server's, failing where the server did not speculate (a flag it ignored)."""
+        times = super().generate_timed(prompt, output_len)
+        if not self.last_timings.get("draft_n"):
+            raise RuntimeError(f"llama-server proposed no draft tokens (timings: {self.last_timings})")
+        return times
 
 
 def _terminate(process: subprocess.Popen) -> None:

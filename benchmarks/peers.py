@@ -13,19 +13,23 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.llama_server import LlamaServerSystem
+from benchmarks.llama_server import Draft, LlamaServerDraftSystem, LlamaServerSystem
 from benchmarks.models import BenchModel, converted, gguf_for, load_hf_model, plain_hf_dir
 from kvgen.bench.latency import gguf_matmul_bytes
 from kvgen.bench.system import BenchRequest, PeerUnavailable, System, TokenTimes
 
 
-def load_peer(name: str, model: BenchModel, dtype: str, max_len: int, device: str = "cpu") -> System:
+def load_peer(name: str, model: BenchModel, dtype: str, max_len: int, device: str = "cpu",
+              draft: Draft | None = None) -> System:
     """The named peer on `model` in `dtype` ("float32", "float16", "bfloat16") on `device`, able to hold
-    `max_len` tokens. Raises PeerUnavailable when it is not installed or cannot read the model."""
+    `max_len` tokens (`draft`: kvgen's draft model and K, for the peer that speculates with them).
+    Raises PeerUnavailable when it is not installed or cannot read the model."""
     system, module, pip_name = _PEERS[name]
     if device != "cpu" and not issubclass(system, HFSystem):
         raise PeerUnavailable(f"{name}: runs on the CPU only in kvgen bench (not {device})")
     try:
+        if system is LlamaServerDraftSystem:
+            return system(model, dtype, max_len, device, draft)
         return system(model, dtype, max_len, device)
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != module:
@@ -274,6 +278,7 @@ _PEERS: dict[str, tuple[Callable[[BenchModel, str, int, str], System], str, str]
     "hf": (HFSystem, "transformers", "transformers"),
     "llama.cpp": (LlamaCppSystem, "llama_cpp", "llama-cpp-python"),
     "llama-server": (LlamaServerSystem, "kvgen", "llama.cpp's llama-server"),
+    "llama-server-draft": (LlamaServerDraftSystem, "kvgen", "llama.cpp's llama-server"),
     "ct2": (CTranslate2System, "ctranslate2", "ctranslate2"),
     "hf-lookup": (HFLookupSystem, "transformers", "transformers"),
     "llama.cpp-lookup": (LlamaCppLookupSystem, "llama_cpp", "llama-cpp-python"),

@@ -269,11 +269,13 @@ def _noting(report: Report, unavailable: list[str]) -> Report:
 def _peers(args: argparse.Namespace, model: BenchModel, dtype: str, max_len: int) -> tuple[list[System], list[str]]:
     """The peers of --compare that load, and one line for each that does not."""
     peers, unavailable = [], []
-    load_peer = harness("peers", "--compare").load_peer if args.compare else None
+    peers_module = harness("peers", "--compare") if args.compare else None
+    draft = peers_module.Draft(Path(args.draft_model), args.num_speculative_tokens) \
+        if args.compare and getattr(args, "draft_model", None) else None
     for name in dict.fromkeys(args.compare):
         try:
             started = time.perf_counter()
-            peers.append(load_peer(name, model, dtype, max_len, args.device))
+            peers.append(peers_module.load_peer(name, model, dtype, max_len, args.device, draft=draft))
             peers[-1].load_s = time.perf_counter() - started
         except PeerUnavailable as e:
             unavailable.append(str(e))

@@ -197,6 +197,27 @@ def test_throughput_against_llama_server_at_each_slot_count(tmp_path, capsys):
     assert "llama-server: best slot count" in capsys.readouterr().out
 
 
+def test_llama_server_draft_needs_kvgens_draft_file():
+    with pytest.raises(PeerUnavailable, match=r"^llama-server-draft: needs --draft-model, a GGUF file"):
+        load_peer("llama-server-draft", models.resolve("stories260k"), "float32", 64)
+
+
+def test_latency_against_llama_servers_own_draft_speculation(tmp_path, smollm_gguf):
+    """The real llama-server speculating with the draft kvgen uses (SmolLM2 drafting for itself: every
+    draft token is accepted on both sides), its tokens timed as kvgen's are."""
+    from benchmarks.llama_server import find_binary
+
+    try:
+        find_binary()
+    except PeerUnavailable as e:
+        pytest.skip(str(e))
+    data = bench(tmp_path, "latency", "--model", str(smollm_gguf), "--threads", "1", "--prompt-len", "32",
+                 "--gen-len", "16", "--repeats", "1", "--bandwidth-size", "1MiB", "--speculative-method", "draft",
+                 "--draft-model", str(smollm_gguf), "--num-speculative-tokens", "4",
+                 "--compare", "llama-server-draft")
+    assert positive(data["results"]["llama-server-draft"]["decode_tokens_per_s"])
+
+
 # -- models -----------------------------------------------------------------------------------------
 
 
