@@ -12,10 +12,12 @@ writes: fp32, bf16, fp16), when every sequence of the step attends through the i
 kernel (a decode or a speculative verify chunk; no heavy-hitter scores, no re-rotated keys) and
 there are fewer rows than the norm kernel serves.
 
-A layer whose block has no fused form (a kind of block the program does not know), or whose
-projections have no kernel call (a bias, a torch layer), runs layer by layer between two call lists
-of the same step (DecoderLayer.forward on the program's residual buffer); a step where no layer has
-calls runs layer by layer throughout (DecoderModel.forward).
+A recurrent block (Qwen3.5's Gated DeltaNet) reads and writes its state pool's slots in place from
+the calls where every row of the step is a decode: the program copies each row's slot in per step.
+A layer whose block has no fused form (a kind of block the program does not know, a recurrent block
+in a step with a verify chunk), or whose projections have no kernel call (a bias, a torch layer),
+runs layer by layer between two call lists of the same step (DecoderLayer.forward on the program's
+residual buffer); a step where no layer has calls runs layer by layer throughout (DecoderModel.forward).
 
 Each call is the kernel, with the same arguments, that the layer-by-layer forward makes, and the
 residual add is the same IEEE fp32 sum as torch's, so both give the same bits (tested).
@@ -87,7 +89,8 @@ class DecodePrograms:
         groups = tuple(tuple((g.first_row, g.mask.shape[0], g.mask.shape[2]) for g in meta.groups)
                        for _, meta in attention.kinds)
         states = decoding_states(states, rows)
-        key = (rows, groups, id(attention.cache), None if states is None else id(states.pool), torch.get_num_threads())
+        pool = None if states is None else id(states.pool)
+        key = (rows, groups, id(attention.cache), pool, torch.get_num_threads())
         program = self._programs.get(key)
         if key in self._programs and (program is None or program.serves(attention, states)):
             self._programs.move_to_end(key)

@@ -50,18 +50,19 @@ class GatedAttentionBlock(AttentionBlock):
         return self.o(attn.reshape(-1, q_size) * torch.sigmoid(gate.reshape(-1, q_size)), step.rows)
 
     def fuses(self) -> bool:
-        return self.output_gate is not None
+        """Its fused form needs the gate's kernel (whose bits the layer-by-layer forward has too)."""
+        return super().fuses() and self.output_gate is not None
 
     def reserve_buffers(self, program: FusedProgram) -> None:
         q_size, kv_size = self.heads * self.dim, self.kv_heads * self.dim
-        program.buffer("gated_qkv", (2 * q_size + 2 * kv_size,)), program.buffer("qk", (self.heads + self.kv_heads,
-                                                                                            self.dim))
+        program.buffer("gated_qkv", (2 * q_size + 2 * kv_size,))
+        program.buffer("qk", (self.heads + self.kv_heads, self.dim))
         program.buffer("attn", (q_size,)), program.buffer("gated", (q_size,))
 
     def fused_calls(self, program: FusedProgram) -> list[KernelCall | None] | None:
         """The forward's kernels: the q and k norms per row and head, RoPE on each head's first
         rotary_dim values (a call per head: the rotated part of a head is strided), attention, the gate."""
-        if not self.fuses() or program.h.dtype != torch.float32:
+        if not self.fuses():
             return None
         rows, heads, kv_heads, dim = program.rows, self.heads, self.kv_heads, self.dim
         q_size, kv_size = heads * dim, kv_heads * dim
