@@ -114,7 +114,7 @@ class DecoderModel:
         the recurrent layers' state slots (kvgen.model.blocks.StateBatch), where the model has any."""
         x = self.embed_tokens(token_ids)
         per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(token_ids, x, rows)
-        program = self.decode_programs.find(token_ids.shape[0], attention)
+        program = self.decode_programs.find(token_ids.shape[0], attention, states)
         if program is not None:
             return program(x, positions, attention, rows, states, per_layer)
         step = StepContext(positions, [rope.tables(positions) for rope in self.ropes], attention, rows, states,

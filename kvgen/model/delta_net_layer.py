@@ -183,7 +183,7 @@ def _kernel_layer(layer: DeltaNetLayer, mixed: torch.Tensor, z: torch.Tensor, a:
     keep_states). A bf16 model's rows are widened: all of it runs in fp32, y rounded once at the end."""
     x = kernel.conv_tokens(mixed.float(), layer.conv_weight, conv_pool, slots, starts)
     q, k, v = layer.split(x)
-    g, beta = gates(a.float(), b.float(), layer.dt_bias, decay_rate=layer.decay_rate)
+    g, beta = kernel.gates(a.float(), b.float(), layer.dt_bias, layer.decay_rate)
     gate = GatedNorm(z.float(), layer.norm_weight.float().contiguous(), layer.eps)
     y, states = kernel.rule_tokens(q, k, v, g, beta, state_pool, slots, starts, layer.v_head_order,
                                    keep_states=keep_states, gate=gate)

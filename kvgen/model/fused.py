@@ -12,10 +12,12 @@ writes: fp32, bf16, fp16), when every sequence of the step attends through the i
 kernel (a decode or a speculative verify chunk; no heavy-hitter scores, no re-rotated keys) and
 there are fewer rows than the norm kernel serves.
 
-A layer whose block has no fused form (a kind of block the program does not know), or whose
-projections have no kernel call (a bias, a torch layer), runs layer by layer between two call lists
-of the same step (DecoderLayer.forward on the program's residual buffer); a step where no layer has
-calls runs layer by layer throughout (DecoderModel.forward).
+A recurrent block (Qwen3.5's Gated DeltaNet) reads and writes its state pool's slots in place from
+the calls where every row of the step is a decode: the program copies each row's slot in per step.
+A layer whose block has no fused form (a kind of block the program does not know, a recurrent block
+in a step with a verify chunk), or whose projections have no kernel call (a bias, a torch layer),
+runs layer by layer between two call lists of the same step (DecoderLayer.forward on the program's
+residual buffer); a step where no layer has calls runs layer by layer throughout (DecoderModel.forward).
 
 Each call is the kernel, with the same arguments, that the layer-by-layer forward makes, and the
 residual add is the same IEEE fp32 sum as torch's, so both give the same bits (tested).
@@ -78,7 +80,7 @@ class DecodePrograms:
                      "they run layer by layer inside the fused step", len(unfused), len(model.layers),
                      ", ".join(sorted({k for _, kinds in unfused for k in kinds})), unfused[0][0])
 
-    def find(self, rows: int, attention: Attention) -> DecodeProgram | None:
+    def find(self, rows: int, attention: Attention, states: StateBatch | None = None) -> DecodeProgram | None:
         """The program for this step, or None where it must run layer by layer."""
         if (not self._usable or rows >= FUSED_BELOW_ROWS or not isinstance(attention, PagedAttention)
                 or not attention.decodes_in_place()
@@ -86,12 +88,14 @@ class DecodePrograms:
             return None
         groups = tuple(tuple((g.first_row, g.mask.shape[0], g.mask.shape[2]) for g in meta.groups)
                        for _, meta in attention.kinds)
-        key = (rows, groups, id(attention.cache), torch.get_num_threads())
+        states = decoding_states(states, rows)
+        pool = None if states is None else id(states.pool)
+        key = (rows, groups, id(attention.cache), pool, torch.get_num_threads())
         program = self._programs.get(key)
-        if key in self._programs and (program is None or program.serves(attention)):
+        if key in self._programs and (program is None or program.serves(attention, states)):
             self._programs.move_to_end(key)
         else:
-            program = DecodeProgram.build(self._model, attention, rows, groups)
+            program = DecodeProgram.build(self._model, attention, rows, groups, states)
             self._programs[key] = program
             if len(self._programs) > MAX_PROGRAMS:
                 self._programs.popitem(last=False)
@@ -105,14 +109,19 @@ class DecodeProgram:
     copies its inputs in, runs the segments, and returns the final norm's output."""
 
     def __init__(self, caches: list[PagedKVCache], buffers: dict[str, torch.Tensor],
-                 segments: list[CallList | DecoderLayer], decodes: dict, ropes: list) -> None:
-        # The calls point into the caches' pools without holding them: a program runs only while its
-        # caches live, and holds no KV memory once the engine lets them go.
+                 segments: list[CallList | DecoderLayer], decodes: dict, ropes: list,
+                 state_pool: object | None = None) -> None:
+        # The calls point into the caches' pools (and the state pool) without holding them: a program
+        # runs only while they live, and holds no KV memory once the engine lets them go.
         self._caches = [weakref.ref(cache) for cache in caches]
+        self._state_pool = None if state_pool is None else weakref.ref(state_pool)
         self._buffers, self._segments, self._decodes, self._ropes = buffers, segments, decodes, ropes
+        self.layered = sum(isinstance(segment, DecoderLayer) for segment in segments)  # for tests and the curious
 
-    def serves(self, attention: PagedAttention) -> bool:
-        return [ref() for ref in self._caches] == [cache for cache, _ in attention.kinds]
+    def serves(self, attention: PagedAttention, states: StateBatch | None) -> bool:
+        pool = None if self._state_pool is None else self._state_pool()
+        return ([ref() for ref in self._caches] == [cache for cache, _ in attention.kinds]
+                and pool is (None if states is None else states.pool))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
                  rows: RowKernels | None = None, states: StateBatch | None = None,
@@ -123,6 +132,8 @@ class DecodeProgram:
         for i, rope in enumerate(self._ropes):
             torch.index_select(rope.cos, 0, positions, out=b[f"cos{i}"].view(-1, rope.cos.shape[1]))
             torch.index_select(rope.sin, 0, positions, out=b[f"sin{i}"].view(-1, rope.sin.shape[1]))
+        if "state_slots" in b:
+            b["state_slots"].copy_(states.slots)
         for kind, (_, meta) in enumerate(attention.kinds):
             b[f"slots{kind}"].copy_(meta.slot_mapping)
             for decodes in self._decodes.values():
@@ -142,9 +153,11 @@ class DecodeProgram:
 
     @classmethod
     def build(cls, model: DecoderModel, attention: PagedAttention, rows: int,
-              groups: tuple[tuple[tuple[int, int, int], ...], ...]) -> DecodeProgram | None:
-        """The program, or None where no layer has kernel calls."""
-        program = ProgramBuilder(model, attention, rows, groups)
+              groups: tuple[tuple[tuple[int, int, int], ...], ...], states: StateBatch | None = None
+              ) -> DecodeProgram | None:
+        """The program, or None where no layer has kernel calls. `states`: a decoding step's
+        (decoding_states), for the recurrent blocks' calls."""
+        program = ProgramBuilder(model, attention, rows, groups, states)
         eps, segments, calls = model.config.rms_norm_eps, [], []
         for layer in model.layers:
             layer_calls = program.layer_calls(layer, eps)
@@ -157,7 +170,8 @@ class DecodeProgram:
             return None
         calls.append(program.norm.call(program.x, model.final_norm, eps, program.h))
         segments.append(program.step.call_list(calls))
-        return cls([cache for cache, _ in attention.kinds], program.buffers, segments, program.decodes, model.ropes)
+        return cls([cache for cache, _ in attention.kinds], program.buffers, segments, program.decodes, model.ropes,
+                   None if states is None else states.pool)
 
 
 class ProgramBuilder:
@@ -166,8 +180,8 @@ class ProgramBuilder:
     (`proj`) a block's output, and whatever each block asks for by name."""
 
     def __init__(self, model: DecoderModel, attention: PagedAttention, rows: int,
-                 groups: tuple[tuple[tuple[int, int, int], ...], ...]) -> None:
-        self.model, self.attention, self.rows, self.groups = model, attention, rows, groups
+                 groups: tuple[tuple[tuple[int, int, int], ...], ...], states: StateBatch | None = None) -> None:
+        self.model, self.attention, self.rows, self.groups, self.states = model, attention, rows, groups, states
         self.step, self.norm, self.rope = step_kernels(), rms_norm_kernel(), rope_kernel()
         self.buffers: dict[str, torch.Tensor] = {}
         self.decodes: dict[int, list[list]] = {}  # by the queries buffer: each kind's groups' decode calls
@@ -185,6 +199,9 @@ class ProgramBuilder:
             self.buffer(f"cos{i}", (1, dim)), self.buffer(f"sin{i}", (1, dim))
         for kind in range(len(attention.kinds)):
             self.buffers[f"slots{kind}"] = torch.empty(rows, dtype=torch.int64)
+        self.state_slots = None
+        if states is not None:
+            self.state_slots = self.buffers["state_slots"] = torch.empty(rows, dtype=torch.int64)
 
     def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.buffers:
@@ -240,3 +257,9 @@ class ProgramBuilder:
                                       cache.block_size, out[first : first + batch * n], n)
                  for first, batch, n in kind_groups]
                 for (cache, _), kind_groups in zip(self.attention.kinds, self.groups)]
+
+
+def decoding_states(states: StateBatch | None, rows: int) -> StateBatch | None:
+    """`states` where every one of the step's rows is a decode, whose recurrent blocks can run as calls
+    (a verify chunk keeps its states in checkpoints, which the layer-by-layer forward writes), else None."""
+    return states if states is not None and states.num_decodes == rows else None

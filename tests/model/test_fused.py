@@ -6,6 +6,7 @@ import pytest
 
 from kvgen import LLM, SamplingParams
 from kvgen.model.kernels.bf16 import bf16_kernel
+from tests.loaders.arch_fixtures import arch_checkpoint
 from tests.loaders.gguf_builder import Dims, llama_vocab, q4_k_m_style_model, write_gguf
 from tests.support.torch_threads import torch_threads
 
@@ -116,6 +117,31 @@ def test_fused_steps_give_the_layered_bits_on_other_architectures(hf_model, name
     fused, steps = generate(path, prompts, **options)
     layered, _ = generate(path, prompts, **options, fused_decode=False)
     assert steps > 20
+    assert_same_bits(fused, layered)
+
+
+@pytest.mark.parametrize("source, options", [("hf", {}), ("gguf", {}), ("q8", dict(quantization="auto")),
+                                             ("gguf", dict(speculative_method="suffix", num_speculative_tokens=3))])
+def test_fused_steps_give_the_layered_bits_on_qwen35(source, options):
+    """Qwen3.5's Gated DeltaNet layers (conv windows and states updated in place in their state slots)
+    and gated attention (partial RoPE, the output gate) run from the call list with the layered bits,
+    every layer of a decode step. The prompts run twice: the second time suffix decoding proposes the
+    first's outputs, and a step with verify chunks runs its DeltaNet layers layer by layer."""
+    ckpt = arch_checkpoint("qwen35")
+    path = {"hf": ckpt.hf_dir, "gguf": ckpt.gguf, "q8": ckpt.gguf_q8}[source]
+    prompts = [[(7 * i + j) % 300 + 3 for i in range(n)] for j, n in enumerate((40, 12, 3))]
+    options = dict(quantization="none", max_num_seqs=3, adaptive_speculation=False) | options
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    runs = {}
+    for fused_decode in (True, False):
+        llm = LLM(str(path), enable_prefix_caching=False, fused_decode=fused_decode, **options)
+        runs[fused_decode] = (llm.generate(prompts, params) + llm.generate(prompts, params),
+                              llm.engine.runner.model.decode_programs)
+    (fused, programs), (layered, none) = runs[True], runs[False]
+    assert programs.fused_steps > 20 and none.fused_steps == 0
+    layered_layers = {program.layered for program in programs._programs.values() if program is not None}
+    delta_net_layers = len(llm.engine.runner.model.config.recurrent_layers)
+    assert layered_layers == ({0, delta_net_layers} if "speculative_method" in options else {0})
     assert_same_bits(fused, layered)
 
 

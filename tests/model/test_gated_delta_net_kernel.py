@@ -10,7 +10,7 @@ exp(g) to k^T S instead of to S first, one more rounding per product, within the
 import pytest
 import torch
 
-from kvgen.model.gated_delta_net import conv1d_step, delta_rule_step
+from kvgen.model.gated_delta_net import conv1d_step, delta_rule_step, gates
 from kvgen.model.kernels.gated_delta_net import gated_delta_net_kernel
 from tests.model.test_gated_delta_net import EPS32, rule_bound
 
@@ -87,6 +87,26 @@ def test_nonuniform_kernel_width(kernel):
     assert torch.allclose(out, ref, rtol=0, atol=1e-5) and torch.equal(pool[slots], torch.cat(
         [reference[slots][:, :, 1:], x[:, :, None]], dim=2))
 
+
+def test_gates_match_torch_and_run_from_a_call_list(kernel):
+    """g and beta from a and b as columns of one in_proj row (strided rows), past softplus's threshold
+    of 20 too, within a few fp32 ulp of torch's; the call writes what the direct call returns."""
+    from kvgen.model.kernels.step import step_kernels
+
+    gen = torch.Generator().manual_seed(5)
+    rows, heads = 5, 6
+    projected = torch.randn(rows, 2 * heads + 3, generator=gen) * 8
+    projected[0, :heads] = torch.linspace(15, 30, heads)  # a + dt_bias on both sides of 20
+    a, b = projected[:, :heads], projected[:, heads:2 * heads]
+    dt_bias, decay_rate = torch.randn(heads, generator=gen), -torch.rand(heads, generator=gen) * 4
+    g, beta = kernel.gates(a, b, dt_bias, decay_rate)
+    want_g, want_beta = gates(a, b, dt_bias, decay_rate=decay_rate)
+    assert torch.allclose(g, want_g, rtol=4 * EPS32, atol=0) and torch.allclose(beta, want_beta, rtol=4 * EPS32, atol=0)
+    g_out, beta_out = torch.empty(rows, heads), torch.empty(rows, heads)
+    step_kernels().call_list([kernel.gates_call(a, b, dt_bias, decay_rate, g_out, beta_out)])()
+    assert torch.equal(g_out, g) and torch.equal(beta_out, beta)
+    with pytest.raises(ValueError):
+        kernel.gates(a.double(), b, dt_bias, decay_rate)
 
 def test_bad_arguments_are_refused(kernel):
     q, k, v, g, beta = step_inputs(2, 2, 4, 16, torch.Generator().manual_seed(0))

@@ -30,6 +30,7 @@ class StateBatch(Protocol):
     then come the speculative verify chunks (where `verify_rows[b]` is set: the state after each
     position goes to that checkpoint row and not to the slot), then the prompt chunks."""
 
+    pool: object  # the pool the slots index (kvgen.cache.state_pool.StatePool): a fused step's calls point into it
     slots: torch.Tensor  # [B] int64: each sequence's state slot in the pool, in batch order
     row_starts: list[int]  # [B + 1]: sequence b owns rows row_starts[b]:row_starts[b + 1]
     num_decodes: int
@@ -76,6 +77,11 @@ class FusedProgram(Protocol):
     step: object  # kvgen.model.kernels.step.StepKernels
     norm: object  # kvgen.model.kernels.norm.RmsNorm
     rope: object  # kvgen.model.kernels.rope.Rope
+    # The step's state slots where every row is a decode (a verify chunk's states go to checkpoints,
+    # which no call writes: with one, or without a state pool, None and recurrent blocks run layer by
+    # layer); state_slots [rows] int64, each row's slot, copied in every step.
+    states: StateBatch | None
+    state_slots: torch.Tensor | None
 
     def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A [rows, *shape] buffer of the model's dtype, shared by every block asking the same."""

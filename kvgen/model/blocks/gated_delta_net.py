@@ -9,8 +9,8 @@ A step's rows come in the order the runner laid them out (kvgen.model.blocks.bas
 the decodes first, one token each, run as one batch through the C step that updates their slots in
 place; then each verify chunk, whose state after every position goes to its checkpoint row, the slot
 left as it was until the engine accepts a number of positions (kvgen.cache.state_pool); then the
-prompt chunks, all in one ragged call that continues each from its slot and leaves it updated. No fused form:
-the layer runs layer by layer inside a fused decode step.
+prompt chunks, all in one ragged call that continues each from its slot and leaves it updated. A fused
+decode step of decodes only runs the decode's C kernels from its call list, on the slots in place.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 
 from kvgen.architectures.spec import GatedDeltaNetSpec
-from kvgen.model.blocks.base import Block, BuildContext, StepContext, register
+from kvgen.model.blocks.base import Block, BuildContext, FusedProgram, StepContext, register
 from kvgen.model.delta_net_layer import DeltaNetLayer, decode, prefill_ragged, verify
-from kvgen.model.kernels.gated_delta_net import gated_delta_net_kernel
+from kvgen.model.kernels.build import KernelCall
+from kvgen.model.kernels.gated_delta_net import GatedNorm, gated_delta_net_kernel
 from kvgen.model.linear import Linear
 
 
@@ -72,3 +73,32 @@ class GatedDeltaNetBlock(Block):
             y[r0:] = prefill_ragged(self.layer, mixed[r0:], z[r0:], a[r0:], b[r0:], conv, state,
                                     states.slots[prompts], lengths, kernel)
         return self.out(y, step.rows)
+
+    def reserve_buffers(self, program: FusedProgram) -> None:
+        s = self.shape
+        program.buffer("delta_in", (sum(self.split),)), program.buffer("delta_conv", (s.conv_dim,))
+        program.buffer("delta_g", (s.v_heads,)), program.buffer("delta_beta", (s.v_heads,))
+        program.buffer("delta_y", (s.v_heads * s.v_dim,))
+
+    def fused_calls(self, program: FusedProgram) -> list[KernelCall | None] | None:
+        """decode's C path as calls (kvgen.model.delta_net_layer._kernel_layer, fp32): in_proj, the gates,
+        the conv and the rule with its gated norm on the slots program.state_slots names, out_proj."""
+        if self.kernel is None or program.states is None or program.h.dtype != torch.float32:
+            return None
+        conv, state = program.states.layer(self.index)  # [slots, conv_dim, K - 1], [slots, Hv, Dk, Dv]
+        if conv.dtype != torch.float32:
+            return None  # decode runs the torch forms on such a pool
+        s, rows, layer = self.shape, program.rows, self.layer
+        projected = program.buffer("delta_in", (sum(self.split),))
+        mixed, z, b, a = projected.split(self.split, dim=-1)  # [rows, conv_dim], [rows, Hv Dv], [rows, Hv] x 2
+        x = program.buffer("delta_conv", (s.conv_dim,))
+        g, beta = program.buffer("delta_g", (s.v_heads,)), program.buffer("delta_beta", (s.v_heads,))
+        y = program.buffer("delta_y", (s.v_heads * s.v_dim,))
+        slots = program.state_slots
+        gate = GatedNorm(z, layer.norm_weight.float().contiguous(), layer.eps)
+        return [self.in_proj.call(program.h, projected),
+                self.kernel.gates_call(a, b, layer.dt_bias, layer.decay_rate, g, beta),
+                self.kernel.conv_step_call(mixed, layer.conv_weight, conv, slots, x),
+                self.kernel.step_call(*layer.split(x), g, beta, state, slots, y.view(rows, s.v_heads, s.v_dim),
+                                      layer.v_head_order, gate=gate),
+                self.out.call(y, program.out)]

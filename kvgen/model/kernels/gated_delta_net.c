@@ -35,6 +35,10 @@
  * gdn_conv: the causal depthwise convolution (kernel K) and SiLU; one task per (sequence, 256
  * channels); each sequence's window [C, K - 1] becomes its last K - 1 inputs.
  *
+ * gdn_gates: each row's gates from in_proj's a and b columns (kvgen.model.gated_delta_net.gates), in C
+ * so that a fused decode step (kvgen/model/kernels/step.c's call lists) makes them with the bits of
+ * the layer-by-layer step, which calls it too.
+ *
  * Tasks are shared among `num_threads` OpenMP threads (torch's count, passed in), dynamically: a
  * ragged batch's sequences differ in length.
  *
@@ -382,5 +386,29 @@ int gdn_conv(const struct gdn_conv_args *a) {
 #pragma omp parallel for num_threads(a->num_threads) schedule(dynamic)
     for (int64_t task = 0; task < a->sequences * groups; task++)
         conv_task(a, task / groups, task % groups * CONV_GROUP);
+    return 0;
+}
+
+/* -- the gates -------------------------------------------------------------------------------------- */
+
+/* Per row and value head: g = decay_rate * softplus(a + dt_bias), softplus(x) = x above torch's
+ * threshold 20, else log1p(e^x); beta = sigmoid(b) = 1 / (1 + e^-b). */
+struct gdn_gates_args {
+    const float *a, *b;                /* [rows, heads], rows a_stride / b_stride floats apart */
+    const float *dt_bias, *decay_rate; /* [heads] */
+    float *g, *beta;                   /* [rows, heads] contiguous */
+    int64_t rows, heads, a_stride, b_stride;
+};
+
+int gdn_gates(const struct gdn_gates_args *p) {
+    for (int64_t r = 0; r < p->rows; r++) {
+        const float *restrict a = p->a + r * p->a_stride, *restrict b = p->b + r * p->b_stride;
+        float *restrict g = p->g + r * p->heads, *restrict beta = p->beta + r * p->heads;
+        for (int64_t h = 0; h < p->heads; h++) {
+            const float x = a[h] + p->dt_bias[h];
+            g[h] = p->decay_rate[h] * (x > 20.f ? x : log1pf(expf(x)));
+            beta[h] = 1.f / (1.f + expf(-b[h]));
+        }
+    }
     return 0;
 }

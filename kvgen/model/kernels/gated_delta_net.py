@@ -44,6 +44,13 @@ class _ConvArgs(ctypes.Structure):
                 ("sequences", _I64), ("channels", _I64), ("kernel", _I64), ("x_stride", _I64), ("num_threads", _I32)]
 
 
+class _GatesArgs(ctypes.Structure):
+    """`struct gdn_gates_args` of gated_delta_net.c."""
+
+    _fields_ = [("a", _P), ("b", _P), ("dt_bias", _P), ("decay_rate", _P), ("g", _P), ("beta", _P), ("rows", _I64),
+                ("heads", _I64), ("a_stride", _I64), ("b_stride", _I64)]
+
+
 def _rows(x: torch.Tensor, heads: int, dim: int, name: str) -> int:
     """x [B, heads, dim] fp32 with each row's heads contiguous -> its row stride."""
     if x.dtype != torch.float32 or x.dim() != 3 or x.shape[1:] != (heads, dim) or x.stride()[1:] != (dim, 1):
@@ -103,6 +110,31 @@ class GatedDeltaNetKernel:
         self._rule, self._conv = library.gdn_rule, library.gdn_conv
         self._rule.argtypes, self._rule.restype = [ctypes.POINTER(_RuleArgs)], ctypes.c_int
         self._conv.argtypes, self._conv.restype = [ctypes.POINTER(_ConvArgs)], ctypes.c_int
+        self._gates = library.gdn_gates
+        self._gates.argtypes, self._gates.restype = [ctypes.POINTER(_GatesArgs)], ctypes.c_int
+
+    def gates(self, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor,
+              decay_rate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """a, b [rows, Hv] fp32 (rows may be strided), dt_bias, decay_rate [Hv] -> (g, beta) [rows, Hv] fp32:
+        kvgen.model.gated_delta_net.gates, up to rounding."""
+        g, beta = torch.empty(a.shape), torch.empty(b.shape)
+        self._gates(ctypes.byref(self.gates_call(a, b, dt_bias, decay_rate, g, beta).args))
+        return g, beta
+
+    def gates_call(self, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor, decay_rate: torch.Tensor,
+                   g: torch.Tensor, beta: torch.Tensor) -> KernelCall:
+        """`gates` into g, beta [rows, Hv] (fp32, contiguous) as a KernelCall (see step_call)."""
+        rows, heads = g.shape
+        dt_bias, decay_rate = dt_bias.float().contiguous(), decay_rate.float().contiguous()
+        if (any(t.dtype != torch.float32 or t.shape != (rows, heads) for t in (a, b, g, beta))
+                or a.stride(1) != 1 or b.stride(1) != 1 or not g.is_contiguous() or not beta.is_contiguous()
+                or dt_bias.shape != (heads,) or decay_rate.shape != (heads,)):
+            raise ValueError(f"gates: a, b [rows, Hv] fp32 with contiguous rows, dt_bias and decay_rate [Hv], g and "
+                             f"beta [rows, Hv] fp32 contiguous; got {list(a.shape)}, {list(b.shape)}, "
+                             f"{list(dt_bias.shape)}, {list(g.shape)}")
+        args = _GatesArgs(a.data_ptr(), b.data_ptr(), dt_bias.data_ptr(), decay_rate.data_ptr(), g.data_ptr(),
+                          beta.data_ptr(), rows, heads, a.stride(0), b.stride(0))
+        return KernelCall(self._gates, args, keep=(a, b, dt_bias, decay_rate, g, beta))
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              states: torch.Tensor, slots: torch.Tensor, v_head_order: str = "grouped",
