@@ -37,6 +37,7 @@ from kvgen.model.attention import Attention, PagedAttention
 from kvgen.model.kv_storage import PagedKVCache
 from kvgen.model.blocks import StateBatch, StepContext
 from kvgen.model.blocks.layer import DecoderLayer
+from kvgen.model.blocks.per_layer_input import BUFFER as PER_LAYER_INPUTS
 from kvgen.model.kernels.build import KernelCall
 from kvgen.model.kernels.paged_decode import PagedDecode, stores
 from kvgen.model.kernels.norm import rms_norm_kernel
@@ -129,6 +130,8 @@ class DecodeProgram:
         """x [T, hidden] (the embedded tokens), positions [T] -> hidden states [T, hidden] after the final norm."""
         b = self._buffers
         b["x"].copy_(x)
+        if PER_LAYER_INPUTS in b:
+            b[PER_LAYER_INPUTS].copy_(per_layer_inputs)
         for i, rope in enumerate(self._ropes):
             torch.index_select(rope.cos, 0, positions, out=b[f"cos{i}"].view(-1, rope.cos.shape[1]))
             torch.index_select(rope.sin, 0, positions, out=b[f"sin{i}"].view(-1, rope.sin.shape[1]))
@@ -136,10 +139,10 @@ class DecodeProgram:
             b["state_slots"].copy_(states.slots)
         for kind, (_, meta) in enumerate(attention.kinds):
             b[f"slots{kind}"].copy_(meta.slot_mapping)
-            for decodes in self._decodes.values():
-                for decode, group in zip(decodes[kind], meta.groups):
-                    batch, _, num_queries, length = group.mask.shape
-                    decode.set_blocks(group.kv_blocks, group.mask.view(batch * num_queries, length))
+        for (_, kind), decodes in self._decodes.items():
+            for decode, group in zip(decodes, attention.kinds[kind][1].groups):
+                batch, _, num_queries, length = group.mask.shape
+                decode.set_blocks(group.kv_blocks, group.mask.view(batch * num_queries, length))
         step = None
         for segment in self._segments:
             if isinstance(segment, CallList):
@@ -168,7 +171,7 @@ class DecodeProgram:
                 calls += layer_calls
         if all(isinstance(segment, DecoderLayer) for segment in segments) and not calls:
             return None
-        calls.append(program.norm.call(program.x, model.final_norm, eps, program.h))
+        calls.append(program.norm.call(program.x, model.final_norm, eps, program.buffers["h"]))
         segments.append(program.step.call_list(calls))
         return cls([cache for cache, _ in attention.kinds], program.buffers, segments, program.decodes, model.ropes,
                    None if states is None else states.pool)
@@ -176,22 +179,26 @@ class DecodeProgram:
 
 class ProgramBuilder:
     """The buffers and kernels a program's calls share, handed to each block's `fused_calls`
-    (kvgen.model.blocks.base.FusedProgram): x the residual stream, h a branch's normed input, out
-    (`proj`) a block's output, and whatever each block asks for by name."""
+    (kvgen.model.blocks.base.FusedProgram): x the residual stream, h a branch's input (its normed x,
+    or x itself where the branch has no norm), out (`proj`) a block's output, and whatever each block
+    asks for by name."""
 
     def __init__(self, model: DecoderModel, attention: PagedAttention, rows: int,
                  groups: tuple[tuple[tuple[int, int, int], ...], ...], states: StateBatch | None = None) -> None:
         self.model, self.attention, self.rows, self.groups, self.states = model, attention, rows, groups, states
         self.step, self.norm, self.rope = step_kernels(), rms_norm_kernel(), rope_kernel()
         self.buffers: dict[str, torch.Tensor] = {}
-        self.decodes: dict[int, list[list]] = {}  # by the queries buffer: each kind's groups' decode calls
+        # By (the queries buffer, the kind of layer): the decode calls of that kind's groups of sequences.
+        self.decodes: dict[tuple[int, int], list] = {}
         self._converts: dict[int, tuple[list[KernelCall], list[KernelCall], torch.Tensor, torch.Tensor]] = {}
         hidden = model.config.hidden_size
         self.x, self.h, self.out = (self.buffer(n, (hidden,)) for n in ("x", "h", "proj"))
         # Each block's buffers next, one after the other before anything else is allocated: where they
         # fall in memory changed a Gemma 3 step's time by ~5% (measured in CPU time, the same calls).
-        for block in model.layers[0].blocks:
-            block.reserve_buffers(self)
+        # The first layer's first; layers of other shapes (Gemma 4's) add theirs after.
+        for layer in model.layers:
+            for block in layer.blocks:
+                block.reserve_buffers(self)
         if any(branch.out_norm is not None for branch in model.layers[0].branches):
             self.buffer("normed", (hidden,))
         for i in range(len(model.ropes)):
@@ -213,50 +220,62 @@ class ProgramBuilder:
         return self.buffers[f"cos{rope}"], self.buffers[f"sin{rope}"]
 
     def layer_calls(self, layer: DecoderLayer, eps: float) -> list[KernelCall] | None:
-        """The layer's branches as calls (x += out_norm(block(norm(x)))), or None where one has none."""
+        """The layer's branches as calls (x += out_norm(block(norm(x))), then x *= its scalar if it has
+        one), or None where a block has none."""
         if not layer.fuses():
             return None
         calls = []
         for branch in layer.branches:
+            self.h = self.x if branch.norm is None else self.buffers["h"]
             block_calls = branch.block.fused_calls(self)
             if block_calls is None or any(call is None for call in block_calls):
                 return None
-            calls += [self.norm.call(self.x, branch.norm, eps, self.h), *block_calls]
+            if branch.norm is not None:
+                calls.append(self.norm.call(self.x, branch.norm, eps, self.h))
+            calls += block_calls
             if branch.out_norm is None:
                 calls.append(self.step.add_call(self.x, self.out))
             else:
                 normed = self.buffer("normed", (self.model.config.hidden_size,))
                 calls += [self.norm.call(self.out, branch.out_norm, eps, normed), self.step.add_call(self.x, normed)]
+        if layer.scalar is not None:
+            calls.append(self.step.scale_call(self.x, layer.scalar))
         return calls
 
     def attend_calls(self, layer: int, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor) -> list[KernelCall]:
-        """Store k/v in the layer's pools, attend queries [rows, H, D] into out [rows, H, D]: the
-        attention kernel reads and writes fp32 rows, so a bf16 model's go through fp32 copies."""
+        """Store k/v in the layer's pools, attend queries [rows, H, D] into out [rows, H, D]."""
         kind, local = self.attention.kind_of(layer)
         cache = self.attention.kinds[kind][0]
-        key = queries.data_ptr()
-        if key not in self._converts:
+        decoder: PagedDecode = self.attention.decode_kernel
+        return [decoder.store_call(cache.k[local], cache.v[local], self.buffers[f"slots{kind}"], k, v),
+                *self.attend_cached_calls(layer, queries, out)]
+
+    def attend_cached_calls(self, layer: int, queries: torch.Tensor, out: torch.Tensor) -> list[KernelCall]:
+        """Attend queries [rows, H, D] over layer's pools as they are (this step's K/V already stored:
+        a Gemma 4 layer reading its donor's) into out [rows, H, D]. The attention kernel reads and
+        writes fp32 rows, so a bf16 model's go through fp32 copies."""
+        kind, local = self.attention.kind_of(layer)
+        ptr = queries.data_ptr()
+        if ptr not in self._converts:
             before, after = [], []
             if self.model.dtype != torch.float32:
                 q32, attn32 = torch.empty(queries.shape), torch.empty(out.shape)
                 self.buffers[f"q32_{len(self._converts)}"], self.buffers[f"attn32_{len(self._converts)}"] = q32, attn32
                 before, after = [self.step.convert_call(queries, q32)], [self.step.convert_call(attn32, out)]
                 queries, out = q32, attn32
-            self._converts[key] = (before, after, queries, out)
-            self.decodes[key] = self._decode_calls(queries, out)
-        before, after, _, _ = self._converts[key]
-        decoder: PagedDecode = self.attention.decode_kernel
-        return [decoder.store_call(cache.k[local], cache.v[local], self.buffers[f"slots{kind}"], k, v),
-                *before, *(decode.calls[local] for decode in self.decodes[key][kind]), *after]
+            self._converts[ptr] = (before, after, queries, out)
+        before, after, queries, out = self._converts[ptr]
+        if (ptr, kind) not in self.decodes:
+            self.decodes[ptr, kind] = self._decode_calls(kind, queries, out)
+        return [*before, *(decode.calls[local] for decode in self.decodes[ptr, kind]), *after]
 
-    def _decode_calls(self, queries: torch.Tensor, out: torch.Tensor) -> list[list]:
-        """Per kind of layer, per group of sequences: the decode kernel's calls for every layer's pools."""
-        decoder = self.attention.decode_kernel
-        return [[decoder.decode_calls(queries[first : first + batch * n], list(zip(cache.k, cache.v)),
-                                      cache.block_size, out[first : first + batch * n], n)
-                 for first, batch, n in kind_groups]
-                for (cache, _), kind_groups in zip(self.attention.kinds, self.groups)]
+    def _decode_calls(self, kind: int, queries: torch.Tensor, out: torch.Tensor) -> list:
+        """Per group of sequences of a kind of layer: the decode kernel's calls for each of its layers' pools."""
+        decoder, cache = self.attention.decode_kernel, self.attention.kinds[kind][0]
+        return [decoder.decode_calls(queries[first : first + batch * n], list(zip(cache.k, cache.v)),
+                                     cache.block_size, out[first : first + batch * n], n)
+                for first, batch, n in self.groups[kind]]
 
 
 def decoding_states(states: StateBatch | None, rows: int) -> StateBatch | None:

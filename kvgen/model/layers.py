@@ -25,6 +25,7 @@ from kvgen.model.kernels.step import GATE_ACTIVATIONS, SILU_DTYPES, step_kernels
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x [T, hidden], weight, eps) -> [T, hidden]
 Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # apply_rope's signature
 GateMul = Callable[[torch.Tensor], torch.Tensor]  # gate_up [T, 2n] -> act(gate) * up [T, n]
+GatePairMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # gate, up [T, n] -> act(gate) * up [T, n]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,16 +61,29 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 TORCH_GATE_MULS = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 
 
+def _check_activation(activation: str) -> None:
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {GATE_ACTIVATIONS}")
+
+
 def make_gate_mul(activation: str, device: torch.device, dtype: torch.dtype) -> GateMul:
     """The gated MLP's activation for a model's device and dtype: on the CPU in fp32 or bf16, kvgen's
     C kernel at every row count (~4 us a decode call against torch's ~6; within 2 fp32 ulp of torch's
     silu and a few of its tanh GELU, and the fused decode step of kvgen.model.fused runs the same
     kernel); elsewhere torch's ops."""
-    if activation not in GATE_ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} is not one of {GATE_ACTIVATIONS}")
+    _check_activation(activation)
     if device.type != "cpu" or dtype not in SILU_DTYPES or (kernels := step_kernels()) is None:
         return TORCH_GATE_MULS[activation]
     return kernels.silu_mul if activation == "silu" else functools.partial(kernels.gate_mul, activation)
+
+
+def make_gate_pair_mul(activation: str, device: torch.device, dtype: torch.dtype) -> GatePairMul:
+    """act(gate) * up where gate and up are two matrices [T, n] (Gemma 4's per-layer input): the same C
+    kernel as make_gate_mul's where it has one (the fused decode step runs it too), else torch's ops."""
+    _check_activation(activation)
+    if device.type != "cpu" or dtype not in SILU_DTYPES or (kernels := step_kernels()) is None:
+        return lambda gate, up: TORCH_GATE_MULS[activation](torch.cat((gate, up), dim=-1))
+    return functools.partial(kernels.gate_pair_mul, activation)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -106,12 +106,14 @@ def test_preemption_n3_and_speculation_give_the_plain_tokens(ckpt, plain):
     assert ngram.engine.speculator.counters.verify_steps > 0
 
 
-def test_fused_decode_runs_the_layers_unfused_and_says_so(ckpt, caplog):
+def test_fused_decode_runs_every_layer_from_c(ckpt, reference, caplog):
+    """Shared K/V, V norm, both head sizes, per-layer inputs and the layer scalar all have fused forms
+    (bit for bit against the layered forward: tests/model/test_fused.py)."""
     with caplog.at_level(logging.INFO, logger="kvgen.model.fused"):
         llm = LLM(ckpt.hf_dir, quantization="none")
-    assert any("6 of 6 layers have a block without a fused form" in r.message for r in caplog.records)
-    fused = generate(llm, [prompt(40)])
-    assert fused == generate(LLM(ckpt.hf_dir, quantization="none", fused_decode=False), [prompt(40)])
+    assert not any("without a fused form" in r.message for r in caplog.records)
+    assert generate(llm, [prompt(40)]) == [reference(prompt(40))]
+    assert llm.engine.runner.model.decode_programs.fused_steps >= N - 1
 
 
 def e2b_config() -> ModelConfig:
@@ -242,23 +244,32 @@ def test_chat_renders_gemma4_turns_and_stops_at_the_end_of_turn(tmp_path, ckpt, 
     assert result.choices[0].message.content == want
 
 
+def variant(path, hf_dir, **changes):
+    """A checkpoint transformers saves (seeded random weights, layer scalars other than the initial 1)
+    from the fixture's config with `changes`, with the fixture's tokenizer: (its directory, the
+    transformers model)."""
+    import torch
+    import transformers
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    config = {k: v for k, v in config.items() if k not in ("per_layer_config", "architectures", "dtype")}
+    torch.manual_seed(1)
+    model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**config | changes)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((hf_dir / name).read_bytes())
+    return path, model
+
+
 @pytest.fixture(scope="module")
 def k_eq_v(tmp_path_factory, ckpt):
     """attention_k_eq_v (Gemma 4 31B's global layers: V is the key projection, no v_proj) with the global
     layers' own KV heads: a checkpoint transformers saves from the fixture's config, and its tokens."""
-    import torch
-    import transformers
-
-    path = tmp_path_factory.mktemp("k_eq_v")
-    config = json.loads((ckpt.hf_dir / "config.json").read_text())
-    config = {k: v for k, v in config.items() if k not in ("per_layer_config", "architectures", "dtype")}
-    torch.manual_seed(1)
-    hf = transformers.Gemma4TextConfig(**config | {"attention_k_eq_v": True, "num_global_key_value_heads": 1,
-                                                   "global_head_dim": 32, "initializer_range": 0.5})
-    model = transformers.Gemma4ForCausalLM(hf).eval()
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (path / name).write_bytes((ckpt.hf_dir / name).read_bytes())
+    path, model = variant(tmp_path_factory.mktemp("k_eq_v"), ckpt.hf_dir, attention_k_eq_v=True,
+                          num_global_key_value_heads=1, global_head_dim=32, initializer_range=0.5)
     assert not any("layers.2.self_attn.v_proj" in name for name, _ in model.named_parameters())
     return path, hf_greedy(path, prompt(40), N)
 
@@ -270,8 +281,12 @@ def check_k_eq_v(path, want: list[int]) -> None:
     assert generate(llm, [prompt(40)]) == [want]
 
 
-def test_attention_k_eq_v_matches_transformers(k_eq_v):
-    check_k_eq_v(*k_eq_v)
+def test_attention_k_eq_v_matches_transformers(k_eq_v, caplog):
+    """Its global layers (V = K) have no fused form: they run layer by layer inside the fused step."""
+    with caplog.at_level(logging.INFO, logger="kvgen.model.fused"):
+        check_k_eq_v(*k_eq_v)
+    assert any("2 of 6 layers have a block without a fused form (attention, first layer 2)" in r.message
+               for r in caplog.records)
 
 
 @pytest.mark.slow  # llama.cpp's converter: ~20 s

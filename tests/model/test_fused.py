@@ -8,6 +8,7 @@ from kvgen import LLM, SamplingParams
 from kvgen.model.kernels.bf16 import bf16_kernel
 from tests.loaders.arch_fixtures import arch_checkpoint
 from tests.loaders.gguf_builder import Dims, llama_vocab, q4_k_m_style_model, write_gguf
+from tests.loaders.test_gemma4 import variant
 from tests.support.torch_threads import torch_threads
 
 PROMPTS = [list(range(100, 228)), list(range(300, 340)), [7], list(range(5, 70)), list(range(40, 41 + 16))]
@@ -142,6 +143,32 @@ def test_fused_steps_give_the_layered_bits_on_qwen35(source, options):
     layered_layers = {program.layered for program in programs._programs.values() if program is not None}
     delta_net_layers = len(llm.engine.runner.model.config.recurrent_layers)
     assert layered_layers == ({0, delta_net_layers} if "speculative_method" in options else {0})
+    assert_same_bits(fused, layered)
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """The gemma4 fixture's HF directory and Q8_0 GGUF, and a variant of it whose layers sharing K/V
+    have MLPs twice as wide (E2B's use_double_wide_mlp) and whose layer scalars are not 1."""
+    ckpt = arch_checkpoint("gemma4")
+    wide, _ = variant(tmp_path_factory.mktemp("gemma4-wide"), ckpt.hf_dir, use_double_wide_mlp=True)
+    return {"hf": ckpt.hf_dir, "gguf-q8_0": ckpt.gguf_q8, "wide-scaled": wide}
+
+
+@pytest.mark.parametrize("source, options", [("hf", dict(quantization="none")), ("hf", dict(quantization="int4")),
+                                             ("hf", dict(dtype="bfloat16", quantization="none")),
+                                             ("gguf-q8_0", {}), ("wide-scaled", {}),
+                                             ("wide-scaled", dict(dtype="bfloat16", quantization="none"))])
+def test_fused_steps_give_the_layered_bits_on_gemma4(gemma4, source, options):
+    """Gemma 4's layers from the call list: the last two reading an earlier layer's K/V, V normed, head
+    sizes 16 and 32 (proportional RoPE on the global layers), per-layer inputs, the layer scalar."""
+    if options.get("dtype") == "bfloat16" and bf16_kernel() is None:
+        pytest.skip("bf16 layers run F.linear here (no AVX-512 BF16), which has no fused call")
+    prompts = [[(7 * i + j) % 300 + 3 for i in range(n)] for j, n in enumerate((40, 12, 3))]
+    options |= dict(block_size=4, num_kv_blocks=256, max_num_seqs=3)
+    fused, steps = generate(gemma4[source], prompts, **options)
+    layered, _ = generate(gemma4[source], prompts, **options, fused_decode=False)
+    assert steps > 20
     assert_same_bits(fused, layered)
 
 

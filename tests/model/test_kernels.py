@@ -71,7 +71,7 @@ def gather_and_sdpa(cache, q, block_ids, mask):
 @pytest.mark.parametrize("kv_heads, group", [(1, 1), (2, 3), (3, 4)])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])  # 64, 128, 256 take the constant-size loops
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256, 512])  # 64 to 512 take the constant-size loops
 @pytest.mark.parametrize("build", KERNELS)  # with AVX-512 those sizes take attend_avx512
 def test_paged_decode_equals_gather_and_sdpa(dtype, kv_heads, group, block_size, window, head_dim, build):
     cache, q, block_ids, mask = ragged_batch(dtype, kv_heads, group, block_size, window, head_dim=head_dim)

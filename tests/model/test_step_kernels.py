@@ -1,4 +1,4 @@
-"""The step kernels (kvgen/model/kernels/step.c): SwiGLU's activation against torch's ops, in both
+"""The step kernels (kvgen/model/kernels/step.c): the gated activations and the scale against torch's ops, in both
 builds (AVX-512 and the portable loop other CPUs run)."""
 
 import ctypes
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvgen.model.kernels.build import FLAGS, build_library
 from kvgen.model.kernels.step import SOURCE, StepKernels, step_kernels
-from kvgen.model.layers import make_gate_mul, silu_mul
+from kvgen.model.layers import make_gate_mul, make_gate_pair_mul, silu_mul
 
 CPU = torch.device("cpu")
 # silu(g) * up is four roundings of ours (e^-g within 2 ulp from exp16's polynomial, then 1 + e,
@@ -64,3 +64,33 @@ def test_silu_mul_refuses_odd_widths_and_other_dtypes():
         step_kernels().silu_mul(torch.zeros(2, 7))
     with pytest.raises(ValueError, match="gate_up"):
         step_kernels().silu_mul(torch.zeros(2, 8, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("build", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_pair_mul_gives_gate_mul_bits_from_two_matrices(build, dtype):
+    """Gemma 4's per-layer input: gate and up apart, up a strided slice (a layer's of [T, L, P])."""
+    x = gate_up(5, 40, dtype)
+    up = torch.zeros(5, 3, 40, dtype=dtype)
+    up[:, 1] = x[:, 40:]
+    kernels = KERNELS[build]()
+    got = kernels.gate_pair_mul("gelu_tanh", x[:, :40].clone(), up[:, 1])
+    assert torch.equal(got, kernels.gate_mul("gelu_tanh", x))
+    assert not torch.equal(got, kernels.gate_mul("gelu_tanh", torch.cat((x[:, :40], up[:, 0]), dim=1)))
+
+
+def test_the_pair_mul_falls_back_to_torch_off_the_kernel():
+    gate, up = torch.randn(3, 8, dtype=torch.float16), torch.randn(3, 8, dtype=torch.float16)
+    got = make_gate_pair_mul("gelu_tanh", CPU, torch.float16)(gate, up)
+    assert torch.equal(got, F.gelu(gate, approximate="tanh") * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_call_gives_torchs_mul_bits(dtype):
+    """x *= the layer scalar, as the layered forward's x.mul_(scalar)."""
+    torch.manual_seed(0)
+    x, s = torch.randn(3, 1536).to(dtype), torch.tensor([0.7321]).to(dtype)
+    want = x.clone().mul_(s)
+    kernels = step_kernels()
+    kernels.call_list([kernels.scale_call(x, s)])()
+    assert torch.equal(x, want)

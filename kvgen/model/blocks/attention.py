@@ -50,8 +50,9 @@ class AttentionBlock(Block):
         return {"qkv": self.qkv, "o": self.o}
 
     def fuses(self) -> bool:
-        """Gemma 4's options have no fused form yet: such a layer runs layer by layer in a fused step."""
-        return self.v_norm is None and not self.shared and not self.k_eq_v
+        """V taken from the key projection (k_eq_v, Gemma 4 31B's global layers) has no fused form yet:
+        such a layer runs layer by layer in a fused step."""
+        return not self.k_eq_v
 
     def forward(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
         q_size, kv_size = self.heads * self.dim, self.kv_heads * self.dim
@@ -91,34 +92,57 @@ class AttentionBlock(Block):
         return torch.cat((q, k), dim=1)
 
     def reserve_buffers(self, program: FusedProgram) -> None:
-        q_size, kv_size = self.heads * self.dim, self.kv_heads * self.dim
-        program.buffer("qkv", (q_size + 2 * kv_size,)), program.buffer("attn", (q_size,))
+        self._buffers(program)
+
+    def _buffers(self, program: FusedProgram) -> dict[str, torch.Tensor]:
+        """The step's buffers this layer's calls use, named by head size (Gemma 4's layers have two):
+        the projection's output, q and k normed (where the model norms them), V normed (where it norms
+        V), attention's output."""
+        q_size, kv_size, dim = self.heads * self.dim, self.kv_heads * self.dim, self.dim
+        buffers = {"qkv": program.buffer(f"q{dim}", (q_size,)) if self.shared else
+                   program.buffer(f"qkv{dim}", (q_size + 2 * kv_size,)),
+                   "attn": program.buffer(f"attn{dim}", (q_size,))}
         if self.q_norm is not None:
-            program.buffer("qk", (self.heads + self.kv_heads, self.dim))
+            buffers["qk"] = program.buffer(f"qk{dim}", (self.heads + self.kv_heads, dim))
+        if self.v_norm is not None and not self.shared:
+            buffers["v"] = program.buffer(f"v{dim}", (self.kv_heads, dim))
+        return buffers
 
     def fused_calls(self, program: FusedProgram) -> list[KernelCall | None] | None:
         if not self.fuses():
             return None
-        rows, heads, kv_heads, dim = program.rows, self.heads, self.kv_heads, self.dim
-        q_size, kv_size = heads * dim, kv_heads * dim
-        qkv = program.buffer("qkv", (q_size + 2 * kv_size,))
-        qk_rows = qkv[:, : q_size + kv_size]
-        qk = program.buffer("qk", (heads + kv_heads, dim)) if self.q_norm is not None else \
-            qk_rows.view(rows, heads + kv_heads, dim)
-        v = qkv[:, q_size + kv_size :].view(rows, kv_heads, dim)
-        attn = program.buffer("attn", (q_size,))
-        attend = program.attend_calls(self.index, qk[:, :heads], qk[:, heads:], v, attn.view(rows, heads, dim))
+        rows, heads, dim = program.rows, self.heads, self.dim
+        q_size = heads * dim
+        buffers = self._buffers(program)
+        qkv, attn = buffers["qkv"], buffers["attn"].view(rows, heads, dim)
+        qk_rows = qkv[:, : q_size + self.kv_heads * dim]  # [rows, q_size] alone where K/V are shared
+        calls = [self.qkv.call(program.h, qkv)]
+        if self.q_norm is None:
+            qk = qk_rows.view(rows, -1, dim)
+        else:
+            qk = buffers["qk"][:, : qk_rows.shape[1] // dim]  # [rows, H (+ KV), D]
+            calls += self._row_norms(program, qk_rows[:, :q_size], self.q_norm, self.q_width, qk[:, :heads])
+            if not self.shared:
+                calls += self._row_norms(program, qk_rows[:, q_size:], self.k_norm, self.k_width, qk[:, heads:])
+        calls.append(program.rope.call(qk, *program.rope_tables(self.rope)))
+        if self.shared:
+            attend = program.attend_cached_calls(self.donor, qk, attn)
+        else:
+            v = qkv[:, q_size + self.kv_heads * dim :].view(rows, self.kv_heads, dim)
+            if self.v_norm is not None:
+                calls += self._row_norms(program, v, self.v_norm, dim, buffers["v"])
+                v = buffers["v"]
+            attend = program.attend_calls(self.index, qk[:, :heads], qk[:, heads:], v, attn)
         if attend is None:
             return None
-        calls = [self.qkv.call(program.h, qkv)]
-        if self.q_norm is not None:
-            for r in range(rows):  # per row and part, over that row's heads, as the layered forward's rows
-                calls += [program.norm.call(qk_rows[r, :q_size].view(-1, self.q_width), self.q_norm, self.eps,
-                                            qk[r, :heads].view(-1, self.q_width)),
-                          program.norm.call(qk_rows[r, q_size:].view(-1, self.k_width), self.k_norm, self.eps,
-                                            qk[r, heads:].view(-1, self.k_width))]
-        return [*calls, program.rope.call(qk, *program.rope_tables(self.rope)), *attend,
-                self.o.call(attn, program.out)]
+        return [*calls, *attend, self.o.call(buffers["attn"], program.out)]
+
+    def _row_norms(self, program: FusedProgram, x: torch.Tensor, weight: torch.Tensor, width: int,
+                   out: torch.Tensor) -> list[KernelCall]:
+        """out = the norm of x over each `width` values, x and out [rows, ...] with contiguous rows: a
+        call per row (x's rows lie apart in the projection's output), as the layered forward's rows."""
+        return [program.norm.call(x[r].view(-1, width), weight, self.eps, out[r].view(-1, width))
+                for r in range(program.rows)]
 
 
 def query_scale(config: ModelConfig, head_dim: int) -> float:

@@ -72,7 +72,7 @@ class FusedProgram(Protocol):
     """What a block's fused form writes into (kvgen.model.fused.ProgramBuilder)."""
 
     rows: int
-    h: torch.Tensor  # [rows, hidden] the branch's normed input
+    h: torch.Tensor  # [rows, hidden] the branch's input: its normed x (x itself where the branch has no norm)
     out: torch.Tensor  # [rows, hidden] where the block's output goes
     step: object  # kvgen.model.kernels.step.StepKernels
     norm: object  # kvgen.model.kernels.norm.RmsNorm
@@ -92,6 +92,10 @@ class FusedProgram(Protocol):
     def attend_calls(self, layer: int, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor) -> list[KernelCall] | None:
         """Store k/v [rows, kv_heads, D] in layer's pools, attend queries [rows, heads, D] into out."""
+
+    def attend_cached_calls(self, layer: int, queries: torch.Tensor, out: torch.Tensor) -> list[KernelCall]:
+        """Attend queries [rows, heads, D] over layer's pools as they are (its K/V of this step stored
+        by an earlier call) into out."""
 
 
 class Block(ABC):

@@ -59,8 +59,8 @@ class DecoderLayer:
         return projections[role]
 
     def fuses(self) -> bool:
-        """Every block has a fused form (kvgen.model.fused), and no scalar follows them."""
-        return self.scalar is None and all(block.fuses() for block in self.blocks)
+        """Every block has a fused form (kvgen.model.fused)."""
+        return all(block.fuses() for block in self.blocks)
 
     def forward(self, x: torch.Tensor, step: StepContext) -> None:
         """x [T, hidden], the residual stream, updated in place."""

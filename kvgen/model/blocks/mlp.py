@@ -32,11 +32,15 @@ class GatedMLP(Block):
         return self.down(self.gate_mul(self.gate_up(h, step.rows)), step.rows)
 
     def reserve_buffers(self, program: FusedProgram) -> None:
-        inner = self.gate_up.out_features  # gate and up, side by side
-        program.buffer("gate_up", (inner,)), program.buffer("act", (inner // 2,))
+        self._buffers(program)
+
+    def _buffers(self, program: FusedProgram) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_up [rows, 2n] (gate and up, side by side) and act [rows, n], named by width (Gemma 4's
+        layers sharing K/V have MLPs twice as wide)."""
+        inner = self.gate_up.out_features
+        return program.buffer(f"gate_up{inner}", (inner,)), program.buffer(f"act{inner // 2}", (inner // 2,))
 
     def fused_calls(self, program: FusedProgram) -> list[KernelCall | None]:
-        inner = self.gate_up.out_features
-        gate_up, act = program.buffer("gate_up", (inner,)), program.buffer("act", (inner // 2,))
+        gate_up, act = self._buffers(program)
         return [self.gate_up.call(program.h, gate_up), program.step.gate_mul_call(self.activation, gate_up, act),
                 self.down.call(act, program.out)]

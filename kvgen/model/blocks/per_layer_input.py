@@ -5,6 +5,10 @@ embedding (a projection), and adds it through a gated branch of its own.
     inputs [T, L, P] = (rms_norm(project(x0) / sqrt(hidden)) + table[token] * sqrt(P)) / sqrt(2)
     layer i:   x += out_norm(proj(gelu_tanh(gate(x)) * inputs[:, i]))      (no norm before the gate)
 
+The inputs are made before the layers (in Python; kvgen.model.decoder); a fused decode step copies
+them into a buffer of its own and runs each layer's branch from it as three calls (gate, the GeGLU
+kernel of the gated MLP, proj).
+
 x0 are the scaled token embeddings, L the layers, P `per_layer_input_size`. The numerics follow
 transformers' Gemma4TextModel op for op (its scales are Python floats, as here).
 """
@@ -15,17 +19,18 @@ import math
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 
 from kvgen.architectures.spec import PerLayerInputSpec
 from kvgen.config import ModelConfig
-from kvgen.model.blocks.base import Block, BuildContext, StepContext, register
+from kvgen.model.blocks.base import Block, BuildContext, FusedProgram, StepContext, register
 from kvgen.model.blocks.embedding import embed
-from kvgen.model.layers import Norm
+from kvgen.model.kernels.build import KernelCall
+from kvgen.model.layers import Norm, make_gate_pair_mul
 from kvgen.model.linear import Linear, RowKernels
 from kvgen.model.linear_choice import Embedding, LayerBuilder, Weight
 
 INPUT_SCALE = 2.0**-0.5  # the two parts are averaged in RMS: (projection + token) / sqrt(2)
+BUFFER = "per_layer_inputs"  # a fused step's copy of the step's inputs [rows, L, P] (kvgen.model.fused)
 
 
 class PerLayerInputs:
@@ -49,8 +54,7 @@ class PerLayerInputs:
 
 @register(PerLayerInputSpec.kind)
 class PerLayerInputBlock(Block):
-    """Layer `index`'s branch over its slice of `step.per_layer_inputs` (no fused form: its layer runs
-    layer by layer inside a fused decode step)."""
+    """Layer `index`'s branch over its slice of `step.per_layer_inputs`."""
 
     kind = PerLayerInputSpec.kind
 
@@ -61,6 +65,9 @@ class PerLayerInputBlock(Block):
         self.index = index
         self.gate: Linear = ctx.build.linear([ctx.weights[p + "per_layer_input_gate.weight"]])  # hidden -> P
         self.proj: Linear = ctx.build.linear([ctx.weights[p + "per_layer_projection.weight"]])  # P -> hidden
+        self.layers, self.width = ctx.config.num_layers, ctx.config.per_layer_input_size
+        self.activation = spec.activation
+        self.gate_mul = make_gate_pair_mul(spec.activation, ctx.build.device, ctx.build.dtype)
 
     def projections(self) -> dict[str, Linear]:
         return {"per_layer_gate": self.gate, "per_layer_proj": self.proj}
@@ -68,5 +75,15 @@ class PerLayerInputBlock(Block):
     def forward(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
         if step.per_layer_inputs is None:
             raise ValueError("a per-layer input block needs the step's per-layer inputs")
-        gated = F.gelu(self.gate(h, step.rows), approximate="tanh") * step.per_layer_inputs[:, self.index]
+        gated = self.gate_mul(self.gate(h, step.rows), step.per_layer_inputs[:, self.index])  # [T, P]
         return self.proj(gated, step.rows)
+
+    def reserve_buffers(self, program: FusedProgram) -> None:
+        program.buffer(BUFFER, (self.layers, self.width))
+        program.buffer("per_layer_gate", (self.width,)), program.buffer("per_layer_act", (self.width,))
+
+    def fused_calls(self, program: FusedProgram) -> list[KernelCall | None]:
+        inputs = program.buffer(BUFFER, (self.layers, self.width))[:, self.index]  # [rows, P], rows L * P apart
+        gate, act = program.buffer("per_layer_gate", (self.width,)), program.buffer("per_layer_act", (self.width,))
+        return [self.gate.call(program.h, gate), program.step.gate_pair_mul_call(self.activation, gate, inputs, act),
+                self.proj.call(act, program.out)]

@@ -22,10 +22,10 @@
  * key (KV head, slot), each over head_dim / key_groups consecutive dimensions (a multiple of 16, or
  * the whole row), and one per value (KV head, slot). A key's scales multiply the partial dot
  * products of their groups, a value's scale its weight once, so quantized rows are dequantized in
- * registers. Queries, scores and outputs are fp32. With AVX-512 and a head size of 64, 128 or 256
- * (Gemma 3), `attend_avx512` runs instead of the portable `attend`: one query head at a time, its
- * query (pre-scaled) and output rows in registers, the softmax's exponentials 16 at a time (exp16);
- * 2.2x faster at 192 keys, 2.1x at 2,048 (BENCHMARKS.md). */
+ * registers. Queries, scores and outputs are fp32. With AVX-512 and a head size of 64, 128, 256 (Gemma 3)
+ * or 512 (Gemma 4's global layers), `attend_avx512` runs instead of the portable `attend`: one query head
+ * at a time, its query (pre-scaled) and output rows in registers (spilling at 512), the softmax's
+ * exponentials 16 at a time (exp16); 2.2x faster at 192 keys, 2.1x at 2,048 (BENCHMARKS.md). */
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -220,13 +220,12 @@ static inline __attribute__((always_inline)) __m512 load16(const void *pool, int
     return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), fp8_values, 4);
 }
 
-/* `attend` for head sizes that are a multiple of 16 (compile-time, at most 256): per query head,
- * scores against every allowed key (the scale folded into the query), their exponentials 16 at a
- * time, then the weighted sum of values with the accumulator held in registers. */
+/* `attend` for head sizes a multiple of 16 (compile-time, at most 512): per query head, scores against every
+ * allowed key (the scale folded into the query), their exponentials 16 at a time, then the values' sum. */
 static inline __attribute__((always_inline)) void attend_avx512(const struct paged_decode_args *a, struct span w,
                                                                void *scratch, float *restrict partial,
                                                                const enum element kind, const int64_t dim) {
-    enum { MAX_VECTORS = 16 };
+    enum { MAX_VECTORS = 32 };
     const int64_t group = a->group, vectors = dim / 16;
     /* scales per key row, and 16-lane vectors per scale (the caller keeps dim / key_groups a multiple of 16) */
     const int64_t key_groups = kind == INT8 || kind == FP8 ? a->key_groups : 1, per_scale = vectors / key_groups;
@@ -340,6 +339,7 @@ static int paged_decode(const struct paged_decode_args *a, const enum element ki
         case 64: ATTEND_FIXED(a, w, scratch, partial, KIND, 64); break;                                   \
         case 128: ATTEND_FIXED(a, w, scratch, partial, KIND, 128); break;                                 \
         case 256: ATTEND_FIXED(a, w, scratch, partial, KIND, 256); break;                                 \
+        case 512: ATTEND_FIXED(a, w, scratch, partial, KIND, 512); break;                                 \
         default: attend(a, w, scratch, partial, KIND, a->head_dim); break;                                \
         }                                                                                                 \
     }

@@ -2,8 +2,11 @@
  *
  *     silu_mul     SwiGLU's silu(gate) * up, fp32 or bf16, for every row count: torch's two ops cost
  *                  ~6 us a decode layer for a microsecond of work
- *     gelu_mul     GeGLU's gelu_tanh(gate) * up (Gemma), the same way
+ *     gelu_mul     GeGLU's gelu_tanh(gate) * up (Gemma), the same way; gate and up are rows of one
+ *                  gate_up matrix (an MLP) or of two (Gemma 4's per-layer input: its gate's output
+ *                  and the layer's slice of the per-layer inputs)
  *     add          the residual add, x += y, fp32 or bf16
+ *     scale        x *= s, by a scalar read from memory (Gemma 4's layer scalar), fp32 or bf16
  *     convert      rows between bf16 and fp32, for a bf16 model's decode attention
  *     run_calls    a list of kernel calls, each `int run(const void *args)` with its arguments bound
  *                  (a `_call` function of this folder's kernels, or of kvgen/model/kernels/qmatmul.c),
@@ -64,38 +67,40 @@ static inline void gelu16(const float *restrict g, int count, float *restrict s)
 /* Prefill's hundreds of rows go to `num_threads` threads from this many elements. */
 #define PARALLEL_ELEMENTS (1 << 16)
 
-/* gate_up [rows, 2n] (each row's gate, then its up) -> out [rows, n] = ACT(gate) * up, 16 at a time. */
+/* out [rows, n] = ACT(gate) * up, 16 at a time: gate's and up's rows `gate_stride` and `up_stride`
+ * elements apart (an MLP's gate_up [rows, 2n]: both 2n, up = gate + n). */
 #define GATE_MUL(NAME, ACT16)                                                                             \
-    void NAME##_f32(const float *restrict gate_up, int64_t rows, int64_t n, float *restrict out,           \
-                    int32_t num_threads) {                                                                  \
+    void NAME##_f32(const float *restrict gate, int64_t gate_stride, const float *restrict up,             \
+                    int64_t up_stride, int64_t rows, int64_t n, float *restrict out, int32_t num_threads) { \
         const int parallel = num_threads > 1 && rows * n >= PARALLEL_ELEMENTS;                             \
         _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (parallel)")                \
         for (int64_t r = 0; r < rows; r++) {                                                               \
-            const float *restrict gate = gate_up + r * 2 * n, *restrict up = gate + n;                      \
+            const float *restrict g = gate + r * gate_stride, *restrict u = up + r * up_stride;             \
             float s[16];                                                                                   \
             for (int64_t i = 0; i < n; i += 16) {                                                          \
                 const int count = n - i >= 16 ? 16 : (int)(n - i);                                         \
-                ACT16(gate + i, count, s);                                                                 \
+                ACT16(g + i, count, s);                                                                    \
                 for (int j = 0; j < count; j++)                                                            \
-                    out[r * n + i + j] = s[j] * up[i + j];                                                 \
+                    out[r * n + i + j] = s[j] * u[i + j];                                                  \
             }                                                                                              \
         }                                                                                                  \
     }                                                                                                      \
                                                                                                            \
-    void NAME##_bf16(const uint16_t *restrict gate_up, int64_t rows, int64_t n, uint16_t *restrict out,    \
+    void NAME##_bf16(const uint16_t *restrict gate, int64_t gate_stride, const uint16_t *restrict up,      \
+                     int64_t up_stride, int64_t rows, int64_t n, uint16_t *restrict out,                   \
                      int32_t num_threads) {                                                                 \
         const int parallel = num_threads > 1 && rows * n >= PARALLEL_ELEMENTS;                             \
         _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (parallel)")                \
         for (int64_t r = 0; r < rows; r++) {                                                               \
-            const uint16_t *restrict gate = gate_up + r * 2 * n, *restrict up = gate + n;                   \
-            float g[16], s[16];                                                                            \
+            const uint16_t *restrict g = gate + r * gate_stride, *restrict u = up + r * up_stride;          \
+            float wide[16], s[16];                                                                         \
             for (int64_t i = 0; i < n; i += 16) {                                                          \
                 const int count = n - i >= 16 ? 16 : (int)(n - i);                                         \
                 for (int j = 0; j < count; j++)                                                            \
-                    g[j] = from_bf16(gate[i + j]);                                                         \
-                ACT16(g, count, s);                                                                        \
+                    wide[j] = from_bf16(g[i + j]);                                                         \
+                ACT16(wide, count, s);                                                                     \
                 for (int j = 0; j < count; j++)                                                            \
-                    out[r * n + i + j] = to_bf16(from_bf16(to_bf16(s[j])) * from_bf16(up[i + j]));          \
+                    out[r * n + i + j] = to_bf16(from_bf16(to_bf16(s[j])) * from_bf16(u[i + j]));          \
             }                                                                                              \
         }                                                                                                  \
     }
@@ -106,15 +111,17 @@ GATE_MUL(gelu_mul, gelu16)
 /* -- call lists ----------------------------------------------------------------------------------- */
 
 struct gate_mul_args {
-    const void *gate_up;
-    int64_t rows, n;
+    const void *gate;
+    int64_t gate_stride;
+    const void *up;
+    int64_t up_stride, rows, n;
     void *out;
     int32_t num_threads;
 };
 
 #define GATE_MUL_CALL(NAME)                                                                               \
     int NAME##_call(const struct gate_mul_args *a) {                                                      \
-        NAME(a->gate_up, a->rows, a->n, a->out, a->num_threads);                                          \
+        NAME(a->gate, a->gate_stride, a->up, a->up_stride, a->rows, a->n, a->out, a->num_threads);         \
         return 0;                                                                                         \
     }
 
@@ -143,6 +150,29 @@ int add_bf16_call(const struct add_args *a) {
     const uint16_t *restrict y = a->y;
     for (int64_t i = 0; i < a->n; i++)
         x[i] = to_bf16(from_bf16(x[i]) + from_bf16(y[i]));
+    return 0;
+}
+
+/* x *= *s over n elements, s of x's dtype; bf16 rounds the fp32 product once, as torch's mul_ does. */
+struct scale_args {
+    void *x;
+    const void *s;
+    int64_t n;
+};
+
+int scale_f32_call(const struct scale_args *a) {
+    float *restrict x = a->x;
+    const float s = *(const float *)a->s;
+    for (int64_t i = 0; i < a->n; i++)
+        x[i] *= s;
+    return 0;
+}
+
+int scale_bf16_call(const struct scale_args *a) {
+    uint16_t *restrict x = a->x;
+    const float s = from_bf16(*(const uint16_t *)a->s);
+    for (int64_t i = 0; i < a->n; i++)
+        x[i] = to_bf16(from_bf16(x[i]) * s);
     return 0;
 }
 
