@@ -364,8 +364,9 @@ def rope_parameters(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
 
 
 # RoPE scalings kvgen runs: "proportional" (Gemma 4's global layers) rotates the first
-# partial_rotary_factor of the frequency pairs and leaves the others unrotated (frequency 0).
-ROPE_SCALINGS = ("linear", "llama3", "proportional")
+# partial_rotary_factor of the frequency pairs and leaves the others unrotated (frequency 0); "yarn"
+# (gpt-oss) blends interpolated and original frequencies and scales cos and sin (kvgen.model.layers).
+ROPE_SCALINGS = ("linear", "llama3", "proportional", "yarn")
 
 
 def rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
