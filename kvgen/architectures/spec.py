@@ -72,6 +72,9 @@ class AttentionSpec(BlockSpec):
     value_norm: bool = False
     shared_kv: bool = False
     k_eq_v: bool = False
+    # gpt-oss: a learned logit per head, `{prefix}.sinks` [heads], joins each query's softmax
+    # denominator with no value (attention can go nowhere).
+    sink_logits: bool = False
 
     def dims(self, config: Any) -> tuple[int, int]:
         """(head size, KV heads) of the layer."""
@@ -94,6 +97,8 @@ class AttentionSpec(BlockSpec):
             shapes |= {p + f"{n}_proj.bias": (rows,) for n, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))}
         if config.o_bias:
             shapes[p + "o_proj.bias"] = (hidden,)
+        if self.sink_logits:
+            shapes[p + "sinks"] = (config.num_heads,)
         return shapes
 
 
