@@ -51,6 +51,10 @@ of each GGUF agree with the HF directory, which `test_arch_fixtures.py` checks):
   * partial RoPE is rope.dimension_count (8 = 0.25 x key_length 32); rope.dimension_sections
     [11, 11, 10, 0] is the multimodal RoPE's split, which text positions (equal on every axis) ignore;
   * attn_q holds the query and its output gate interleaved per head, [heads x (q 32 | gate 32)], as HF.
+- gpt-oss (`gpt-oss`): the converter splits transformers' interleaved gate_up_proj (and its bias) into
+  ffn_gate_exps / ffn_up_exps and transposes the experts to [experts, out, in]; it writes YaRN's factor, original
+  context and betas but not `truncate` (kvgen's gpt-oss reading takes it off, as the config says), nor the
+  window pattern or the SwiGLU's alpha and limit (llama.cpp's constants, which the fixture keeps).
 - Mixtures (`qwen3moe`, `olmoe`): the converter stacks the experts into ffn_{gate,up,down}_exps
   [experts, out, in] and the router into ffn_gate_inp; OLMoE's file says rms eps 1e-5 whatever the
   config did (the fixture uses 1e-5), and neither says whether the top-k weights are renormalised
@@ -126,6 +130,7 @@ class ArchSpec:
     emb_norm: float = 4.0
     convert_flags: tuple[str, ...] = ()  # more flags for convert_hf_to_gguf.py
     convert_config: dict | None = None  # config.json as the converter reads it: these keys set (None: removed)
+    bias_std: float = 0.0  # biases (transformers zeroes them) drawn N(0, bias_std), so that a dropped bias shows
 
 
 # GQA everywhere: 4 query heads over 2 KV heads.
@@ -217,6 +222,18 @@ SPECS: dict[str, ArchSpec] = {
         num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "qwen2"),
+    # gpt-oss: 4 layers, even ones sliding a window of 128 (as the real model's), YaRN RoPE (factor 32, untruncated
+    # correction range), q/k/v/o biases and a sink logit per head; top-4 of 8 experts of 32 with biases and the clamped
+    # SwiGLU, a router with a bias. Its experts saved by transformers in its fused layout (gate_up_proj [experts,
+    # hidden, 2 * inner], gate and up interleaved), in fp32, so the converter writes them F32 (MXFP4 only comes
+    # from an MXFP4 checkpoint).
+    "gpt-oss": ArchSpec("GptOssConfig", "GptOssForCausalLM", _BASE | _SMOL | dict(
+        num_hidden_layers=4, head_dim=16, intermediate_size=32, rms_norm_eps=1e-5, num_local_experts=8,
+        num_experts_per_tok=4, sliding_window=128, attention_bias=True,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
+        "smollm2", bias_std=0.5),
 }
 ARCHS = list(SPECS)
 GGUF_ARCHS = [a for a in ARCHS if SPECS[a].gguf]
@@ -321,6 +338,8 @@ def build_hf(arch: str, path: Path) -> dict:
         for name, p in model.named_parameters():  # norm weights off their init (1 or, for Gemma, 0)
             if "norm" in name:  # so that a wrong norm convention (w vs 1 + w) shows in the tokens
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("bias") and spec.bias_std:
+                p.add_(torch.randn_like(p) * spec.bias_std)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     _write_tokenizer(spec.tokenizer, path)

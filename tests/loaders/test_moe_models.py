@@ -1,5 +1,6 @@
 """Mixtures of experts (Qwen3-MoE, OLMoE, Qwen2-MoE and Qwen3.5-MoE with their shared experts, the latter
-between Gated DeltaNet layers) from a HF directory and from the GGUF llama.cpp's converter writes of it,
+between Gated DeltaNet layers, and gpt-oss: attention sinks, windows of 128 alternating with full layers,
+YaRN, biased experts with the clamped SwiGLU) from a HF directory and from the GGUF llama.cpp's converter writes of it,
 against transformers on the same weights: greedy fp32 tokens through the paged engine over a 300-token
 prompt, alone and in a ragged batch of 6; prefix caching and ngram speculation give the plain engine's
 tokens; every KV block and state slot is given back."""
@@ -12,7 +13,7 @@ from tests.loaders.arch_fixtures import hf_greedy
 # qwen2moe's fixture has Qwen2's 151936-token vocabulary: ~40 s a test, so slow.
 # qwen35moe: slow here (~15 s a test: transformers' delta-net in torch); its 40-token parity, HF and GGUF, is in
 # test_architectures_parity.
-MOE_ARCHS = ["qwen3moe", "olmoe", pytest.param("qwen35moe", marks=pytest.mark.slow),
+MOE_ARCHS = ["qwen3moe", "olmoe", "gpt-oss", pytest.param("qwen35moe", marks=pytest.mark.slow),
              pytest.param("qwen2moe", marks=pytest.mark.slow)]
 N = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
