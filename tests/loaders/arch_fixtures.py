@@ -55,6 +55,9 @@ of each GGUF agree with the HF directory, which `test_arch_fixtures.py` checks):
   ffn_gate_exps / ffn_up_exps and transposes the experts to [experts, out, in]; it writes YaRN's factor, original
   context and betas but not `truncate` (kvgen's gpt-oss reading takes it off, as the config says), nor the
   window pattern or the SwiGLU's alpha and limit (llama.cpp's constants, which the fixture keeps).
+  Its experts are fp32, so the GGUF's are F32; `mxfp4_checkpoint` writes them as gpt-oss is released
+  (`*_blocks` / `*_scales`, quant_method "mxfp4"), which the converter keeps MXFP4, beside a HF directory of
+  the values they hold (the reference).
 - Mixtures (`qwen3moe`, `olmoe`): the converter stacks the experts into ffn_{gate,up,down}_exps
   [experts, out, in] and the router into ffn_gate_inp; OLMoE's file says rms eps 1e-5 whatever the
   config did (the fixture uses 1e-5), and neither says whether the top-k weights are renormalised
@@ -414,6 +417,68 @@ def with_context(arch: str, max_positions: int) -> ArchCheckpoint:
                     shutil.rmtree(tmp, ignore_errors=True)
     return ArchCheckpoint(arch, root / "hf", root / f"{arch}-f32.gguf", None,
                           json.loads((root / "hf" / "config.json").read_text()))
+
+
+# e2m1's values by 4-bit code (gpt-oss's MXFP4 and ggml's kvalues_mxfp4): sign bit 3
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def to_mxfp4(w):
+    """w fp32 [..., K] (K a multiple of 32) -> (blocks uint8 [..., K / 32, 16], scales uint8 [..., K / 32],
+    values fp32 [..., K]) in gpt-oss's layout: per 32 values an e8m0 exponent (bias 127) and 4-bit e2m1
+    codes, value 2j in the low nibble of byte j, 2j + 1 in the high one; `values` are what they hold."""
+    import torch
+
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))  # max |w| / 2^e <= 6
+    scaled = groups / torch.exp2(exponent)[..., None]
+    table = torch.tensor(E2M1)
+    codes = (scaled[..., None] - table).abs().argmin(-1).to(torch.uint8)  # nearest value ([..., G, 32])
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    values = (table[codes.long()] * torch.exp2(exponent)[..., None]).reshape(w.shape)
+    return blocks, (exponent + 127).to(torch.uint8), values
+
+
+def mxfp4_checkpoint(arch: str = "gpt-oss") -> tuple[Path, Path]:
+    """gpt-oss's fixture with its experts in MXFP4, as gpt-oss is released: (the F32 GGUF llama.cpp's converter
+    writes, experts MXFP4, from a HF directory holding them as gpt-oss's `*_blocks` / `*_scales` under
+    quant_method "mxfp4"; a HF directory of the values those experts hold, fp32: the reference)."""
+    root = cache_root() / f"{arch}-mxfp4-v{FIXTURE_VERSION}"
+    gguf, reference = root / f"{arch}-mxfp4.gguf", root / "hf-dequantized"
+    if not (root / "DONE").is_file():
+        with llama_tools.file_lock(cache_root() / f".{arch}-mxfp4.lock"):
+            if not (root / "DONE").is_file():
+                tmp = Path(tempfile.mkdtemp(dir=cache_root(), prefix=f".{arch}-mxfp4-"))
+                try:
+                    _build_mxfp4(arch, tmp)
+                    tmp.chmod(0o755)
+                    shutil.rmtree(root, ignore_errors=True)
+                    tmp.rename(root)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    return gguf, reference
+
+
+def _build_mxfp4(arch: str, out: Path) -> None:
+    """The MXFP4 directory, its GGUF and the dequantized reference of `mxfp4_checkpoint`, in `out`."""
+    from safetensors.torch import load_file, save_file
+
+    base = arch_checkpoint(arch).hf_dir
+    weights, packed = load_file(base / "model.safetensors"), {}
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales, values = to_mxfp4(weights[name].transpose(1, 2).contiguous())  # [experts, out, in]
+        packed |= {name + "_blocks": blocks, name + "_scales": scales}
+        weights[name] = values.transpose(1, 2).contiguous()  # what the blocks hold, in transformers' layout
+    for folder, tensors, extra in (("hf-dequantized", weights, {}),
+                                   ("hf-mxfp4", {n: w for n, w in weights.items() if not n.endswith("_proj")} | packed,
+                                    {"quantization_config": {"quant_method": "mxfp4"}})):
+        shutil.copytree(base, out / folder, ignore=shutil.ignore_patterns("model.safetensors"))
+        save_file(tensors, out / folder / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((base / "config.json").read_text()) | extra
+        (out / folder / "config.json").write_text(json.dumps(config, indent=2))
+    convert(arch, out / "hf-mxfp4", out / f"{arch}-mxfp4.gguf", "f32")
+    shutil.rmtree(out / "hf-mxfp4")
+    (out / "DONE").write_text("{}")
 
 
 def build_timing(arch: str) -> dict:
