@@ -260,11 +260,11 @@ class PagedAttention(Attention):
                 rows: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
         """rows [B * Q, heads, D] -> [B * Q, heads, D]: through the decode kernel where it applies, else
         through a gathered copy of the group's K/V (also gathered to record heavy-hitter weights): the
-        prefill kernel for a causal prompt chunk, SDPA for the rest. The C kernels take no sink
-        logits: a layer with them (gpt-oss) attends through SDPA (`_sdpa_with_sinks`)."""
-        in_place = self._in_place(group) and sinks is None
+        prefill kernel for a causal prompt chunk, SDPA for the rest; each with the layer's sink logits
+        where it has them (gpt-oss)."""
+        in_place = self._in_place(group)
         if in_place and group.score_rows is None:  # a decode step's usual path: nothing else to build
-            return self._decode(cache, layer, key, group, rows)
+            return self._decode(cache, layer, key, group, rows, sinks)
         batch, _, num_queries, _ = group.mask.shape
         queries = rows.view(batch, num_queries, *rows.shape[1:]).transpose(1, 2)  # [B, heads, Q, D]
         gathered = self._gather(cache, layer, group)
@@ -272,10 +272,10 @@ class PagedAttention(Attention):
             scored = group.score_rows
             group.scores += attention_weights(queries[scored], gathered[0][scored], group.mask[scored])
         if in_place:
-            return self._decode(cache, layer, key, group, rows)
+            return self._decode(cache, layer, key, group, rows, sinks)
         keys, values = gathered
-        if self.prefill_kernel is not None and group.causal_from is not None and batch == 1 and sinks is None:
-            out = self.prefill_kernel(rows, keys[0], values[0], group.causal_from)
+        if self.prefill_kernel is not None and group.causal_from is not None and batch == 1:
+            out = self.prefill_kernel(rows, keys[0], values[0], group.causal_from, sinks)
             if out is not None:
                 return out
         causal = group.causal_from == 0
@@ -283,7 +283,7 @@ class PagedAttention(Attention):
         return out.transpose(1, 2).reshape(rows.shape)
 
     def _decode(self, cache: PagedKVCache, layer: int, key: tuple[int, int], group: PagedGroup,
-                rows: torch.Tensor) -> torch.Tensor:
+                rows: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
         """rows [B * Q, heads, D] through the kernel, reading the layer's pools in place. The kernel's
         call for the group is built at its first layer and reused by the others."""
         call = self._group_calls.get(key)
@@ -293,7 +293,7 @@ class PagedAttention(Attention):
                                                 group.mask.view(batch * num_queries, length))
             self._group_calls[key] = call
         scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else None
-        return call(rows, cache.k[layer], cache.v[layer], scales)
+        return call(rows, cache.k[layer], cache.v[layer], scales, sinks)
 
     def decodes_in_place(self) -> bool:
         """Every group attends through the kernel, with no weights to record: the step's attention is

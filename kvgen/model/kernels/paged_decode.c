@@ -13,7 +13,8 @@
  *     m = max_j scores_j,  l = sum_j e^(scores_j - m),  acc = sum_j e^(scores_j - m) v_j
  *
  * then each query head's spans are merged (flash-decoding's split softmax): with M the largest m,
- * out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. Spans let two threads share one sequence's
+ * out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s (with `sinks`, gpt-oss's, M also covers the
+ * head's sink logit s and the denominator adds e^(s - M): a weight that goes to no value). Spans let two threads share one sequence's
  * few KV heads (SmolLM2 has 3: on whole heads one thread did two thirds of the work). They are
  * cut by position alone, never by the thread count or the batch, so a sequence's result has the
  * same bits however it is run; with one span the merge is exact (out = acc / l).
@@ -56,6 +57,7 @@ struct paged_decode_args {
     int64_t key_groups;       /* scales per key row of a quantized pool (1 for float pools) */
     float scale;
     int32_t num_threads;
+    const float *sinks;       /* [kv_heads * group] a logit per query head in each softmax's denominator, or NULL */
 };
 
 enum element { F32, BF16, F16, INT8, FP8 };
@@ -287,9 +289,12 @@ static void merge(const struct paged_decode_args *a, const float *partials, int6
     const int64_t group = a->group, dim = a->head_dim, stride = group * (2 + dim);
     const float *first = partials + bh * spans * stride + g * (2 + dim);
     float *restrict out = a->out + (bh * group + g) * dim;
-    float top = -INFINITY, total = 0.f;
+    const float sink = a->sinks ? a->sinks[bh % a->kv_heads * group + g] : -INFINITY;
+    float top = sink, total = 0.f;
     for (int64_t s = 0; s < spans; s++)
         top = first[s * stride] > top ? first[s * stride] : top;
+    if (a->sinks)
+        total = expf(sink - top);
     memset(out, 0, sizeof(float) * dim);
     for (int64_t s = 0; s < spans; s++) {
         const float *p = first + s * stride;
