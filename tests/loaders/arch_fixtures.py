@@ -57,7 +57,7 @@ of each GGUF agree with the HF directory, which `test_arch_fixtures.py` checks):
   window pattern or the SwiGLU's alpha and limit (llama.cpp's constants, which the fixture keeps).
   Its experts are fp32, so the GGUF's are F32; `mxfp4_checkpoint` writes them as gpt-oss is released
   (`*_blocks` / `*_scales`, quant_method "mxfp4"), which the converter keeps MXFP4, beside a HF directory of
-  the values they hold (the reference).
+  the values they hold (the reference: transformers reads them so, bit for bit, tests/loaders/test_experts.py).
 - Mixtures (`qwen3moe`, `olmoe`): the converter stacks the experts into ffn_{gate,up,down}_exps
   [experts, out, in] and the router into ffn_gate_inp; OLMoE's file says rms eps 1e-5 whatever the
   config did (the fixture uses 1e-5), and neither says whether the top-k weights are renormalised
@@ -439,12 +439,12 @@ def to_mxfp4(w):
     return blocks, (exponent + 127).to(torch.uint8), values
 
 
-def mxfp4_checkpoint(arch: str = "gpt-oss") -> tuple[Path, Path]:
-    """gpt-oss's fixture with its experts in MXFP4, as gpt-oss is released: (the F32 GGUF llama.cpp's converter
-    writes, experts MXFP4, from a HF directory holding them as gpt-oss's `*_blocks` / `*_scales` under
-    quant_method "mxfp4"; a HF directory of the values those experts hold, fp32: the reference)."""
+def mxfp4_checkpoint(arch: str = "gpt-oss") -> tuple[Path, Path, Path]:
+    """gpt-oss's fixture with its experts in MXFP4, as gpt-oss is released: (a HF directory holding them as
+    gpt-oss's `*_blocks` / `*_scales` under quant_method "mxfp4"; the F32 GGUF llama.cpp's converter writes
+    of it, experts MXFP4; a HF directory of the values those experts hold, fp32: the reference)."""
     root = cache_root() / f"{arch}-mxfp4-v{FIXTURE_VERSION}"
-    gguf, reference = root / f"{arch}-mxfp4.gguf", root / "hf-dequantized"
+    hf, gguf, reference = root / "hf-mxfp4", root / f"{arch}-mxfp4.gguf", root / "hf-dequantized"
     if not (root / "DONE").is_file():
         with llama_tools.file_lock(cache_root() / f".{arch}-mxfp4.lock"):
             if not (root / "DONE").is_file():
@@ -456,7 +456,7 @@ def mxfp4_checkpoint(arch: str = "gpt-oss") -> tuple[Path, Path]:
                     tmp.rename(root)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
-    return gguf, reference
+    return hf, gguf, reference
 
 
 def _build_mxfp4(arch: str, out: Path) -> None:
@@ -477,7 +477,6 @@ def _build_mxfp4(arch: str, out: Path) -> None:
         config = json.loads((base / "config.json").read_text()) | extra
         (out / folder / "config.json").write_text(json.dumps(config, indent=2))
     convert(arch, out / "hf-mxfp4", out / f"{arch}-mxfp4.gguf", "f32")
-    shutil.rmtree(out / "hf-mxfp4")
     (out / "DONE").write_text("{}")
 
 

@@ -89,17 +89,20 @@ def test_fused_decode_steps_give_the_layered_tokens(arch_ckpt, arch):
         assert packed == (quantization == "auto")
 
 
-def test_gpt_oss_mxfp4_gguf_matches_transformers_on_its_values():
-    """gpt-oss's experts as released, MXFP4, through llama.cpp's converter: read without quantization, the
-    GGUF gives transformers' tokens on the values its blocks hold (300 tokens, batch 1); kept packed, its
-    experts run the packed u8 kernel (int8 activations: not these tokens, tests/model/test_moe_kernel.py)."""
+def test_gpt_oss_mxfp4_matches_transformers_on_its_values():
+    """gpt-oss's experts as released, MXFP4, in its HF directory and through llama.cpp's converter: read
+    without quantization, both give transformers' tokens on the values the blocks hold (300 tokens, batch
+    1); kept packed, the GGUF's experts run the packed u8 kernel (int8 activations: not these tokens,
+    tests/model/test_moe_kernel.py)."""
     from tests.loaders.arch_fixtures import FixtureError, mxfp4_checkpoint
 
     try:
-        gguf, reference = mxfp4_checkpoint()
+        hf, gguf, reference = mxfp4_checkpoint()
     except FixtureError as e:
         pytest.fail(str(e), pytrace=False)
     prompt = long_prompt()
-    assert tokens(kvgen_llm(gguf), [prompt]) == [hf_greedy(reference, prompt, N)]
+    want = hf_greedy(reference, prompt, N)
+    for path in (hf, gguf):
+        assert tokens(kvgen_llm(path), [prompt]) == [want], path
     packed = LLM(gguf, quantization="auto", block_size=16, num_kv_blocks=256)
     assert packed.engine.runner.model.layers[0].blocks[1].experts.gate_up.kernel == "moe packed u8 g32"
