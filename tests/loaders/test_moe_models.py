@@ -89,6 +89,7 @@ def test_fused_decode_steps_give_the_layered_tokens(arch_ckpt, arch):
         assert packed == (quantization == "auto")
 
 
+@pytest.mark.slow  # ~10 s the first time (its fixture), ~4 s after; MXFP4's values: tests/loaders/test_experts.py
 def test_gpt_oss_mxfp4_matches_transformers_on_its_values():
     """gpt-oss's experts as released, MXFP4, in its HF directory and through llama.cpp's converter: read
     without quantization, both give transformers' tokens on the values the blocks hold (300 tokens, batch

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvgen.architectures.spec import EXPERT_ACTIVATIONS
 from kvgen.model.kernels.build import KernelCall, build_library
 
 log = logging.getLogger(__name__)
@@ -30,14 +31,14 @@ class ExpertStackArgs(ctypes.Structure):
                 ("K", _I64), ("kquant", _I32)]
 
 
-EXPERT_ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}  # moe.c's ACT_*
+ACTIVATION_CODES = {name: code for code, name in enumerate(EXPERT_ACTIVATIONS)}  # moe.c's ACT_*, in that order
 
 
 @dataclass(frozen=True)
 class ExpertOptions:
     """What a model's experts add to plain SwiGLU experts (gpt-oss): biases on each projection's rows,
     fp32 contiguous gate_up_bias [experts, 2 * inner] (gate's then up's) and down_bias [experts,
-    hidden], and the activation (EXPERT_ACTIVATIONS; alpha and limit: the clamped SwiGLU's)."""
+    hidden], and the activation (one of EXPERT_ACTIVATIONS; alpha and limit: the clamped SwiGLU's)."""
 
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
@@ -86,12 +87,12 @@ class MoEKernel:
         assert (x.dtype == logits.dtype == out.dtype == torch.float32 and x.is_contiguous() and logits.is_contiguous()
                 and out.is_contiguous() and x.shape == out.shape == (tokens, down.N) and counts.dtype == torch.int64
                 and counts.shape == (experts,))
-        biases = [b if b is None else b.data_ptr() for b in (options.gate_up_bias, options.down_bias)]
         assert all(b is None or (b.dtype == torch.float32 and b.is_contiguous() and b.shape[0] == experts)
                    for b in (options.gate_up_bias, options.down_bias))
+        biases = [b if b is None else b.data_ptr() for b in (options.gate_up_bias, options.down_bias)]
         return _Args(x.data_ptr(), logits.data_ptr(), tokens, experts, top_k, int(norm_topk), gate_up, down,
                      out.data_ptr(), counts.data_ptr(), torch.get_num_threads(), *biases,
-                     EXPERT_ACTIVATIONS[options.activation], options.alpha, options.limit)
+                     ACTIVATION_CODES[options.activation], options.alpha, options.limit)
 
 
 @functools.cache
