@@ -37,7 +37,8 @@ def hf_fields(cfg: dict[str, Any], config: Any) -> dict[str, Any]:
         windows = alternating_windows(config.num_layers, window)
     return moe_hf_fields(cfg, "intermediate_size") | dict(
         norm_topk_prob=True, sliding_window=None, layer_windows=windows,
-        swiglu_alpha=float(cfg.get("swiglu_alpha", SWIGLU_ALPHA)), swiglu_limit=float(cfg.get("swiglu_limit", SWIGLU_LIMIT)))
+        swiglu_alpha=float(cfg.get("swiglu_alpha", SWIGLU_ALPHA)),
+        swiglu_limit=float(cfg.get("swiglu_limit", SWIGLU_LIMIT)))
 
 
 def gguf_fields(p: str, meta: dict[str, Any], config: Any) -> dict[str, Any]:

@@ -90,15 +90,22 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rope_attention_factor(config: ModelConfig) -> float:
-    """What cos and sin are multiplied by: YaRN's attention factor (0.1 ln(factor) + 1 unless the
-    scaling gives one, as transformers computes it), 1 for the other scalings."""
+    """What cos and sin are multiplied by: YaRN's attention factor as transformers computes it (the
+    scaling's own, else 0.1 m ln(factor) + 1 with m = 1, or that ratio for mscale / mscale_all_dim), 1
+    for the other scalings."""
     scaling = config.rope_scaling
     if scaling is None or scaling["rope_type"] != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
-    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
 
 
 def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict, base: float) -> torch.Tensor:
@@ -107,7 +114,7 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict, base: float) -> torch.
     rounded outwards where `truncate`, transformers' default; gpt-oss's config turns it off)."""
     factor, pairs = float(scaling["factor"]), inv_freq.shape[0]
     dim, context = 2 * pairs, float(scaling["original_max_position_embeddings"])
-    wavelengths = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # [pairs] 1 / inv_freq
+    periods = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # [pairs] 1 / inv_freq, as HF
 
     def pair_of(rotations: float) -> float:  # the (fractional) pair index turning `rotations` times
         return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -118,7 +125,7 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict, base: float) -> torch.
     low, high = max(low, 0), min(high, dim - 1)
     ramp = ((torch.arange(pairs, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
     kept = 1 - ramp  # [pairs] the share of each pair's original frequency
-    return 1.0 / (factor * wavelengths) * (1 - kept) + inv_freq * kept
+    return 1.0 / (factor * periods) * (1 - kept) + inv_freq * kept
 
 
 def _proportional_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -26,6 +26,15 @@ def test_yarn_matches_transformers(truncate, head_dim, theta):
     assert torch.equal(table.cos[:, : head_dim // 2], freqs.cos() * scale)
 
 
+def test_yarn_with_mscales_takes_their_ratio():
+    """DeepSeek's form of the attention factor: mscale over mscale_all_dim, as transformers computes it."""
+    hf = GptOssConfig(num_hidden_layers=2, hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 0.707,
+                                       "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096})
+    _, scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    assert rope_attention_factor(ModelConfig.from_hf(hf.to_dict())) == scale != 1.0
+
+
 def test_the_other_scalings_leave_cos_and_sin_unscaled():
     config = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
                          head_dim=8, max_position_embeddings=8, rope_scaling={"rope_type": "linear", "factor": 2.0})
