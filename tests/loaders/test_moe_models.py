@@ -89,6 +89,18 @@ def test_fused_decode_steps_give_the_layered_tokens(arch_ckpt, arch):
         assert packed == (quantization == "auto")
 
 
+@pytest.mark.parametrize("options", [dict(kv_cache="contiguous"), dict(kv_cache="none"),
+                                     dict(attention_backend="sdpa", block_size=16, num_kv_blocks=256)],
+                         ids=["contiguous", "no-cache", "paged-sdpa"])
+def test_gpt_oss_sinks_in_every_attention_path(arch_ckpt, options):
+    """The paged engine's C kernels are the tests above; the sink logits through SDPA give the same tokens
+    in the contiguous and no-cache engines and the paged engine without the kernels (300 tokens, batch 1)."""
+    ckpt = arch_ckpt("gpt-oss")
+    prompt = long_prompt()
+    llm = LLM(ckpt.hf_dir, quantization="none", **options)
+    assert [o.token_ids for o in llm.generate([prompt], GREEDY)] == [hf_greedy(ckpt.hf_dir, prompt, N)]
+
+
 @pytest.mark.slow  # ~10 s the first time (its fixture), ~4 s after; MXFP4's values: tests/loaders/test_experts.py
 def test_gpt_oss_mxfp4_matches_transformers_on_its_values():
     """gpt-oss's experts as released, MXFP4, in its HF directory and through llama.cpp's converter: read
