@@ -419,15 +419,13 @@ def with_context(arch: str, max_positions: int) -> ArchCheckpoint:
                           json.loads((root / "hf" / "config.json").read_text()))
 
 
-# e2m1's values by 4-bit code (gpt-oss's MXFP4 and ggml's kvalues_mxfp4): sign bit 3
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
 def to_mxfp4(w):
     """w fp32 [..., K] (K a multiple of 32) -> (blocks uint8 [..., K / 32, 16], scales uint8 [..., K / 32],
     values fp32 [..., K]) in gpt-oss's layout: per 32 values an e8m0 exponent (bias 127) and 4-bit e2m1
     codes, value 2j in the low nibble of byte j, 2j + 1 in the high one; `values` are what they hold."""
     import torch
+
+    from kvgen.loaders.experts import E2M1
 
     groups = w.reshape(*w.shape[:-1], -1, 32)
     exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))  # max |w| / 2^e <= 6
