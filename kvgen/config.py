@@ -71,6 +71,8 @@ class ModelConfig:
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
     shared_expert_intermediate_size: int = 0  # the shared expert's width, where the layers have one
+    swiglu_alpha: float = 1.702  # the clamped SwiGLU's (gpt-oss's experts: MoESpec's "clamped_swiglu")
+    swiglu_limit: float = 7.0
 
     @property
     def is_moe(self) -> bool:

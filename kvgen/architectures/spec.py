@@ -72,6 +72,9 @@ class AttentionSpec(BlockSpec):
     value_norm: bool = False
     shared_kv: bool = False
     k_eq_v: bool = False
+    # gpt-oss: a learned logit per head, `{prefix}.sinks` [heads], joins each query's softmax
+    # denominator with no value (attention can go nowhere).
+    sink_logits: bool = False
 
     def dims(self, config: Any) -> tuple[int, int]:
         """(head size, KV heads) of the layer."""
@@ -94,6 +97,8 @@ class AttentionSpec(BlockSpec):
             shapes |= {p + f"{n}_proj.bias": (rows,) for n, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))}
         if config.o_bias:
             shapes[p + "o_proj.bias"] = (hidden,)
+        if self.sink_logits:
+            shapes[p + "sinks"] = (config.num_heads,)
         return shapes
 
 
@@ -120,11 +125,19 @@ class GatedMLPSpec(BlockSpec):
         return shapes | {p + "down_proj.weight": (hidden, inter)}
 
 
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+
+
 @dataclass(frozen=True)
 class MoESpec(BlockSpec):
     """A mixture of experts: a router picks `config.experts_per_token` of `config.num_experts` gated
     MLPs per token (softmax over the router's logits, top-k, renormalised where
     `config.norm_topk_prob`), whose outputs are summed with those weights.
+
+    gpt-oss's options: `router` names the router's tensors (`mlp.router`), `biases` gives the router
+    and every expert projection a bias, and the `clamped_swiglu` activation is
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), with
+    `config.swiglu_alpha` and `config.swiglu_limit`.
 
     Experts are stored stacked per layer, as GGUF holds them (`ffn_{gate,up,down}_exps`):
     `experts.gate_proj` / `up_proj` [experts, inner, hidden], `experts.down_proj` [experts, hidden,
@@ -136,18 +149,24 @@ class MoESpec(BlockSpec):
     prefix: str = "mlp"
     activation: str = "silu"
     shared_expert: bool = False
+    router: str = "gate"
+    biases: bool = False
+    hf_interleaved: bool = False  # transformers' gpt-oss experts: [experts, in, out], gate/up columns interleaved
 
     def __post_init__(self) -> None:
-        if self.activation != "silu":
-            raise ValueError(f"expert activation {self.activation!r} is not supported (silu is)")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert activation {self.activation!r} is not one of {EXPERT_ACTIVATIONS}")
 
     def tensors(self, config: Any) -> dict[str, tuple[int, ...]]:
         p, hidden = self.prefix + ".", config.hidden_size
         experts, inner = config.num_experts, config.expert_intermediate_size
-        shapes = {p + "gate.weight": (experts, hidden),
+        shapes = {p + self.router + ".weight": (experts, hidden),
                   p + "experts.gate_proj.weight": (experts, inner, hidden),
                   p + "experts.up_proj.weight": (experts, inner, hidden),
                   p + "experts.down_proj.weight": (experts, hidden, inner)}
+        if self.biases:
+            shapes |= {p + self.router + ".bias": (experts,), p + "experts.gate_proj.bias": (experts, inner),
+                       p + "experts.up_proj.bias": (experts, inner), p + "experts.down_proj.bias": (experts, hidden)}
         if self.shared_expert:
             shared = config.shared_expert_intermediate_size
             shapes |= {p + "shared_expert.gate_proj.weight": (shared, hidden),
@@ -364,8 +383,9 @@ def rope_parameters(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
 
 
 # RoPE scalings kvgen runs: "proportional" (Gemma 4's global layers) rotates the first
-# partial_rotary_factor of the frequency pairs and leaves the others unrotated (frequency 0).
-ROPE_SCALINGS = ("linear", "llama3", "proportional")
+# partial_rotary_factor of the frequency pairs and leaves the others unrotated (frequency 0); "yarn"
+# (gpt-oss) blends interpolated and original frequencies and scales cos and sin (kvgen.model.layers).
+ROPE_SCALINGS = ("linear", "llama3", "proportional", "yarn")
 
 
 def rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:

@@ -34,10 +34,12 @@ class TritonPagedAttention(PagedAttention):
         store_kv(cache.v[layer], meta.slot_mapping, v)
 
     def _attend(self, cache: PagedKVCache, layer: int, key: tuple[int, int], group: PagedGroup,
-                rows: torch.Tensor) -> torch.Tensor:
+                rows: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        """The Triton kernel where the group's keys are one run per query and there are no sink
+        logits (it takes none), else PagedAttention's torch path."""
         ranges = self._group_ranges(key, group)
-        if ranges is None:
-            return super()._attend(cache, layer, key, group, rows)
+        if ranges is None or sinks is not None:
+            return super()._attend(cache, layer, key, group, rows, sinks)
         scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else (None, None)
         return paged_attention(rows, cache.k[layer], cache.v[layer], group.kv_blocks, *ranges,
                                cache.block_size, group.mask.shape[2], *scales)

@@ -31,7 +31,10 @@ class GraphAttention(Attention):
                  hi: torch.Tensor) -> None:
         self.cache, self.slots, self.table, self.lo, self.hi = cache, slots, table, lo, hi
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is not None:
+            raise NotImplementedError("the Triton decode kernel takes no attention sinks")
         store_kv(self.cache.k[layer], self.slots, k)
         store_kv(self.cache.v[layer], self.slots, v)
         return paged_attention(q, self.cache.k[layer], self.cache.v[layer], self.table, self.lo, self.hi,

@@ -173,9 +173,20 @@ def _rope_scaling(p: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor]
     kind = meta.get(f"{p}rope.scaling.type", "none")
     if kind == "none":
         return None
-    if kind != "linear":
-        raise ValueError(f"rope scaling {kind!r} is not supported (linear is)")
-    return {"rope_type": "linear", "factor": _f32(meta[f"{p}rope.scaling.factor"])}
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"rope scaling {kind!r} is not supported (linear and yarn are)")
+    scaling = {"rope_type": kind, "factor": _f32(meta[f"{p}rope.scaling.factor"])}
+    return scaling if kind == "linear" else scaling | _yarn(p, meta)
+
+
+def _yarn(p: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's parameters as transformers names them, from the keys llama.cpp's converter writes."""
+    keys = {"original_max_position_embeddings": "rope.scaling.original_context_length",
+            "beta_fast": "rope.scaling.yarn_beta_fast", "beta_slow": "rope.scaling.yarn_beta_slow",
+            "attention_factor": "rope.scaling.yarn_attn_factor"}
+    if _f32(meta.get(f"{p}rope.scaling.yarn_ext_factor", 1.0)) != 1.0:
+        raise ValueError("YaRN with an extrapolation factor other than 1 is not supported")
+    return {name: _f32(meta[p + key]) for name, key in keys.items() if p + key in meta}
 
 
 def _proportional_rope(tensor: ReaderTensor) -> dict[str, Any]:

@@ -57,6 +57,10 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
 # Texts of control tokens that end a chat turn, for files whose metadata names no end-of-turn token
 # (llama.cpp looks for the same texts): Gemma 3's, ChatML's, Llama 3's, Phi-3's, Gemma 4's.
 END_OF_TURN_TEXTS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<turn|>")
+# gpt-oss's harmony (o200k_harmony): a reply ends at <|return|> or at a tool call's <|call|>, while <|end|>
+# only closes one of its messages (the analysis before the final answer). llama.cpp's rule: where both
+# are in the vocabulary, <|end|> ends nothing.
+HARMONY_STOPS = ("<|return|>", "<|call|>")
 
 
 def gguf_tokenizer(path: Path, meta: dict[str, Any], architecture: str = "llama") -> Tokenizer:
@@ -158,9 +162,12 @@ def _token_types(meta: dict[str, Any]) -> list[int]:
 
 
 def _end_of_turn_ids(meta: dict[str, Any]) -> list[int]:
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    if all(stop in tokens for stop in HARMONY_STOPS):  # gpt-oss, whatever eot the file names
+        return [tokens.index(stop) for stop in HARMONY_STOPS]
     named = [i for i in (token_id(meta, "eot"), token_id(meta, "eom")) if i is not None]
-    if named or not meta.get("tokenizer.ggml.tokens"):
+    if named or not tokens:
         return named
     control = int(TokenType.CONTROL)
-    return [i for i, (text, kind) in enumerate(zip(meta["tokenizer.ggml.tokens"], _token_types(meta)))
+    return [i for i, (text, kind) in enumerate(zip(tokens, _token_types(meta)))
             if kind == control and text in END_OF_TURN_TEXTS]

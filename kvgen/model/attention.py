@@ -33,8 +33,10 @@ class Attention(ABC):
     """Stores this step's K/V (if it caches) and returns the attention output."""
 
     @abstractmethod
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D]."""
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D]; `sinks` [heads]: a logit per head
+        that joins each softmax's denominator with no value (gpt-oss), or None."""
 
     def attend_shared(self, donor: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, heads, D] over the K/V layer `donor` stored this step and before, storing nothing
@@ -42,14 +44,19 @@ class Attention(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot attend over another layer's K/V")
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Q, heads, D], k/v [B, L, kv_heads, D], mask [B, 1, Q, L] or None -> [B, Q, heads, D]."""
-    return sdpa_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal).transpose(1, 2)
+    return sdpa_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal,
+                            sinks).transpose(1, 2)
 
 
 def sdpa_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     causal: bool = False) -> torch.Tensor:
-    """q [B, heads, Q, D], k/v [B, kv_heads, L, D], mask [B, 1, Q, L] or None -> [B, heads, Q, D]."""
+                     causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, heads, Q, D], k/v [B, kv_heads, L, D], mask [B, 1, Q, L] or None, sinks [heads] or None
+    -> [B, heads, Q, D]."""
+    if sinks is not None:
+        return _sdpa_with_sinks(q, k, v, mask, causal, sinks)
     batch, heads, num_queries, head_dim = q.shape
     kv_heads = k.shape[1]
     if num_queries == 1 and heads != kv_heads and not causal:
@@ -59,6 +66,24 @@ def sdpa_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
         return F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask).reshape(batch, heads, 1, head_dim)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=heads != kv_heads)
+
+
+def _sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+                     sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink logit per head, through SDPA: one more key and value, both zero, whose
+    score q . 0 = 0 plus an additive mask of sinks[h] is the sink; its value adds nothing. Same shapes
+    as sdpa_heads_first."""
+    batch, heads, num_queries, head_dim = q.shape
+    length = k.shape[2]
+    if mask is None:  # causal as SDPA's is_causal (query i reads keys 0..i: a chunk from position 0), or every key
+        mask = torch.ones(num_queries, length, dtype=torch.bool, device=q.device)
+        mask = (mask.tril() if causal else mask)[None, None]
+    bias = torch.zeros(mask.shape[0], heads, num_queries, length + 1, dtype=q.dtype, device=q.device)
+    bias[..., :length].masked_fill_(~mask, float("-inf"))  # [B, heads, Q, L + 1]
+    bias[..., length] = sinks.to(q.dtype)[:, None]
+    zero = k.new_zeros(batch, k.shape[1], 1, head_dim)
+    k, v = torch.cat((k, zero), dim=2), torch.cat((v, zero), dim=2)  # [B, kv_heads, L + 1, D]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=heads != k.shape[1])
 
 
 def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -83,20 +108,22 @@ class NoCacheAttention(Attention):
         self.windows = windows
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this pass's K/V, for layers sharing them
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         self._kv[layer] = (k, v)
-        return self._attend(layer, q, k, v)
+        return self._attend(layer, q, k, v, sinks)
 
     def attend_shared(self, donor: int, q: torch.Tensor) -> torch.Tensor:
         return self._attend(donor, q, *self._kv[donor])
 
-    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         window = _window(self.windows, layer)
         if window is None or q.shape[0] <= window:
-            return sdpa(q[None], k[None], v[None], None, causal=True)[0]
+            return sdpa(q[None], k[None], v[None], None, causal=True, sinks=sinks)[0]
         positions = torch.arange(q.shape[0], device=q.device)
         mask = window_mask(positions, positions, window)
-        return sdpa(q[None], k[None], v[None], mask[None, None], causal=False)[0]
+        return sdpa(q[None], k[None], v[None], mask[None, None], causal=False, sinks=sinks)[0]
 
 
 class ContiguousAttention(Attention):
@@ -107,25 +134,29 @@ class ContiguousAttention(Attention):
         self.start = start
         self.windows = windows
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         end = self.start + q.shape[0]
         self.cache.k[layer][0, :, self.start : end] = k.transpose(0, 1)
         self.cache.v[layer][0, :, self.start : end] = v.transpose(0, 1)
-        return self.attend_shared(layer, q)
+        return self._attend(layer, q, sinks)
 
     def attend_shared(self, donor: int, q: torch.Tensor) -> torch.Tensor:
-        layer, end = donor, self.start + q.shape[0]
+        return self._attend(donor, q)
+
+    def _attend(self, layer: int, q: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        end = self.start + q.shape[0]
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         keys = k_cache[:, :, :end].transpose(1, 2)  # [1, L, kv_heads, D]
         values = v_cache[:, :, :end].transpose(1, 2)
         window = _window(self.windows, layer)
         if self.start == 0 and (window is None or end <= window):
-            return sdpa(q[None], keys, values, None, causal=True)[0]
+            return sdpa(q[None], keys, values, None, causal=True, sinks=sinks)[0]
         if q.shape[0] == 1 and (window is None or end <= window):
-            return sdpa(q[None], keys, values, None, causal=False)[0]
+            return sdpa(q[None], keys, values, None, causal=False, sinks=sinks)[0]
         device = q.device
         mask = window_mask(torch.arange(self.start, end, device=device), torch.arange(end, device=device), window)
-        return sdpa(q[None], keys, values, mask[None, None], causal=False)[0]
+        return sdpa(q[None], keys, values, mask[None, None], causal=False, sinks=sinks)[0]
 
 
 @dataclass
@@ -196,20 +227,25 @@ class PagedAttention(Attention):
         """(kind, index of the layer in that kind's pools)."""
         return self.layer_kinds[layer] if self.layer_kinds else (0, layer)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         kind, local = self.kind_of(layer)
         cache, meta = self.kinds[kind]
         self._write(cache, meta, local, k, v)
-        return self.attend_shared(layer, q)
+        return self._attend_groups(layer, q, sinks)
 
     def attend_shared(self, donor: int, q: torch.Tensor) -> torch.Tensor:
-        kind, layer = self.kind_of(donor)
+        return self._attend_groups(donor, q)
+
+    def _attend_groups(self, layer: int, q: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, heads, D] over layer `layer`'s cached K/V, group by group -> [T, heads, D]."""
+        kind, local = self.kind_of(layer)
         cache, meta = self.kinds[kind]
         outputs = []
         for index, group in enumerate(meta.groups):
             batch, _, num_queries, _ = group.mask.shape
             rows = q[group.first_row : group.first_row + batch * num_queries]
-            outputs.append(self._attend(cache, layer, (kind, index), group, rows))
+            outputs.append(self._attend(cache, local, (kind, index), group, rows, sinks))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _write(self, cache: PagedKVCache, meta: PagedMetadata, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -221,13 +257,14 @@ class PagedAttention(Attention):
             cache.write(layer, meta.slot_mapping, k, v)
 
     def _attend(self, cache: PagedKVCache, layer: int, key: tuple[int, int], group: PagedGroup,
-                rows: torch.Tensor) -> torch.Tensor:
+                rows: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
         """rows [B * Q, heads, D] -> [B * Q, heads, D]: through the decode kernel where it applies, else
         through a gathered copy of the group's K/V (also gathered to record heavy-hitter weights): the
-        prefill kernel for a causal prompt chunk, SDPA for the rest."""
+        prefill kernel for a causal prompt chunk, SDPA for the rest; each with the layer's sink logits
+        where it has them (gpt-oss)."""
         in_place = self._in_place(group)
         if in_place and group.score_rows is None:  # a decode step's usual path: nothing else to build
-            return self._decode(cache, layer, key, group, rows)
+            return self._decode(cache, layer, key, group, rows, sinks)
         batch, _, num_queries, _ = group.mask.shape
         queries = rows.view(batch, num_queries, *rows.shape[1:]).transpose(1, 2)  # [B, heads, Q, D]
         gathered = self._gather(cache, layer, group)
@@ -235,18 +272,18 @@ class PagedAttention(Attention):
             scored = group.score_rows
             group.scores += attention_weights(queries[scored], gathered[0][scored], group.mask[scored])
         if in_place:
-            return self._decode(cache, layer, key, group, rows)
+            return self._decode(cache, layer, key, group, rows, sinks)
         keys, values = gathered
         if self.prefill_kernel is not None and group.causal_from is not None and batch == 1:
-            out = self.prefill_kernel(rows, keys[0], values[0], group.causal_from)
+            out = self.prefill_kernel(rows, keys[0], values[0], group.causal_from, sinks)
             if out is not None:
                 return out
         causal = group.causal_from == 0
-        out = sdpa_heads_first(queries, keys, values, None if causal else group.mask, causal)
+        out = sdpa_heads_first(queries, keys, values, None if causal else group.mask, causal, sinks)
         return out.transpose(1, 2).reshape(rows.shape)
 
     def _decode(self, cache: PagedKVCache, layer: int, key: tuple[int, int], group: PagedGroup,
-                rows: torch.Tensor) -> torch.Tensor:
+                rows: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
         """rows [B * Q, heads, D] through the kernel, reading the layer's pools in place. The kernel's
         call for the group is built at its first layer and reused by the others."""
         call = self._group_calls.get(key)
@@ -256,7 +293,7 @@ class PagedAttention(Attention):
                                                 group.mask.view(batch * num_queries, length))
             self._group_calls[key] = call
         scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else None
-        return call(rows, cache.k[layer], cache.v[layer], scales)
+        return call(rows, cache.k[layer], cache.v[layer], scales, sinks)
 
     def decodes_in_place(self) -> bool:
         """Every group attends through the kernel, with no weights to record: the step's attention is

@@ -28,7 +28,7 @@ from kvgen.model.formats.packed import dequantize as dequantize_packed
 from kvgen.model.kernels.block_pack import BLOCK_TYPES, block_packer
 from kvgen.model.kernels.build import KernelCall
 from kvgen.model.kernels.kquant import kquant_kernel
-from kvgen.model.kernels.moe import ExpertStackArgs, moe_kernel
+from kvgen.model.kernels.moe import ExpertOptions, ExpertStackArgs, moe_kernel
 from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, qmatmul_kernel
 
 Weight = torch.Tensor | GGUFWeight
@@ -136,13 +136,14 @@ def expert_stack(parts: list[Weight], activations: str) -> ExpertStack:
 
 class Experts:
     """A layer's routed experts: y = sum over the top-k experts e of w_e * down_e(silu(gate_e x) * up_e x),
-    in one C call a step. `counts` [experts] accumulates the tokens routed to each (router statistics)."""
+    in one C call a step (with `options`' biases and activation where the model has them: gpt-oss).
+    `counts` [experts] accumulates the tokens routed to each (router statistics)."""
 
     def __init__(self, gate: Weight, up: Weight, down: Weight, top_k: int, norm_topk: bool,
-                 activations: str) -> None:
+                 activations: str, options: ExpertOptions = ExpertOptions()) -> None:
         self.gate_up = expert_stack([gate, up], activations)  # [experts, 2 * inner, hidden]
         self.down = expert_stack([down], activations)  # [experts, hidden, inner]
-        self.top_k, self.norm_topk = top_k, norm_topk
+        self.top_k, self.norm_topk, self.options = top_k, norm_topk, options
         self.num_experts = self.down.experts
         self.counts = torch.zeros(self.num_experts, dtype=torch.int64)
 
@@ -157,8 +158,9 @@ class Experts:
         if kernel is None:
             chosen, weights = route(logits, self.top_k, self.norm_topk)
             self.counts += torch.bincount(chosen.flatten(), minlength=self.num_experts)
-            return moe_reference(x, chosen, weights, self.gate_up.dequantize(), self.down.dequantize())
-        return kernel(x, logits, self.gate_up.args, self.down.args, self.top_k, self.norm_topk, self.counts)
+            return moe_reference(x, chosen, weights, self.gate_up.dequantize(), self.down.dequantize(), self.options)
+        return kernel(x, logits, self.gate_up.args, self.down.args, self.top_k, self.norm_topk, self.counts,
+                      self.options)
 
     def call(self, x: torch.Tensor, logits: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
         """out = self(x, logits) as a C call over those fp32 buffers (the fused decode step), or None
@@ -166,7 +168,8 @@ class Experts:
         kernel = moe_kernel()
         if kernel is None:
             return None
-        return kernel.call(x, logits, self.gate_up.args, self.down.args, self.top_k, self.norm_topk, self.counts, out)
+        return kernel.call(x, logits, self.gate_up.args, self.down.args, self.top_k, self.norm_topk, self.counts, out,
+                           self.options)
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +181,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tens
 
 
 def moe_reference(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor) -> torch.Tensor:
+                  down: torch.Tensor, options: ExpertOptions = ExpertOptions()) -> torch.Tensor:
     """The experts in torch, one expert at a time (the kernel's reference and its fallback): x fp32
     [T, hidden], chosen/weights [T, top_k], gate_up [experts, 2 * inner, hidden], down [experts,
     hidden, inner] -> [T, hidden]."""
@@ -186,7 +189,19 @@ def moe_reference(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, 
     inner = down.shape[2]
     for e in chosen.unique().tolist():
         tokens, k = torch.nonzero(chosen == e, as_tuple=True)
-        gate, up = (x[tokens] @ gate_up[e].T).split(inner, dim=-1)
-        y = (torch.nn.functional.silu(gate) * up) @ down[e].T
+        gate_up_rows = x[tokens] @ gate_up[e].T  # [n, 2 * inner]
+        if options.gate_up_bias is not None:
+            gate_up_rows = gate_up_rows + options.gate_up_bias[e]
+        y = expert_activation(*gate_up_rows.split(inner, dim=-1), options) @ down[e].T  # [n, hidden]
+        if options.down_bias is not None:
+            y = y + options.down_bias[e]
         out.index_add_(0, tokens, y * weights[tokens, k, None])
     return out
+
+
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, options: ExpertOptions) -> torch.Tensor:
+    """silu(gate) * up, or gpt-oss's clamped SwiGLU in transformers' order of operations: [n, inner] each."""
+    if options.activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    gate, up = gate.clamp(max=options.limit), up.clamp(-options.limit, options.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * options.alpha))

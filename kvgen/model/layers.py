@@ -88,7 +88,7 @@ def make_gate_pair_mul(activation: str, device: torch.device, dtype: torch.dtype
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """[rotary_dim / 2] inverse frequencies (rotary_dim: head_dim unless the model rotates part of
-    each head), with linear, llama3 or proportional scaling applied."""
+    each head), with linear, llama3, proportional or YaRN scaling applied."""
     dim = config.rotary_dim or config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
@@ -98,7 +98,48 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq / float(scaling["factor"])
     if scaling["rope_type"] == "proportional":
         return _proportional_inv_freq(inv_freq, scaling)
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(inv_freq, scaling, config.rope_theta)
     return _llama3_inv_freq(inv_freq, scaling)
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor as transformers computes it (the
+    scaling's own, else 0.1 m ln(factor) + 1 with m = 1, or that ratio for mscale / mscale_all_dim), 1
+    for the other scalings."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict, base: float) -> torch.Tensor:
+    """YaRN: pairs that turn more than beta_fast times over the original context keep their frequency,
+    those turning fewer than beta_slow times are divided by `factor`, a linear ramp between (its ends
+    rounded outwards where `truncate`, transformers' default; gpt-oss's config turns it off)."""
+    factor, pairs = float(scaling["factor"]), inv_freq.shape[0]
+    dim, context = 2 * pairs, float(scaling["original_max_position_embeddings"])
+    periods = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # [pairs] 1 / inv_freq, as HF
+
+    def pair_of(rotations: float) -> float:  # the (fractional) pair index turning `rotations` times
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_of(float(scaling.get("beta_fast") or 32)), pair_of(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(pairs, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    kept = 1 - ramp  # [pairs] the share of each pair's original frequency
+    return 1.0 / (factor * periods) * (1 - kept) + inv_freq * kept
 
 
 def _proportional_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -136,8 +177,9 @@ class RotaryEmbedding:
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        sin = emb.sin()
+        scale = rope_attention_factor(config)
+        self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
+        sin = emb.sin() * scale
         sin[:, : sin.shape[1] // 2].neg_()
         self.sin = sin.to(device=device, dtype=dtype)
 

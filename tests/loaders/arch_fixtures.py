@@ -51,6 +51,13 @@ of each GGUF agree with the HF directory, which `test_arch_fixtures.py` checks):
   * partial RoPE is rope.dimension_count (8 = 0.25 x key_length 32); rope.dimension_sections
     [11, 11, 10, 0] is the multimodal RoPE's split, which text positions (equal on every axis) ignore;
   * attn_q holds the query and its output gate interleaved per head, [heads x (q 32 | gate 32)], as HF.
+- gpt-oss (`gpt-oss`): the converter splits transformers' interleaved gate_up_proj (and its bias) into
+  ffn_gate_exps / ffn_up_exps and transposes the experts to [experts, out, in]; it writes YaRN's factor, original
+  context and betas but not `truncate` (kvgen's gpt-oss reading takes it off, as the config says), nor the
+  window pattern or the SwiGLU's alpha and limit (llama.cpp's constants, which the fixture keeps).
+  Its experts are fp32, so the GGUF's are F32; `mxfp4_checkpoint` writes them as gpt-oss is released
+  (`*_blocks` / `*_scales`, quant_method "mxfp4"), which the converter keeps MXFP4, beside a HF directory of
+  the values they hold (the reference: transformers reads them so, bit for bit, tests/loaders/test_experts.py).
 - Mixtures (`qwen3moe`, `olmoe`): the converter stacks the experts into ffn_{gate,up,down}_exps
   [experts, out, in] and the router into ffn_gate_inp; OLMoE's file says rms eps 1e-5 whatever the
   config did (the fixture uses 1e-5), and neither says whether the top-k weights are renormalised
@@ -126,6 +133,7 @@ class ArchSpec:
     emb_norm: float = 4.0
     convert_flags: tuple[str, ...] = ()  # more flags for convert_hf_to_gguf.py
     convert_config: dict | None = None  # config.json as the converter reads it: these keys set (None: removed)
+    bias_std: float = 0.0  # biases (transformers zeroes them) drawn N(0, bias_std), so that a dropped bias shows
 
 
 # GQA everywhere: 4 query heads over 2 KV heads.
@@ -217,6 +225,18 @@ SPECS: dict[str, ArchSpec] = {
         num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "qwen2"),
+    # gpt-oss: 4 layers, even ones sliding a window of 128 (as the real model's), YaRN RoPE (factor 32, untruncated
+    # correction range), q/k/v/o biases and a sink logit per head; top-4 of 8 experts of 32 with biases and the clamped
+    # SwiGLU, a router with a bias. Its experts saved by transformers in its fused layout (gate_up_proj [experts,
+    # hidden, 2 * inner], gate and up interleaved), in fp32, so the converter writes them F32 (MXFP4 only comes
+    # from an MXFP4 checkpoint).
+    "gpt-oss": ArchSpec("GptOssConfig", "GptOssForCausalLM", _BASE | _SMOL | dict(
+        num_hidden_layers=4, head_dim=16, intermediate_size=32, rms_norm_eps=1e-5, num_local_experts=8,
+        num_experts_per_tok=4, sliding_window=128, attention_bias=True,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
+        "smollm2", bias_std=0.5),
 }
 ARCHS = list(SPECS)
 GGUF_ARCHS = [a for a in ARCHS if SPECS[a].gguf]
@@ -321,6 +341,8 @@ def build_hf(arch: str, path: Path) -> dict:
         for name, p in model.named_parameters():  # norm weights off their init (1 or, for Gemma, 0)
             if "norm" in name:  # so that a wrong norm convention (w vs 1 + w) shows in the tokens
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("bias") and spec.bias_std:
+                p.add_(torch.randn_like(p) * spec.bias_std)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     _write_tokenizer(spec.tokenizer, path)
@@ -395,6 +417,65 @@ def with_context(arch: str, max_positions: int) -> ArchCheckpoint:
                     shutil.rmtree(tmp, ignore_errors=True)
     return ArchCheckpoint(arch, root / "hf", root / f"{arch}-f32.gguf", None,
                           json.loads((root / "hf" / "config.json").read_text()))
+
+
+def to_mxfp4(w):
+    """w fp32 [..., K] (K a multiple of 32) -> (blocks uint8 [..., K / 32, 16], scales uint8 [..., K / 32],
+    values fp32 [..., K]) in gpt-oss's layout: per 32 values an e8m0 exponent (bias 127) and 4-bit e2m1
+    codes, value 2j in the low nibble of byte j, 2j + 1 in the high one; `values` are what they hold."""
+    import torch
+
+    from kvgen.loaders.experts import E2M1
+
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))  # max |w| / 2^e <= 6
+    scaled = groups / torch.exp2(exponent)[..., None]
+    table = torch.tensor(E2M1)
+    codes = (scaled[..., None] - table).abs().argmin(-1).to(torch.uint8)  # nearest value ([..., G, 32])
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    values = (table[codes.long()] * torch.exp2(exponent)[..., None]).reshape(w.shape)
+    return blocks, (exponent + 127).to(torch.uint8), values
+
+
+def mxfp4_checkpoint(arch: str = "gpt-oss") -> tuple[Path, Path, Path]:
+    """gpt-oss's fixture with its experts in MXFP4, as gpt-oss is released: (a HF directory holding them as
+    gpt-oss's `*_blocks` / `*_scales` under quant_method "mxfp4"; the F32 GGUF llama.cpp's converter writes
+    of it, experts MXFP4; a HF directory of the values those experts hold, fp32: the reference)."""
+    root = cache_root() / f"{arch}-mxfp4-v{FIXTURE_VERSION}"
+    hf, gguf, reference = root / "hf-mxfp4", root / f"{arch}-mxfp4.gguf", root / "hf-dequantized"
+    if not (root / "DONE").is_file():
+        with llama_tools.file_lock(cache_root() / f".{arch}-mxfp4.lock"):
+            if not (root / "DONE").is_file():
+                tmp = Path(tempfile.mkdtemp(dir=cache_root(), prefix=f".{arch}-mxfp4-"))
+                try:
+                    _build_mxfp4(arch, tmp)
+                    tmp.chmod(0o755)
+                    shutil.rmtree(root, ignore_errors=True)
+                    tmp.rename(root)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    return hf, gguf, reference
+
+
+def _build_mxfp4(arch: str, out: Path) -> None:
+    """The MXFP4 directory, its GGUF and the dequantized reference of `mxfp4_checkpoint`, in `out`."""
+    from safetensors.torch import load_file, save_file
+
+    base = arch_checkpoint(arch).hf_dir
+    weights, packed = load_file(base / "model.safetensors"), {}
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales, values = to_mxfp4(weights[name].transpose(1, 2).contiguous())  # [experts, out, in]
+        packed |= {name + "_blocks": blocks, name + "_scales": scales}
+        weights[name] = values.transpose(1, 2).contiguous()  # what the blocks hold, in transformers' layout
+    for folder, tensors, extra in (("hf-dequantized", weights, {}),
+                                   ("hf-mxfp4", {n: w for n, w in weights.items() if not n.endswith("_proj")} | packed,
+                                    {"quantization_config": {"quant_method": "mxfp4"}})):
+        shutil.copytree(base, out / folder, ignore=shutil.ignore_patterns("model.safetensors"))
+        save_file(tensors, out / folder / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((base / "config.json").read_text()) | extra
+        (out / folder / "config.json").write_text(json.dumps(config, indent=2))
+    convert(arch, out / "hf-mxfp4", out / f"{arch}-mxfp4.gguf", "f32")
+    (out / "DONE").write_text("{}")
 
 
 def build_timing(arch: str) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvgen.loaders import load_model
-from kvgen.loaders.gguf_vocab import PRE_TOKENIZERS
+from kvgen.loaders.gguf_vocab import PRE_TOKENIZERS, stop_token_ids
 from kvgen.loaders.tokenizers import byte_level_bpe
 from kvgen.tokenizer import IncrementalDetokenizer
 from tests.loaders.gguf_builder import Dims, QType, gpt2_vocab, llama_vocab, random_model, write_gguf
@@ -97,3 +97,15 @@ def test_sentencepiece_style_vocabulary_ids_equal_transformers(tmp_path, stories
     for text in ["Once upon a time, there was a little girl named Lily.", "Tom said: \"Hi!\" 123 times",
                  "a b  c", "Unicode: café 日本"]:
         assert ours.encode(text) == reference(text).input_ids, text
+
+
+@pytest.mark.parametrize("eot", [None, 3])
+def test_a_harmony_reply_ends_at_return_or_call_not_at_end(eot):
+    """gpt-oss: <|end|> closes the analysis message before the final answer; <|return|> and <|call|> end
+    the reply, whatever end-of-turn token the file names (llama.cpp's rule)."""
+    tokens = ["a", "<|endoftext|>", "<|return|>", "<|end|>", "<|call|>", "<|start|>"]
+    meta = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1, 3, 3, 3, 3, 3],
+            "tokenizer.ggml.eos_token_id": 2} | ({} if eot is None else {"tokenizer.ggml.eot_token_id": eot})
+    assert stop_token_ids(meta) == (2, 4)
+    phi3 = {**meta, "tokenizer.ggml.tokens": [t if t != "<|call|>" else "<|x|>" for t in tokens]}
+    assert 3 in stop_token_ids(phi3)  # elsewhere (Phi-3) <|end|> ends the turn

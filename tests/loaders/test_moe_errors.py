@@ -1,6 +1,7 @@
 """Mixture-of-experts checkpoints kvgen cannot run are refused in one line naming the file: an expert
-missing or of another shape (HF), an expert layout kvgen does not know (GGUF), mixtures of
-architectures kvgen does not run yet, and tensor parallelism over experts."""
+missing or of another shape (HF), MXFP4 blocks without their scales (gpt-oss), an expert layout kvgen
+does not know (GGUF), mixtures of architectures kvgen does not run yet, and tensor parallelism over
+experts."""
 
 import json
 import shutil
@@ -24,8 +25,8 @@ def refused(path: Path, **options) -> str:
     return message
 
 
-def hf_copy(arch_ckpt, tmp_path: Path, edit_weights=None, edit_config=None) -> Path:
-    src, dst = arch_ckpt("qwen3moe").hf_dir, tmp_path / "hf"
+def hf_copy(arch_ckpt, tmp_path: Path, edit_weights=None, edit_config=None, arch: str = "qwen3moe") -> Path:
+    src, dst = arch_ckpt(arch).hf_dir, tmp_path / "hf"
     shutil.copytree(src, dst)
     if edit_weights:
         weights = load_file(src / "model.safetensors")
@@ -76,6 +77,16 @@ def test_experts_of_another_width_than_the_config_is_one_line(arch_ckpt, tmp_pat
     assert "config implies" in refused(hf_copy(arch_ckpt, tmp_path, edit_config=narrower))
 
 
+def test_mxfp4_blocks_without_their_scales_are_one_line(arch_ckpt, tmp_path):
+    """gpt-oss's MXFP4 experts come as blocks and scales; blocks alone cannot be read."""
+    def blocks_only(w):
+        w["model.layers.0.mlp.experts.down_proj_blocks"] = torch.zeros(8, 64, 1, 16, dtype=torch.uint8)
+        del w["model.layers.0.mlp.experts.down_proj"]
+
+    message = refused(hf_copy(arch_ckpt, tmp_path, blocks_only, arch="gpt-oss"))
+    assert "down_proj has MXFP4 ['blocks'] without its scales" in message
+
+
 @pytest.mark.slow  # ~10 s: gguf's writer copies a 49152-token vocabulary
 def test_an_unknown_gguf_expert_layout_is_one_line(arch_ckpt, tmp_path):
     """llama.cpp's fused gate/up experts tensor (ffn_gate_up_exps) is a layout kvgen does not read."""
@@ -84,14 +95,10 @@ def test_an_unknown_gguf_expert_layout_is_one_line(arch_ckpt, tmp_path):
     assert "ffn_gate_up_exps" in refused(path)
 
 
-@pytest.mark.parametrize("model_type,extra", [
-    ("gpt_oss", {}),  # gpt-oss: MXFP4 experts, attention sinks, YaRN
-    ("gemma4_text", {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2}),  # Gemma 4's MoE
-])
-def test_mixtures_not_run_yet_are_one_line(arch_ckpt, tmp_path, model_type, extra):
-    path = hf_copy(arch_ckpt, tmp_path, edit_config=lambda c: c.update(model_type=model_type, **extra))
-    message = refused(path)
-    assert "not supported" in message or model_type == "gemma4_text", message  # Gemma 4's own file refuses its MoE
+def test_gemma4s_mixture_is_one_line(arch_ckpt, tmp_path):
+    """Gemma 4's own file refuses its MoE."""
+    extra = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2}
+    refused(hf_copy(arch_ckpt, tmp_path, edit_config=lambda c: c.update(model_type="gemma4_text", **extra)))
 
 
 def test_tensor_parallel_experts_are_one_line(arch_ckpt):

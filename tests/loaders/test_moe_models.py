@@ -1,5 +1,6 @@
 """Mixtures of experts (Qwen3-MoE, OLMoE, Qwen2-MoE and Qwen3.5-MoE with their shared experts, the latter
-between Gated DeltaNet layers) from a HF directory and from the GGUF llama.cpp's converter writes of it,
+between Gated DeltaNet layers, and gpt-oss: attention sinks, windows of 128 alternating with full layers,
+YaRN, biased experts with the clamped SwiGLU) from a HF directory and from the GGUF llama.cpp's converter writes of it,
 against transformers on the same weights: greedy fp32 tokens through the paged engine over a 300-token
 prompt, alone and in a ragged batch of 6; prefix caching and ngram speculation give the plain engine's
 tokens; every KV block and state slot is given back."""
@@ -12,7 +13,7 @@ from tests.loaders.arch_fixtures import hf_greedy
 # qwen2moe's fixture has Qwen2's 151936-token vocabulary: ~40 s a test, so slow.
 # qwen35moe: slow here (~15 s a test: transformers' delta-net in torch); its 40-token parity, HF and GGUF, is in
 # test_architectures_parity.
-MOE_ARCHS = ["qwen3moe", "olmoe", pytest.param("qwen35moe", marks=pytest.mark.slow),
+MOE_ARCHS = ["qwen3moe", "olmoe", "gpt-oss", pytest.param("qwen35moe", marks=pytest.mark.slow),
              pytest.param("qwen2moe", marks=pytest.mark.slow)]
 N = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
@@ -86,3 +87,35 @@ def test_fused_decode_steps_give_the_layered_tokens(arch_ckpt, arch):
         assert model.decode_programs.fused_steps > 0 and all(layer.fuses() for layer in model.layers)
         packed = model.layers[0].blocks[1].experts.gate_up.kernel.startswith("moe packed")
         assert packed == (quantization == "auto")
+
+
+@pytest.mark.parametrize("options", [dict(kv_cache="contiguous"), dict(kv_cache="none"),
+                                     dict(attention_backend="sdpa", block_size=16, num_kv_blocks=256)],
+                         ids=["contiguous", "no-cache", "paged-sdpa"])
+def test_gpt_oss_sinks_in_every_attention_path(arch_ckpt, options):
+    """The paged engine's C kernels are the tests above; the sink logits through SDPA give the same tokens
+    in the contiguous and no-cache engines and the paged engine without the kernels (300 tokens, batch 1)."""
+    ckpt = arch_ckpt("gpt-oss")
+    prompt = long_prompt()
+    llm = LLM(ckpt.hf_dir, quantization="none", **options)
+    assert [o.token_ids for o in llm.generate([prompt], GREEDY)] == [hf_greedy(ckpt.hf_dir, prompt, N)]
+
+
+@pytest.mark.slow  # ~10 s the first time (its fixture), ~4 s after; MXFP4's values: tests/loaders/test_experts.py
+def test_gpt_oss_mxfp4_matches_transformers_on_its_values():
+    """gpt-oss's experts as released, MXFP4, in its HF directory and through llama.cpp's converter: read
+    without quantization, both give transformers' tokens on the values the blocks hold (300 tokens, batch
+    1); kept packed, the GGUF's experts run the packed u8 kernel (int8 activations: not these tokens,
+    tests/model/test_moe_kernel.py)."""
+    from tests.loaders.arch_fixtures import FixtureError, mxfp4_checkpoint
+
+    try:
+        hf, gguf, reference = mxfp4_checkpoint()
+    except FixtureError as e:
+        pytest.fail(str(e), pytrace=False)
+    prompt = long_prompt()
+    want = hf_greedy(reference, prompt, N)
+    for path in (hf, gguf):
+        assert tokens(kvgen_llm(path), [prompt]) == [want], path
+    packed = LLM(gguf, quantization="auto", block_size=16, num_kv_blocks=256)
+    assert packed.engine.runner.model.layers[0].blocks[1].experts.gate_up.kernel == "moe packed u8 g32"

@@ -334,3 +334,19 @@ def test_store_refuses_what_it_cannot_write():
     quantized = PagedKVCache(1, 4, 16, 3, 64, CPU, torch.int8)
     with pytest.raises(ValueError, match="paged store"):  # quantized pools go through PagedKVCache.write
         load_paged_decode().store(quantized.k[0], quantized.v[0], torch.tensor([0, 1]), k, k)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])  # the portable loops and attend_avx512
+@pytest.mark.parametrize("window, long", [(None, None), (5, None), (None, 1000), (300, 1000)])
+@pytest.mark.parametrize("build", KERNELS)
+def test_sink_logits_join_each_heads_denominator(head_dim, window, long, build):
+    """gpt-oss's sinks, one spans or several merged (a window emptying the first): the kernel against
+    SDPA with the sink as a zero key (kvgen.model.attention), sinks above and below the scores."""
+    cache, q, block_ids, mask = ragged_batch(torch.float32, 2, 3, 16, window, head_dim=head_dim, long=long)
+    sinks = torch.tensor([-3.0, 0.0, 1.0, 2.5, 8.0, -30.0])
+    got = KERNELS[build]()(q, cache.k[0], cache.v[0], block_ids, 16, mask, sinks=sinks)
+    keys, values = cache.gather(0, block_ids)
+    want = sdpa_heads_first(q[:, :, None], keys, values, mask[:, None, None], sinks=sinks)[:, :, 0]
+    tolerance = fp32_gap(head_dim + 2 * int(mask.sum(-1).max()) + 2, cache.v[0].abs().max().item())
+    assert (got - want).abs().max().item() <= tolerance
+    assert (got - gather_and_sdpa(cache, q, block_ids, mask)).abs().max().item() > 100 * tolerance

@@ -69,3 +69,22 @@ def test_prefill_attention_declines_what_it_does_not_serve(case):
     keys = torch.randn(2, 8 if case == "too few keys" else 16, head_dim)
     keys = keys.half() if case == "fp16 keys" else keys
     assert prefill_attention_kernel()(q, keys, keys.clone(), 4) is None
+
+
+@pytest.mark.parametrize("queries, first", [(37, 0), (16, 100)])
+def test_sink_logits_join_each_heads_denominator(queries, first):
+    """gpt-oss's sinks: the kernel against SDPA with the sink as a zero key (kvgen.model.attention)."""
+    from kvgen.model.attention import sdpa_heads_first
+
+    gen = torch.Generator().manual_seed(3)
+    length = first + queries
+    q, keys, values = (torch.randn(*shape, generator=gen) for shape in ((queries, 6, 64), (2, length, 64),
+                                                                        (2, length, 64)))
+    sinks = torch.tensor([-3.0, 0.0, 1.0, 2.5, 8.0, -30.0])
+    allowed = torch.arange(length)[None, :] <= first + torch.arange(queries)[:, None]
+    want = sdpa_heads_first(q.transpose(0, 1)[None], keys[None], values[None], allowed[None, None],
+                            sinks=sinks)[0].transpose(0, 1)
+    got = prefill_attention_kernel()(q, keys, values, first, sinks)
+    tolerance = fp32_gap(64 + 2 * length + 2 * (-(-length // 16)) + 2, values.abs().max().item())
+    assert (got - want).abs().max().item() <= tolerance
+    assert (got - prefill_attention_kernel()(q, keys, values, first)).abs().max().item() > 100 * tolerance

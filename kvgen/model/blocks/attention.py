@@ -3,7 +3,8 @@ optional per-head RMSNorm of q and k, RoPE of the layer's base, the backend's at
 
 Gemma 4's options: the layer's own head size and KV heads; V RMS-normed without a weight; V taken
 from the key projection (k_eq_v); and a layer sharing an earlier layer's K/V, which projects only
-q and attends over its donor's cache (`Attention.attend_shared`)."""
+q and attends over its donor's cache (`Attention.attend_shared`). gpt-oss's: a sink logit per head in
+each softmax's denominator, handed to the backend (`Attention.__call__`'s `sinks`)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class AttentionBlock(Block):
         self.q_width, self.k_width = (self.heads * self.dim, self.kv_heads * self.dim) if spec.qk_norm_whole \
             else (self.dim, self.dim)  # how many values each RMSNorm of q and k spans
         self.v_norm = build.float(torch.ones(self.dim)) if spec.value_norm else None  # [D] RMS only
+        self.sinks = build.float(w[p + "sinks"]) if spec.sink_logits else None  # [H]
         if spec.qk_norm:
             self.q_norm = build.float(w[p + "q_norm.weight"].float() * query_scale(cfg, self.dim))
             self.k_norm = None if spec.shared_kv else build.float(w[p + "k_norm.weight"])
@@ -50,9 +52,9 @@ class AttentionBlock(Block):
         return {"qkv": self.qkv, "o": self.o}
 
     def fuses(self) -> bool:
-        """V taken from the key projection (k_eq_v, Gemma 4 31B's global layers) has no fused form yet:
-        such a layer runs layer by layer in a fused step."""
-        return not self.k_eq_v
+        """V taken from the key projection (k_eq_v, Gemma 4 31B's global layers) and sink logits
+        (gpt-oss) have no fused form yet: such a layer runs layer by layer in a fused step."""
+        return not self.k_eq_v and self.sinks is None
 
     def forward(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
         q_size, kv_size = self.heads * self.dim, self.kv_heads * self.dim
@@ -68,7 +70,7 @@ class AttentionBlock(Block):
             v = self.norm(v.reshape(-1, self.dim), self.v_norm, self.eps).view(-1, self.kv_heads, self.dim)
         qk = self.rotate(self._qk_heads(qk), *step.tables[self.rope])  # q, k at once
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
-        attn = step.attention(self.index, q, k, v)
+        attn = step.attention(self.index, q, k, v, self.sinks)
         return self.o(attn.reshape(-1, q_size), step.rows)
 
     def _forward_shared(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:

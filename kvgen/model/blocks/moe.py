@@ -1,6 +1,7 @@
-"""A mixture of experts in a branch: the router's logits (a linear layer), then the routed experts in
-one C call (kvgen.model.experts); where the layer has a shared expert, a gated MLP every token runs,
-scaled by sigmoid of its gate's logit, added."""
+"""A mixture of experts in a branch: the router's logits (a linear layer, with a bias where the model
+has one), then the routed experts in one C call (kvgen.model.experts; gpt-oss's with biases and the
+clamped SwiGLU); where the layer has a shared expert, a gated MLP every token runs, scaled by sigmoid
+of its gate's logit, added."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kvgen.model.blocks.base import Block, BuildContext, FusedProgram, StepConte
 from kvgen.model.blocks.mlp import GatedMLP
 from kvgen.model.kernels.build import KernelCall
 from kvgen.model.experts import Experts
+from kvgen.model.kernels.moe import ExpertOptions
 from kvgen.model.linear import Linear
 
 
@@ -23,10 +25,11 @@ class MoEBlock(Block):
         if build.device.type != "cpu":
             raise ValueError(f"{cfg.architecture}: mixtures of experts run on the CPU only (--device cpu)")
         p = f"model.layers.{index}.{spec.prefix}."
-        self.router: Linear = build.linear([w[p + "gate.weight"]])  # hidden -> experts
+        router_bias = build.float(w[p + spec.router + ".bias"]) if spec.biases else None
+        self.router: Linear = build.linear([w[p + spec.router + ".weight"]], router_bias)  # hidden -> experts
         self.experts = Experts(*(w[p + f"experts.{n}_proj.weight"] for n in ("gate", "up", "down")),
                                top_k=cfg.experts_per_token, norm_topk=cfg.norm_topk_prob,
-                               activations=build.activations)
+                               activations=build.activations, options=expert_options(spec, p, ctx))
         self.shared: GatedMLP | None = None
         self.shared_gate: Linear | None = None  # hidden -> 1
         if spec.shared_expert:
@@ -54,3 +57,13 @@ class MoEBlock(Block):
             return None
         logits = program.buffer("router_logits", (self.experts.num_experts,))
         return [self.router.call(program.h, logits), self.experts.call(program.h, logits, program.out)]
+
+
+def expert_options(spec: MoESpec, p: str, ctx: BuildContext) -> ExpertOptions:
+    """The experts' biases (fp32, as the kernel adds them) and activation, from the layer's tensors under `p`."""
+    cfg, w = ctx.config, ctx.weights
+    gate_up_bias = down_bias = None
+    if spec.biases:  # [experts, 2 * inner]: each expert's gate biases, then its up biases, as its stacked rows
+        gate_up_bias = torch.cat([w[p + f"experts.{n}_proj.bias"].float() for n in ("gate", "up")], dim=1).contiguous()
+        down_bias = w[p + "experts.down_proj.bias"].float().contiguous()  # [experts, hidden]
+    return ExpertOptions(gate_up_bias, down_bias, spec.activation, cfg.swiglu_alpha, cfg.swiglu_limit)

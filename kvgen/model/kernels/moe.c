@@ -18,6 +18,11 @@
  * expert's rows of x gathered into one block, and
  *     y[slot] = down_e( silu(gate_e(x_t)) * up_e(x_t) ),   out[t] = sum over k of w[t, k] * y[(t, k)]
  * (the sum in k's order, so a token's output does not depend on the tokens beside it).
+ *
+ * gpt-oss's experts add a bias to each projection's rows (`gate_up_bias` [experts, 2 * inner],
+ * `down_bias` [experts, hidden], NULL where there is none) and take the clamped SwiGLU in place of
+ * silu (ACT_CLAMPED_SWIGLU): g = min(gate, limit), u = clamp(up, -limit, limit),
+ * act = (u + 1) * g * sigmoid(alpha * g), in transformers' order of operations.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,6 +48,8 @@ struct expert_stack {
     int32_t kquant;
 };
 
+enum { ACT_SILU = 0, ACT_CLAMPED_SWIGLU = 1 };
+
 struct moe_args {
     const float *x;      /* [T, hidden] the branch's normed input */
     const float *logits; /* [T, experts] the router's */
@@ -53,6 +60,10 @@ struct moe_args {
     float *out;                  /* [T, hidden] */
     int64_t *counts;             /* [experts] tokens routed to each, added to (router statistics) */
     int32_t num_threads;
+    const float *gate_up_bias;   /* [experts, 2 * inner] or NULL */
+    const float *down_bias;      /* [experts, hidden] or NULL */
+    int32_t activation;          /* ACT_* */
+    float alpha, limit;          /* the clamped SwiGLU's */
 };
 
 /* out [T, N] = x [T, K] @ W^T for W fp32 [N, K] at `codes`: the fp32 stacks' matmul, 16 lanes of
@@ -122,12 +133,28 @@ static int expert_matmul(const struct expert_stack *s, int64_t e, const float *x
                                   at(s->min, s->min_stride, e), s->offset, s->N, out, s->parts, threads);
 }
 
-/* act [n, inner] = silu(gate) * up of gate_up rows [n, 2 * inner]. */
-static void swiglu(const float *gate_up, int64_t n, int64_t inner, float *act) {
+/* rows [n, width] += bias [width] (NULL: nothing). */
+static void add_bias(float *rows, int64_t n, int64_t width, const float *bias) {
+    if (!bias)
+        return;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < width; i++)
+            rows[r * width + i] += bias[i];
+}
+
+/* act [n, inner] = act(gate) * up of gate_up rows [n, 2 * inner]: silu, or the clamped SwiGLU. */
+static void swiglu(const struct moe_args *a, const float *gate_up, int64_t n, int64_t inner, float *act) {
+    const float alpha = a->alpha, limit = a->limit;
     for (int64_t r = 0; r < n; r++)
         for (int64_t i = 0; i < inner; i++) {
-            const float g = gate_up[r * 2 * inner + i], u = gate_up[r * 2 * inner + inner + i];
-            act[r * inner + i] = g / (1.0f + expf(-g)) * u;
+            float g = gate_up[r * 2 * inner + i], u = gate_up[r * 2 * inner + inner + i];
+            if (a->activation == ACT_SILU) {
+                act[r * inner + i] = g / (1.0f + expf(-g)) * u;
+                continue;
+            }
+            g = g < limit ? g : limit;
+            u = u < -limit ? -limit : u > limit ? limit : u;
+            act[r * inner + i] = (u + 1.0f) * (g * (1.0f / (1.0f + expf(-(g * alpha)))));
         }
 }
 
@@ -162,8 +189,10 @@ int moe_forward(const struct moe_args *a) {
         if (n == 0)
             continue;
         failed = expert_matmul(&a->gate_up, e, xs + r0 * hidden, n, gate_up + r0 * 2 * inner, a->num_threads);
-        swiglu(gate_up + r0 * 2 * inner, n, inner, act + r0 * inner);
+        add_bias(gate_up + r0 * 2 * inner, n, 2 * inner, a->gate_up_bias ? a->gate_up_bias + e * 2 * inner : NULL);
+        swiglu(a, gate_up + r0 * 2 * inner, n, inner, act + r0 * inner);
         failed = failed || expert_matmul(&a->down, e, act + r0 * inner, n, ys + r0 * hidden, a->num_threads);
+        add_bias(ys + r0 * hidden, n, hidden, a->down_bias ? a->down_bias + e * hidden : NULL);
     }
     if (!failed)
         for (int64_t t = 0; t < T; t++) {

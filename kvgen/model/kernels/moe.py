@@ -9,10 +9,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvgen.architectures.spec import EXPERT_ACTIVATIONS
 from kvgen.model.kernels.build import KernelCall, build_library
 
 log = logging.getLogger(__name__)
@@ -29,12 +31,29 @@ class ExpertStackArgs(ctypes.Structure):
                 ("K", _I64), ("kquant", _I32)]
 
 
+ACTIVATION_CODES = {name: code for code, name in enumerate(EXPERT_ACTIVATIONS)}  # moe.c's ACT_*, in that order
+
+
+@dataclass(frozen=True)
+class ExpertOptions:
+    """What a model's experts add to plain SwiGLU experts (gpt-oss): biases on each projection's rows,
+    fp32 contiguous gate_up_bias [experts, 2 * inner] (gate's then up's) and down_bias [experts,
+    hidden], and the activation (one of EXPERT_ACTIVATIONS; alpha and limit: the clamped SwiGLU's)."""
+
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
 class _Args(ctypes.Structure):
     """`struct moe_args` of moe.c."""
 
     _fields_ = [("x", _P), ("logits", _P), ("T", _I64), ("experts", _I64), ("top_k", _I64), ("norm_topk", _I32),
                 ("gate_up", ExpertStackArgs), ("down", ExpertStackArgs), ("out", _P), ("counts", _P),
-                ("num_threads", _I32)]
+                ("num_threads", _I32), ("gate_up_bias", _P), ("down_bias", _P), ("activation", _I32),
+                ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]
 
 
 class MoEKernel:
@@ -44,30 +63,36 @@ class MoEKernel:
         self.f32_matmul = ctypes.cast(library.moe_f32_matmul, _P).value  # the fp32 stacks' matmul
 
     def __call__(self, x: torch.Tensor, logits: torch.Tensor, gate_up: ExpertStackArgs, down: ExpertStackArgs,
-                 top_k: int, norm_topk: bool, counts: torch.Tensor) -> torch.Tensor:
+                 top_k: int, norm_topk: bool, counts: torch.Tensor,
+                 options: ExpertOptions = ExpertOptions()) -> torch.Tensor:
         """x fp32 [T, hidden] and the router's logits fp32 [T, experts], both contiguous -> fp32
         [T, hidden]; counts int64 [experts] gets each expert's number of tokens added."""
         out = torch.empty_like(x)
-        if x.shape[0] and self._forward(ctypes.byref(self._args(x, logits, gate_up, down, top_k, norm_topk, counts,
-                                                                out))):
+        args = self._args(x, logits, gate_up, down, top_k, norm_topk, counts, out, options)
+        if x.shape[0] and self._forward(ctypes.byref(args)):
             raise MemoryError("mixture of experts: out of memory for a step's buffers")
         return out
 
     def call(self, x: torch.Tensor, logits: torch.Tensor, gate_up: ExpertStackArgs, down: ExpertStackArgs,
-             top_k: int, norm_topk: bool, counts: torch.Tensor, out: torch.Tensor) -> KernelCall:
+             top_k: int, norm_topk: bool, counts: torch.Tensor, out: torch.Tensor,
+             options: ExpertOptions = ExpertOptions()) -> KernelCall:
         """out = self(x, logits, ...) as a KernelCall over those buffers (the fused decode step)."""
-        args = self._args(x, logits, gate_up, down, top_k, norm_topk, counts, out)
-        return KernelCall(self._forward, args, keep=(x, logits, counts, out))
+        args = self._args(x, logits, gate_up, down, top_k, norm_topk, counts, out, options)
+        return KernelCall(self._forward, args, keep=(x, logits, counts, out, options))
 
     @staticmethod
     def _args(x: torch.Tensor, logits: torch.Tensor, gate_up: ExpertStackArgs, down: ExpertStackArgs, top_k: int,
-              norm_topk: bool, counts: torch.Tensor, out: torch.Tensor) -> _Args:
+              norm_topk: bool, counts: torch.Tensor, out: torch.Tensor, options: ExpertOptions) -> _Args:
         tokens, experts = logits.shape
         assert (x.dtype == logits.dtype == out.dtype == torch.float32 and x.is_contiguous() and logits.is_contiguous()
                 and out.is_contiguous() and x.shape == out.shape == (tokens, down.N) and counts.dtype == torch.int64
                 and counts.shape == (experts,))
+        assert all(b is None or (b.dtype == torch.float32 and b.is_contiguous() and b.shape[0] == experts)
+                   for b in (options.gate_up_bias, options.down_bias))
+        biases = [b if b is None else b.data_ptr() for b in (options.gate_up_bias, options.down_bias)]
         return _Args(x.data_ptr(), logits.data_ptr(), tokens, experts, top_k, int(norm_topk), gate_up, down,
-                     out.data_ptr(), counts.data_ptr(), torch.get_num_threads())
+                     out.data_ptr(), counts.data_ptr(), torch.get_num_threads(), *biases,
+                     ACTIVATION_CODES[options.activation], options.alpha, options.limit)
 
 
 @functools.cache

@@ -13,10 +13,10 @@
  *     m = max_j scores_j,  l = sum_j e^(scores_j - m),  acc = sum_j e^(scores_j - m) v_j
  *
  * then each query head's spans are merged (flash-decoding's split softmax): with M the largest m,
- * out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. Spans let two threads share one sequence's
- * few KV heads (SmolLM2 has 3: on whole heads one thread did two thirds of the work). They are
- * cut by position alone, never by the thread count or the batch, so a sequence's result has the
- * same bits however it is run; with one span the merge is exact (out = acc / l).
+ * out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s (+ e^(sink - M), M >= sink, with `sinks`).
+ * Spans let two threads share a sequence's few KV heads (SmolLM2 has 3: on whole heads one thread did
+ * two thirds of the work). They are cut by position alone, never by the thread count or the batch,
+ * so a result has the same bits however it is run; with one span the merge is exact (acc / l).
  * Masked keys are skipped without being read (padding, sliding windows). Pools are fp32, bf16 or
  * fp16 (widened to fp32 on load, exactly), or int8 or fp8 (e4m3) with fp32 scales: `key_groups` per
  * key (KV head, slot), each over head_dim / key_groups consecutive dimensions (a multiple of 16, or
@@ -56,6 +56,7 @@ struct paged_decode_args {
     int64_t key_groups;       /* scales per key row of a quantized pool (1 for float pools) */
     float scale;
     int32_t num_threads;
+    const float *sinks;       /* [kv_heads * group] a logit per query head in each softmax's denominator, or NULL */
 };
 
 enum element { F32, BF16, F16, INT8, FP8 };
@@ -102,10 +103,7 @@ static inline __attribute__((always_inline)) float load(const void *pool, int64_
         return fp8_values[((const uint8_t *)pool)[i]];
     if (kind == F16)
         return from_f16(((const uint16_t *)pool)[i]);
-    uint32_t bits = (uint32_t)((const uint16_t *)pool)[i] << 16; /* bf16 is the high half of an fp32 */
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
+    return from_bf16(((const uint16_t *)pool)[i]); /* bf16 is the high half of an fp32 */
 }
 
 /* The scale of the pool row starting at element `row` (1 for unscaled pools). */
@@ -286,7 +284,8 @@ static void merge(const struct paged_decode_args *a, const float *partials, int6
     const int64_t group = a->group, dim = a->head_dim, stride = group * (2 + dim);
     const float *first = partials + bh * spans * stride + g * (2 + dim);
     float *restrict out = a->out + (bh * group + g) * dim;
-    float top = -INFINITY, total = 0.f;
+    const float sink = a->sinks ? a->sinks[bh % a->kv_heads * group + g] : -INFINITY; /* weight to no value */
+    float top = sink, total = 0.f;
     for (int64_t s = 0; s < spans; s++)
         top = first[s * stride] > top ? first[s * stride] : top;
     memset(out, 0, sizeof(float) * dim);
@@ -299,7 +298,7 @@ static void merge(const struct paged_decode_args *a, const float *partials, int6
         for (int64_t d = 0; d < dim; d++)
             out[d] += c * p[2 + d];
     }
-    const float inverse = total > 0.f ? 1.f / total : 0.f; /* no key allowed: zeros, not NaN */
+    const float inverse = total > 0.f || a->sinks ? 1.f / (total + expf(sink - top)) : 0.f; /* no key: zeros */
     for (int64_t d = 0; d < dim; d++)
         out[d] *= inverse;
 }

@@ -53,6 +53,7 @@ class _Args(ctypes.Structure):
         ("blocks_per_seq", ctypes.c_int64), ("block_size", ctypes.c_int64), ("key_groups", ctypes.c_int64),
         ("scale", ctypes.c_float),
         ("num_threads", ctypes.c_int32),
+        ("sinks", ctypes.c_void_p),
     ]
 
 
@@ -148,10 +149,10 @@ class PagedDecode:
         return GroupDecode(self._functions, block_ids, block_size, mask)
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: torch.Tensor,
-                 block_size: int, mask: torch.Tensor,
-                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 block_size: int, mask: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One call: see for_group and GroupDecode.__call__."""
-        return self.for_group(block_ids, block_size, mask)(q, k_pool, v_pool, scales)
+        return self.for_group(block_ids, block_size, mask)(q, k_pool, v_pool, scales, sinks)
 
 
 class GroupDecode:
@@ -165,12 +166,18 @@ class GroupDecode:
         self._blocks = _block_tables(self._args, block_ids, mask)  # kept alive while args point into them
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B * Q, heads, D], pools [kv_heads, num_slots, D], scales (k [kv_heads, num_slots, G] or
-        [kv_heads, num_slots], v [kv_heads, num_slots]) float32 for a quantized pool -> [B * Q, heads, D]
-        in q's dtype. A key's G scales each cover D / G dimensions, a multiple of 16 unless G is 1."""
+        [kv_heads, num_slots], v [kv_heads, num_slots]) float32 for a quantized pool, sinks [heads] (a
+        logit per head in each softmax's denominator, gpt-oss) or None -> [B * Q, heads, D] in q's
+        dtype. A key's G scales each cover D / G dimensions, a multiple of 16 unless G is 1."""
         kv_heads, num_slots, _ = k_pool.shape
         args = self._args
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()
+            assert sinks.shape == (q.shape[1],)
+        args.sinks = None if sinks is None else sinks.data_ptr()
         assert (scales is not None) == (k_pool.dtype in (torch.int8, torch.float8_e4m3fn))
         queries = q if q.dtype == torch.float32 and q.is_contiguous() else q.to(torch.float32).contiguous()
         out = torch.empty_like(queries)

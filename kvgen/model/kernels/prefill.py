@@ -30,7 +30,7 @@ class _Args(ctypes.Structure):
     _fields_ = [("q", _P), ("k", _P), ("v", _P), ("out", _P), ("queries", _I64), ("q_stride", _I64),
                 ("keys", _I64), ("key_stride", _I64), ("first", _I64), ("heads", _I64), ("kv_heads", _I64),
                 ("head_dim", _I64), ("scale", ctypes.c_float), ("bf16", ctypes.c_int32),
-                ("num_threads", ctypes.c_int32)]
+                ("num_threads", ctypes.c_int32), ("sinks", _P)]
 
 
 class PrefillAttention:
@@ -39,10 +39,12 @@ class PrefillAttention:
         self._function.argtypes = [ctypes.POINTER(_Args)]
         self._function.restype = ctypes.c_int
 
-    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int) -> torch.Tensor | None:
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor | None:
         """q [Q, heads, D] (queries at positions first .. first + Q - 1), keys / values [kv_heads, L, D]
-        with L >= first + Q (a gathered copy: rows past first + Q are padding, never read) ->
-        causal attention [Q, heads, D] in q's dtype; None where the kernel declines (then SDPA)."""
+        with L >= first + Q (a gathered copy: rows past first + Q are padding, never read), sinks
+        [heads] (a logit per head in each softmax's denominator) or None -> causal attention
+        [Q, heads, D] in q's dtype; None where the kernel declines (then SDPA)."""
         num_queries, heads, head_dim = q.shape
         kv_heads, length, _ = keys.shape
         if (keys.dtype not in (torch.float32, torch.bfloat16) or values.dtype != keys.dtype
@@ -51,9 +53,11 @@ class PrefillAttention:
             return None
         queries = q if q.dtype == torch.float32 and q.stride()[1:] == (head_dim, 1) else q.float().contiguous()
         out = torch.empty(num_queries, heads, head_dim)
+        sinks = None if sinks is None else sinks.to(torch.float32).contiguous()  # [heads]
         args = _Args(queries.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), num_queries,
                      queries.stride(0), first + num_queries, keys.stride(0) // head_dim, first, heads, kv_heads,
-                     head_dim, head_dim**-0.5, int(keys.dtype == torch.bfloat16), torch.get_num_threads())
+                     head_dim, head_dim**-0.5, int(keys.dtype == torch.bfloat16), torch.get_num_threads(),
+                     None if sinks is None else sinks.data_ptr())
         status = self._function(ctypes.byref(args))
         if status == DECLINED:
             return None

@@ -16,7 +16,8 @@
  *     s = q_i K_block^T * scale,  m' = max(m, max s),  p = e^(s - m'),  c = e^(m - m')
  *     l = c l + sum p,            o_i = c o_i + p V_block,              m = m'
  *
- * and o_i / l at the end. Keys after a query's position are masked in the blocks that cross the
+ * and o_i / l at the end; with `sinks` (gpt-oss: a logit per head, no value), o_i / (l + e^(sink - m))
+ * taken over max(m, sink). Keys after a query's position are masked in the blocks that cross the
  * diagonal; blocks wholly after the tile's last query are never read. Scores, softmax and sums are
  * fp32; K and V may be fp32 or bf16 (widened). Queries are fp32, rows q_stride apart, heads
  * contiguous; the output is fp32 [Q, heads, D]. Head sizes: multiples of 16 up to 128.
@@ -42,6 +43,7 @@ struct prefill_attention_args {
     int64_t heads, kv_heads, head_dim;
     float scale;
     int32_t bf16, num_threads;
+    const float *sinks; /* [heads] a logit per head in each softmax's denominator, or NULL */
 };
 
 #ifdef __AVX512F__
@@ -144,7 +146,11 @@ static inline __attribute__((always_inline)) void attend_tile(const struct prefi
     }
     for (int64_t i = 0; i < count; i++) {
         float *row = a->out + ((q0 + i) * a->heads + h) * dim;
-        const float inverse = 1.f / total[i]; /* key 0 is always allowed: total > 0 */
+        float inverse = 1.f / total[i]; /* key 0 is always allowed: total > 0 */
+        if (a->sinks) { /* both rescaled to the larger of the running maximum and the sink */
+            const float m = a->sinks[h] > top[i] ? a->sinks[h] : top[i], c = expf(top[i] - m);
+            inverse = c / (total[i] * c + expf(a->sinks[h] - m));
+        }
         for (int64_t d = 0; d < dim; d++)
             row[d] = acc[i][d] * inverse;
     }
