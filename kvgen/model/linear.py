@@ -73,7 +73,8 @@ from kvgen.model.kernels.f32 import F32Matmul, f32_kernel
 from kvgen.model.formats.kquant import KPacked
 from kvgen.model.formats.packed import PackedWeight, dequantize
 from kvgen.model.kernels.kquant import kquant_kernel
-from kvgen.model.kernels.many_rows_choice import INTEGER_BELOW_ROWS, fp32_beats, integer_beats, many_rows_dtype
+from kvgen.model.kernels.many_rows_choice import (INTEGER_BELOW_ROWS, fp32_beats, integer_beats, many_rows_dtype,
+                                                  onednn_beats)
 from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, kernel_name, qmatmul_kernel
 from kvgen.model.kernels.step import step_kernels
 from kvgen.threads import WORKERS_SLEEP
@@ -337,7 +338,9 @@ class KernelQuantLinear(QuantLinear):
                            else FP32_FROM_ROWS[kernel.isa])
         self._from_rows = self._from_rows and max(self._from_rows, INTEGER_BELOW_ROWS * integer_beats(dtype))
         path = "bf16_matmul" if self._bf16 is not None else "f32_matmul"
+        self._onednn = dtype is not None and _onednn_bf16() and onednn_beats(path.replace("_matmul", " kernel"))
         many = f"; from {self._from_rows} rows {path}" if self._from_rows is not None else ""
+        many += f", from {ONEDNN_FROM_ROWS} onednn" if self._onednn else ""
         self.kernel = f"{kernel_name(weight)} [{kernel.isa}] (x {activations}{many})"
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
@@ -364,8 +367,11 @@ class KernelQuantLinear(QuantLinear):
         return self._from_rows is not None and x.shape[0] >= self._from_rows
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] @ W^T -> fp32 [T, out]: in bf16 on W^ rounded to bf16 where the bf16 kernel runs,
+        """x [T, in] @ W^T -> fp32 [T, out]: on oneDNN's GEMM from ONEDNN_FROM_ROWS rows where it
+        measured faster (onednn_beats), else in bf16 on W^ rounded to bf16 where the bf16 kernel runs,
         else in fp32 on W^."""
+        if self._onednn and x.shape[0] >= ONEDNN_FROM_ROWS:
+            return onednn_matmul(x, self._matmul.dequantize_bf16_rows(self._tiles))
         if self._bf16 is not None:
             tiles = self._matmul.dequantize_bf16(self._tiles)
             return self._bf16(x.to(torch.bfloat16).contiguous(), tiles, self.out_features, torch.float32)
@@ -381,19 +387,29 @@ class TorchQuantLinear(QuantLinear):
 
 
 class KQuantLinear(QuantLinear):
-    def __init__(self, weight: KPacked, bias: torch.Tensor | None, activations: str = "int8x2") -> None:
+    """Given `tiles` (a buffer the model's layers share), calls of ONEDNN_FROM_ROWS rows or more
+    dequantize the weight into it for oneDNN's GEMM where that measured faster (onednn_beats)."""
+
+    def __init__(self, weight: KPacked, bias: torch.Tensor | None, activations: str = "int8x2",
+                 tiles: Bf16Tiles | None = None) -> None:
         super().__init__(weight, bias)
         kernel = kquant_kernel()
         assert kernel is not None, "KQuantLinear needs the compiled kernel (see kquant_kernel())"
         parts = ACTIVATION_PARTS[activations]
         self._few = kernel.bind(weight, parts)
         self._many = kernel.bind(weight, 1) if parts > 1 else self._few
+        self._tiles = tiles if tiles is not None and _onednn_bf16() and onednn_beats("K-quant kernel") else None
         many = f"; from {MANY_ROWS} rows x int8" if parts > 1 else ""
+        many += f"; from {ONEDNN_FROM_ROWS} onednn" if self._tiles is not None else ""
         self.kernel = f"kq_matmul_{weight.kind} [avx512-vnni] (x {activations}{many})"
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype; a row's result depends only on which side of
-        MANY_ROWS its call's row count is."""
+        MANY_ROWS (and ONEDNN_FROM_ROWS) its call's row count is."""
+        if self._tiles is not None and x.shape[0] >= ONEDNN_FROM_ROWS:
+            out = onednn_matmul(x, self._many.dequantize_bf16_rows(self._tiles))
+            out = out if x.dtype == torch.float32 else out.to(x.dtype)
+            return out if self.bias is None else out.add_(self.bias)
         x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         out = (self._many if x.shape[0] >= MANY_ROWS else self._few).run(x32)
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -427,6 +443,12 @@ class ConcatLinear(Linear):
         columns = out.split([p.out_features for p in self.parts], dim=1)
         calls = [p.call(x, c) for p, c in zip(self.parts, columns)]
         return None if any(c is None for c in calls) else step.calls_as_one(calls)
+
+
+def onednn_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ weight^T (bf16 [out, in], row-major) on oneDNN's bf16 GEMM -> fp32 [T, out], the
+    sums rounded to bf16 as oneDNN returns them."""
+    return F.linear(x.to(torch.bfloat16), weight).float()
 
 
 def _onednn_bf16() -> bool:

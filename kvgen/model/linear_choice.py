@@ -198,9 +198,8 @@ class LayerBuilder:
     def _k_run(self, run: list[GGUFWeight], bias: torch.Tensor | None) -> Linear:
         if not self._keeps_k(run[0].ggml_type):
             return self.linear(run, bias)
-        if len(run) == 1:
-            return KQuantLinear(self.packed(run[0]), bias, self.activations)
-        return KQuantLinear(self._stacked(kquant_kernel().pack, run), bias, self.activations)
+        packed = self.packed(run[0]) if len(run) == 1 else self._stacked(kquant_kernel().pack, run)
+        return KQuantLinear(packed, bias, self.activations, self._many_rows.tiles)
 
     def _packed(self, packed: list[PackedWeight], bias: torch.Tensor | None) -> Linear:
         try:

@@ -37,6 +37,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "qvec.h"
+
 #define PANEL 16
 #define QK 256
 #define META 320
@@ -48,7 +50,6 @@
 /* Below this many bytes of weights, one thread (waking the second costs more than it saves). */
 #define PARALLEL_BYTES (64 << 10)
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 8")
 
 /* Bytes of one panel's super-block. */
@@ -349,6 +350,54 @@ static void dequantize_row(const uint8_t *w, int64_t K, int64_t row, float *out,
 DEQUANTIZE_ROWS(kq_rows_q4_k, 4)
 DEQUANTIZE_ROWS(kq_rows_q5_k, 5)
 DEQUANTIZE_ROWS(kq_rows_q6_k, 6)
+
+/* Panel p's 16 rows of W^, each value dequantize_row's rounded to the nearest bf16 (ties to even),
+ * into rows of K (out [16 * panels, K], the last panel's zero rows included): oneDNN's operand for
+ * many rows of x. A value is s * (q - o) - m with s = d*sc, and m = dmin*m (Q4_K/Q5_K) or o = 32
+ * (Q6_K), s * (q - o) exact: one fused multiply-add, one rounding, as dequantize_row. Quarter i of
+ * an unpacked codes vector g is rows 4i .. 4i + 3's columns 4g .. 4g + 3. */
+ALWAYS_INLINE void dequantize_panel_rows(const uint8_t *w, int64_t K, int64_t p, uint16_t *out, const int kind) {
+    const int64_t blocks = K / QK;
+    const int bytes = BLOCK_BYTES(kind), offset = kind == 6 ? 32 : 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *meta = w + (p * blocks + b) * bytes, *lo = meta + META, *hi = meta + META + LOW;
+        const __m512 d = f16x16(meta + 256);
+        const __m512 neg_dmin = kind == 6 ? _mm512_setzero_ps() : _mm512_sub_ps(_mm512_setzero_ps(), f16x16(meta + 288));
+        for (int s = 0; s < 8; s++) {
+            __m512i low[4], high[2], c[8];
+            for (int v = 0; v < 4; v++)
+                low[v] = _mm512_loadu_si512(lo + 256 * s + 64 * v);
+            for (int h = 0; h < (kind == 6 ? 2 : kind == 5 ? 1 : 0); h++)
+                high[h] = _mm512_loadu_si512(hi + (kind == 6 ? 128 : 64) * s + 64 * h);
+            for (int g = 0; g < 8; g++)
+                c[g] = codes_at(low, high, g, kind);
+            for (int half = 0; half < 2; half++) { /* columns 16 half .. 16 half + 15: Q6_K's scale groups */
+                const __m512 sc = _mm512_mul_ps(d, kind == 6 ? i8x16(meta + 32 * s + 16 * half) : u8x16(meta + 16 * s));
+                const __m512 m = kind == 6 ? neg_dmin : _mm512_mul_ps(neg_dmin, u8x16(meta + 128 + 16 * s));
+                _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) { /* i: an immediate */
+                    const __m512 si = spread(sc, 4 * i, 4), mi = spread(m, 4 * i, 4);
+                    uint16_t *o = out + (PANEL * p + 4 * i) * K + b * QK + 32 * s;
+                    for (int g = 4 * half; g < 4 * half + 4; g++)
+                        store_quads(o + 4 * g, bf16_of(_mm512_fmadd_ps(si, u8x16_minus_to_vf(row_codes(c[g], i), offset), mi)),
+                                    K);
+                }
+            }
+        }
+    }
+}
+
+#define DEQUANTIZE_BF16(name, kind)                                                                           \
+    void name(const uint8_t *w, int64_t K, int64_t N, uint16_t *out, int32_t num_threads) {                   \
+        const int64_t panels = (N + PANEL - 1) / PANEL;                                                       \
+        const int threads = num_threads > 1 && panels * BLOCK_BYTES(kind) * (K / QK) >= PARALLEL_BYTES ? num_threads : 1; \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")                    \
+        for (int64_t p = 0; p < panels; p++)                                                                  \
+            dequantize_panel_rows(w, K, p, out, kind);                                                        \
+    }
+
+DEQUANTIZE_BF16(kq_dequantize_bf16_q4_k, 4)
+DEQUANTIZE_BF16(kq_dequantize_bf16_q5_k, 5)
+DEQUANTIZE_BF16(kq_dequantize_bf16_q6_k, 6)
 
 /* x as the kernels quantize it (tests): q int8 [parts * T, K], sx fp32 [parts * T, K / 32]. */
 int kq_quantize(const float *x, int64_t T, int64_t K, int32_t parts, int8_t *q, float *sx) {

@@ -20,6 +20,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from kvgen.model.kernels.build import KernelCall, build_library, cpu_has
+from kvgen.model.kernels.bf16 import Bf16Tiles
 from kvgen.model.kernels.block_pack import row_pointers
 from kvgen.model.kernels.qmatmul import quantized_activations
 from kvgen.model.formats.kquant import KINDS, PANEL, QK_K, KPacked, block_bytes
@@ -68,7 +69,9 @@ class KQuantKernel:
         """The kernel for `w`'s type with its pointer filled in, x quantized in `parts` int8 parts."""
         function = getattr(self._library, f"kq_matmul_{w.kind}")
         function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
-        return BoundKQuant(function, getattr(self._library, f"kq_matmul_{w.kind}_call"), w, parts)
+        dequantize = getattr(self._library, f"kq_dequantize_bf16_{w.kind}")
+        dequantize.argtypes, dequantize.restype = [_P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int32], None
+        return BoundKQuant(function, getattr(self._library, f"kq_matmul_{w.kind}_call"), dequantize, w, parts)
 
     def address(self, w: KPacked) -> int:
         """The address of the C kernel for `w`'s type, for C callers that run it on parts of a weight
@@ -93,8 +96,9 @@ class KQuantKernel:
 class BoundKQuant:
     """One K-quant weight's kernel call: only x, its row count and the output change per call."""
 
-    def __init__(self, function: ctypes._CFuncPtr, call: ctypes._CFuncPtr, w: KPacked, parts: int) -> None:
-        self._function, self._call, self._weight, self._parts = function, call, w, parts
+    def __init__(self, function: ctypes._CFuncPtr, call: ctypes._CFuncPtr, dequantize: ctypes._CFuncPtr, w: KPacked,
+                 parts: int) -> None:
+        self._function, self._call, self._dequantize, self._weight, self._parts = function, call, dequantize, w, parts
         self._out_features, self._in_features = w.shape
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,6 +110,15 @@ class BoundKQuant:
                                    torch.get_num_threads()):
             raise MemoryError("K-quant matmul: out of memory for the quantized activations")
         return out
+
+    def dequantize_bf16_rows(self, tiles: Bf16Tiles | None = None) -> torch.Tensor:
+        """W^ rounded to bf16, row-major [out, in] (oneDNN's operand at many rows), in `tiles`' buffer
+        if given."""
+        shape = (-(-self._out_features // PANEL) * PANEL, self._in_features)  # whole panels are written
+        out = tiles.take(shape) if tiles is not None else torch.empty(shape, dtype=torch.bfloat16)
+        self._dequantize(self._weight.data.data_ptr(), self._in_features, self._out_features, out.data_ptr(),
+                         torch.get_num_threads())
+        return out[:self._out_features]
 
     def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall:
         """out = `run(x)` (x fp32 [T, in] contiguous, out fp32 [T, out] with contiguous rows: it may be

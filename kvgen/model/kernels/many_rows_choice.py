@@ -1,12 +1,17 @@
-"""Which float kernel this CPU runs many rows of x faster on, and from how many rows packed layers
-leave the integer kernel for it, measured once per process.
+"""Which float kernel this CPU runs many rows of x faster on, from how many rows packed layers
+leave the integer kernel for it, and whether prefill-sized calls go to oneDNN's GEMM instead,
+measured once per process.
 
 A CPU's bf16 dot products (vdpbf16ps, 32 multiply-adds) may issue at a quarter of its fp32
 multiply-adds' rate (16 each), so that fp32 does twice bf16's work a second, or fast enough that
 bf16 does more: both were seen on this project's VMs on the same day (BENCHMARKS.md). And oneDNN's
 bf16 GEMM runs on AMX where the platform grants it, many times faster than either. So layers that
 can run many rows either way (packed ones dequantized per call, coded bf16 ones decoded) time the
-two on a prefill-sized matmul once, and take fp32 only when it is clearly the faster.
+two on a prefill-sized matmul once, and take fp32 only when it is clearly the faster. Packed layers
+also time their own many-rows path against the weight dequantized to row-major bf16 for oneDNN
+(onednn_beats): on an Intel Xeon with AMX, oneDNN's GEMM ran a 2,048 x 8,192 Q8_0 layer's 512 rows
+about 5x faster than the bf16 kernel (dequantizing included), and a Q4_K layer's 2-3x faster than
+the K-quant kernel; where it does not win, as on CPUs without AMX, nothing changes.
 """
 
 from __future__ import annotations
@@ -17,18 +22,24 @@ import math
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from gguf import GGMLQuantizationType
 
 from kvgen.model.kernels.bf16 import bf16_kernel
 from kvgen.model.kernels.bf16 import pack as pack_bf16
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.f32 import pack as pack_f32
+from kvgen.model.kernels.kquant import kquant_kernel
 from kvgen.model.kernels.qmatmul import qmatmul_kernel
 from kvgen.model.formats.float_weights import quantize_int4
 
 log = logging.getLogger(__name__)
 
+# oneDNN must be this much faster than a packed layer's own many-rows path to be taken.
+ONEDNN_MARGIN = 1.15
 # fp32 must be this much faster to be taken: its weights, laid out per call, are twice the bytes of
 # bf16's and cost ~10% of the matmul more to write.
 FP32_MARGIN = 1.15
@@ -101,3 +112,38 @@ def integer_beats(dtype: torch.dtype) -> bool:
     log.info("%d rows of x: integer kernel %.2f ms, dequantized %s %.2f ms", INTEGER_ROWS, best["integer"] * 1e3,
              dtype, best["float"] * 1e3)
     return best["integer"] < best["float"]
+
+
+@functools.cache
+def onednn_beats(rival: str) -> bool:
+    """Whether dequantizing a packed weight to row-major bf16 and running oneDNN's GEMM (which takes
+    AMX where the platform grants it) runs ROWS rows ONEDNN_MARGIN times faster than `rival`, the
+    packed layer's own path (which must run here): "bf16 kernel" or "fp32 kernel" (an int4 weight
+    dequantized per call for that kernel), or "K-quant kernel" (a Q4_K weight, x in one int8 part).
+    Best of 5 alternated runs each, once per process."""
+    generator = torch.Generator().manual_seed(0)
+    cols = IN // 256 * 256 if rival == "K-quant kernel" else IN  # whole super-blocks
+    x = torch.randn(ROWS, cols, generator=generator)
+    xb = x.bfloat16()
+    if rival == "K-quant kernel":
+        kernel = kquant_kernel()
+        bound = kernel.bind(kernel.pack(GGMLQuantizationType.Q4_K, [_q4_k_blocks(OUT, cols)]), 1)
+        rival_run: Callable[[], object] = functools.partial(bound.run, x)
+    else:
+        bound = qmatmul_kernel().bind(quantize_int4(torch.randn(OUT, IN, generator=generator)), "int8x2")
+        rival_run = ((lambda: bf16_kernel()(xb, bound.dequantize_bf16(), OUT, torch.float32)) if rival == "bf16 kernel"
+                     else (lambda: f32_kernel()(x, bound.dequantize_f32(), OUT)))
+    best = best_times({"onednn": lambda: F.linear(xb, bound.dequantize_bf16_rows()), rival: rival_run})
+    beats = best["onednn"] * ONEDNN_MARGIN < best[rival]
+    log.info("%d rows of x: oneDNN on the weight dequantized %.2f ms, %s %.2f ms: %s", ROWS, best["onednn"] * 1e3,
+             rival, best[rival] * 1e3, "oneDNN" if beats else rival)
+    return beats
+
+
+def _q4_k_blocks(out: int, cols: int) -> np.ndarray:
+    """uint8 [out, bytes per row]: random Q4_K blocks (any codes and sub-block scales) with small
+    finite super-block scales, a matrix to time."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (out, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:4] = np.full((out, cols // 256, 2), 0.01, dtype=np.float16).view(np.uint8)  # d, dmin
+    return blocks.reshape(out, -1)

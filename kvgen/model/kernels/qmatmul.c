@@ -318,25 +318,17 @@ KERNELS(qmatmul_u8_g16_f32, 8, 16, 0)
  * (kvgen/model/linear.py): in bf16 (bf16_matmul.c's layout) or in fp32 (f32_matmul.c's). Each
  * value is w = s * (u - o) + m, one fp32 fused multiply-add ((u - o) and s * (u - o) are exact). */
 
-/* Qword i of v (row i's 4 bf16 values) to o + 32 i. */
-ALWAYS_INLINE void store_quads(uint16_t *o, __m256i v) {
-    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-    _mm_storel_epi64((__m128i *)o, lo);
-    _mm_storeh_pd((double *)(o + 32), _mm_castsi128_pd(lo));
-    _mm_storel_epi64((__m128i *)(o + 64), hi);
-    _mm_storeh_pd((double *)(o + 96), _mm_castsi128_pd(hi));
-}
-
 /* Panel p of W^, rounded to the nearest bf16 (ties to even), into bf16_matmul.c's layout
- * [ceil(N / 4), spans, 4, 32] (tiles of 4 rows, span by span): quarter q of the panel is tile 4p + q.
- * Quarter q of a codes vector holds columns 4g .. 4g + 3 of those 4 rows (lane 4i + b: row i,
- * column 4g + b), so with the rows' scales and mins spread over their 4 lanes each row's 4 values
- * come out together. */
+ * [ceil(N / 4), spans, 4, 32] (tiles of 4 rows, span by span; quarter q of the panel is tile 4p + q),
+ * or with `row_major` into rows of K [16 * panels, K] (oneDNN's operand; the last panel's padding
+ * rows included). Quarter q of a codes vector holds columns 4g .. 4g + 3 of those 4 rows (lane
+ * 4i + b: row i, column 4g + b), so with the rows' scales and mins spread over their 4 lanes each
+ * row's 4 values come out together. */
 ALWAYS_INLINE void dequantize_panel_bf16(const uint8_t *codes, const void *scale, const void *min, int32_t offset,
                                          int64_t p, int64_t N, int64_t K, uint16_t *out, const int bits,
-                                         const int group, const int f16) {
+                                         const int group, const int f16, const int row_major) {
     const int64_t spans = K / 32, groups = K / group, tiles = (N + 3) / 4;
-    const int per_span = 32 / group, quarters = tiles - 4 * p >= 4 ? 4 : (int)(tiles - 4 * p);
+    const int per_span = 32 / group, quarters = row_major || tiles - 4 * p >= 4 ? 4 : (int)(tiles - 4 * p);
     for (int64_t j = 0; j < spans; j++) {
         vi c[8];
         span_codes(codes + (p * spans + j) * PANEL * 4 * bits, bits, c);
@@ -345,12 +337,23 @@ ALWAYS_INLINE void dequantize_panel_bf16(const uint8_t *codes, const void *scale
             const vf sw = load_values(scale, at, PANEL, f16), mw = min ? load_values(min, at, PANEL, f16) : vf_zero();
             _Pragma("GCC unroll 4") for (int q = 0; q < 4 && q < quarters; q++) { /* q: an immediate */
                 const vf s = spread(sw, 4 * q, 4), m = spread(mw, 4 * q, 4);
-                uint16_t *o = out + ((4 * p + q) * spans + j) * 128;
+                uint16_t *o = row_major ? out + (PANEL * p + 4 * q) * K + 32 * j : out + ((4 * p + q) * spans + j) * 128;
                 for (int g = 8 / per_span * h; g < 8 / per_span * (h + 1); g++)
-                    store_quads(o + 4 * g, bf16_of(vf_fmadd(s, u8x16_minus_to_vf(row_codes(c[g], q), offset), m)));
+                    store_quads(o + 4 * g, bf16_of(vf_fmadd(s, u8x16_minus_to_vf(row_codes(c[g], q), offset), m)),
+                                row_major ? K : 32);
             }
         }
     }
+}
+ALWAYS_INLINE void dequantize_panel_bf16_tiles(const uint8_t *codes, const void *scale, const void *min,
+                                               int32_t offset, int64_t p, int64_t N, int64_t K, uint16_t *out,
+                                               const int bits, const int group, const int f16) {
+    dequantize_panel_bf16(codes, scale, min, offset, p, N, K, out, bits, group, f16, 0);
+}
+ALWAYS_INLINE void dequantize_panel_bf16_rows(const uint8_t *codes, const void *scale, const void *min,
+                                              int32_t offset, int64_t p, int64_t N, int64_t K, uint16_t *out,
+                                              const int bits, const int group, const int f16) {
+    dequantize_panel_bf16(codes, scale, min, offset, p, N, K, out, bits, group, f16, 1);
 }
 
 /* Rows 32P .. 32P + 31 of W^ into f32_matmul.c's panel P [K, 32] (zeros past N): codes panels 2P
@@ -383,8 +386,8 @@ ALWAYS_INLINE void dequantize_panel_f32(const uint8_t *codes, const void *scale,
     }
 }
 
-/* One exported function per format and float type, as for the kernels (OpenMP's outlined body per
- * format): over panels of 16 rows (bf16) or 32 (fp32). */
+/* One exported function per format and layout, as for the kernels (OpenMP's outlined body per
+ * format): over panels of 16 rows (bf16 tiles or rows) or 32 (fp32). */
 #define DEQUANTIZE(name, bits, group, f16, type, rows, panel_fn)                                              \
     void name(const uint8_t *codes, const void *scale, const void *min, int32_t offset, int64_t N, int64_t K,  \
               type *out, int32_t num_threads) {                                                               \
@@ -395,7 +398,8 @@ ALWAYS_INLINE void dequantize_panel_f32(const uint8_t *codes, const void *scale,
             panel_fn(codes, scale, min, offset, p, N, K, out, bits, group, f16);                              \
     }
 #define DEQUANTIZERS(name, bits, group, f16)                                                                  \
-    DEQUANTIZE(name##_bf16, bits, group, f16, uint16_t, PANEL, dequantize_panel_bf16)                          \
+    DEQUANTIZE(name##_bf16, bits, group, f16, uint16_t, PANEL, dequantize_panel_bf16_tiles)                    \
+    DEQUANTIZE(name##_bf16_rows, bits, group, f16, uint16_t, PANEL, dequantize_panel_bf16_rows)                \
     DEQUANTIZE(name##_f32, bits, group, f16, float, 2 * PANEL, dequantize_panel_f32)
 
 DEQUANTIZERS(qmatmul_u4_g32_f16, 4, 32, 1)

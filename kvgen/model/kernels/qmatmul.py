@@ -18,6 +18,7 @@ import torch
 
 from kvgen.model.kernels.build import KernelCall, build_library, cpu_has
 from kvgen.model.kernels.bf16 import Bf16Tiles
+from kvgen.model.formats.packed import PANEL as PACK_PANEL
 from kvgen.model.formats.packed import PackedWeight
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,9 @@ class QMatmulKernel:
         function = getattr(self._library, kernel_name(w))
         function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
         dequantize = {}
-        for dtype, suffix in ((torch.bfloat16, "_bf16"), (torch.float32, "_f32")):
-            dequantize[dtype] = getattr(self._library, kernel_name(w) + suffix)
-            dequantize[dtype].argtypes, dequantize[dtype].restype = _DEQUANTIZE_ARGTYPES, None
+        for layout in ("bf16", "bf16_rows", "f32"):
+            dequantize[layout] = getattr(self._library, f"{kernel_name(w)}_{layout}")
+            dequantize[layout].argtypes, dequantize[layout].restype = _DEQUANTIZE_ARGTYPES, None
         call = getattr(self._library, kernel_name(w) + "_call")
         return BoundKernel(function, dequantize, call, w, ACTIVATION_PARTS[activations])
 
@@ -104,7 +105,7 @@ class QMatmulKernel:
 class BoundKernel:
     """One packed weight's kernel call: only x, its row count and the output change per call."""
 
-    def __init__(self, function: ctypes._CFuncPtr, dequantize: dict[torch.dtype, ctypes._CFuncPtr],
+    def __init__(self, function: ctypes._CFuncPtr, dequantize: dict[str, ctypes._CFuncPtr],
                  call: ctypes._CFuncPtr, w: PackedWeight, parts: int) -> None:
         self._function, self._dequantize, self._call = function, dequantize, call
         self._weight, self._parts = w, parts  # w's tensors stay alive while bound
@@ -115,17 +116,25 @@ class BoundKernel:
     def dequantize_bf16(self, tiles: Bf16Tiles | None = None) -> torch.Tensor:
         """W^ rounded to bf16 in kvgen.model.kernels.bf16's layout [ceil(out/4), in/32, 4, 32] (for
         the bf16 kernel at many rows), in `tiles`' buffer if given."""
-        return self._dequantized((-(-self._out_features // 4), self._in_features // 32, 4, 32), torch.bfloat16, tiles)
+        shape = (-(-self._out_features // 4), self._in_features // 32, 4, 32)
+        return self._dequantized("bf16", shape, torch.bfloat16, tiles)
+
+    def dequantize_bf16_rows(self, tiles: Bf16Tiles | None = None) -> torch.Tensor:
+        """W^ rounded to bf16, row-major [out, in] (oneDNN's operand at many rows), in `tiles`' buffer
+        if given."""
+        rows = -(-self._out_features // PACK_PANEL) * PACK_PANEL  # the C function writes whole panels
+        return self._dequantized("bf16_rows", (rows, self._in_features), torch.bfloat16, tiles)[:self._out_features]
 
     def dequantize_f32(self, tiles: Bf16Tiles | None = None) -> torch.Tensor:
         """W^ in fp32 in kvgen.model.kernels.f32's panels [ceil(out/32), in, 32] (for the fp32 kernel
         at many rows), in `tiles`' buffer if given."""
-        return self._dequantized((-(-self._out_features // 32), self._in_features, 32), torch.float32, tiles)
+        return self._dequantized("f32", (-(-self._out_features // 32), self._in_features, 32), torch.float32, tiles)
 
-    def _dequantized(self, shape: tuple[int, ...], dtype: torch.dtype, tiles: Bf16Tiles | None) -> torch.Tensor:
+    def _dequantized(self, layout: str, shape: tuple[int, ...], dtype: torch.dtype,
+                     tiles: Bf16Tiles | None) -> torch.Tensor:
         out = tiles.take(shape, dtype) if tiles is not None else torch.empty(shape, dtype=dtype)
-        self._dequantize[dtype](*self._weight_args[:3], self._weight.offset, self._out_features, self._in_features,
-                                out.data_ptr(), torch.get_num_threads())
+        self._dequantize[layout](*self._weight_args[:3], self._weight.offset, self._out_features, self._in_features,
+                                 out.data_ptr(), torch.get_num_threads())
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,15 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* Qword i of v (row i's 4 bf16 values) to o + i * stride (16-bit elements). */
+ALWAYS_INLINE void store_quads(uint16_t *o, __m256i v, int64_t stride) {
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    _mm_storel_epi64((__m128i *)o, lo);
+    _mm_storeh_pd((double *)(o + stride), _mm_castsi128_pd(lo));
+    _mm_storel_epi64((__m128i *)(o + 2 * stride), hi);
+    _mm_storeh_pd((double *)(o + 3 * stride), _mm_castsi128_pd(hi));
+}
+
 #ifdef __AVX512F__
 
 typedef __m512 vf;

@@ -13,7 +13,8 @@ from kvgen.model.kernels.qmatmul import qmatmul_kernel
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.f32 import pack as pack_f32
 from kvgen.model.kernels.many_rows_choice import INTEGER_BELOW_ROWS, integer_beats, many_rows_dtype
-from kvgen.model.linear import BF16_FROM_ROWS, FP32_FROM_ROWS, KernelQuantLinear, ManyRows
+from kvgen.model import linear
+from kvgen.model.linear import BF16_FROM_ROWS, FP32_FROM_ROWS, ONEDNN_FROM_ROWS, KernelQuantLinear, ManyRows
 from tests.support.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix
@@ -122,6 +123,33 @@ def test_dequantized_bf16_tiles_are_the_weights_rounded_to_bf16(ggml_type):
     assert torch.equal(got, exact.bfloat16().float()) or (
         (got - exact).abs() <= BF16_UNIT_ROUNDOFF * exact.abs() * (1 + 2**-15)).all()
     assert (got == exact.bfloat16().float()).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
+def test_dequantized_bf16_rows_are_the_tiles_values_row_major(ggml_type):
+    bound = qmatmul_kernel().bind(gguf_weight(ggml_type, out=13))
+    assert torch.equal(bound.dequantize_bf16_rows(), bf16_tiles_to_rows(bound.dequantize_bf16(), 13))
+
+
+@pytest.mark.parametrize("ggml_type", MAPPED[:3], ids=lambda t: t.name)
+def test_prefill_rows_run_on_onednn_where_it_measures_faster(ggml_type, monkeypatch):
+    """Forced here (as if oneDNN measured faster), so that every host runs the path AMX hosts take:
+    x and W^ rounded to bf16 (relative u = 2^-8), summed in fp32, the sums rounded to bf16:
+    |y - x W^T| <= ((1 + u)^3 - 1 + gamma(K) (1 + u)^3) sum |x| |W^|; below ONEDNN_FROM_ROWS rows,
+    the layer's own many-rows path as before."""
+    if many_rows_dtype() is None or not linear._onednn_bf16():
+        pytest.skip("this CPU runs neither float kernel, or oneDNN has no bf16 GEMM here")
+    w = gguf_weight(ggml_type, out=13)
+    own = KernelQuantLinear(w, None, "int8x2", ManyRows(Bf16Tiles()))
+    monkeypatch.setattr(linear, "onednn_beats", lambda rival: True)
+    layer = KernelQuantLinear(w, None, "int8x2", ManyRows(Bf16Tiles()))
+    x = torch.randn(ONEDNN_FROM_ROWS + 3, 512, generator=torch.Generator().manual_seed(4))
+    dense = dequantize(w).double()
+    u = BF16_UNIT_ROUNDOFF
+    bound = ((1 + u) ** 3 - 1 + gamma(512) * (1 + u) ** 3) * (x.double().abs() @ dense.abs().T)
+    assert ((layer(x).double() - x.double() @ dense.T).abs() <= bound).all()
+    assert f"from {ONEDNN_FROM_ROWS} onednn" in layer.kernel
+    assert torch.equal(layer(x[:ONEDNN_FROM_ROWS - 1]), own(x[:ONEDNN_FROM_ROWS - 1]))
 
 
 def from_rows(dtype: torch.dtype, rows: int) -> int:

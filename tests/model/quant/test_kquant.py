@@ -21,9 +21,12 @@ from gguf.quants import dequantize as gguf_dequantize
 from kvgen.model.formats.gguf_blocks import k_fields
 from kvgen.model.formats.kquant import KPacked, dequantize, dequantize_rows
 from kvgen.model.kernels.kquant import kquant_kernel
-from kvgen.model.linear import MANY_ROWS, KQuantLinear
+from kvgen.model import linear
+from kvgen.model.kernels.bf16 import Bf16Tiles
+from kvgen.model.linear import MANY_ROWS, ONEDNN_FROM_ROWS, KQuantLinear
 from tests.model.quant.kquant_oracle import pack_k
 from tests.model.quant.raw_blocks import raw_matrix
+from tests.support.tolerances import gamma
 from tests.support.torch_threads import torch_threads
 
 Q = GGMLQuantizationType
@@ -59,6 +62,8 @@ def test_layout_holds_gguf_values_bit_for_bit(ggml_type):
     assert np.array_equal(dequantize_rows(w, rows).numpy(), want[rows.numpy()])
     if kquant_kernel() is not None:
         assert np.array_equal(kquant_kernel().rows(w, rows).numpy(), want[rows.numpy()])
+        bf16_rows = kquant_kernel().bind(w, 1).dequantize_bf16_rows()  # one fp32 rounding, as gguf's, then bf16's
+        assert torch.equal(bf16_rows, torch.from_numpy(want).bfloat16())
     assert w.nbytes * 8 / (48 * 512) == {Q.Q4_K: 4.625, Q.Q5_K: 5.625, Q.Q6_K: 6.625}[ggml_type]
 
 
@@ -97,6 +102,27 @@ def test_layer_runs_one_part_from_many_rows_and_its_call_matches():
     assert torch.equal(layer(x), kquant_kernel().bind(w, 1).run(x))
     assert layer.call(x, torch.empty(MANY_ROWS, 40)) is None
     assert "kq_matmul_q4_k" in layer.kernel and layer.weight_bytes == w.nbytes
+
+
+@needs_kernel
+@pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
+def test_prefill_rows_run_on_onednn_where_it_measures_faster(ggml_type, monkeypatch):
+    """Forced here (as if oneDNN measured faster), so that every host runs the path AMX hosts take:
+    x and W^ rounded to bf16 (relative u = 2^-8), summed in fp32, the sums rounded to bf16:
+    |y - x W^T| <= ((1 + u)^3 - 1 + gamma(K) (1 + u)^3) sum |x| |W^|; below ONEDNN_FROM_ROWS rows,
+    the K-quant kernel as before."""
+    if not linear._onednn_bf16():
+        pytest.skip("oneDNN has no bf16 GEMM on this CPU")
+    monkeypatch.setattr(linear, "onednn_beats", lambda rival: True)
+    w, raw = packed(ggml_type, out=40, cols=256)
+    layer = KQuantLinear(w, None, "int8x2", Bf16Tiles())
+    x = torch.randn(ONEDNN_FROM_ROWS + 3, 256, generator=torch.Generator().manual_seed(2))
+    dense = dequantize(w).double()
+    u = 2.0 ** -8
+    bound = ((1 + u) ** 3 - 1 + gamma(256) * (1 + u) ** 3) * (x.double().abs() @ dense.abs().T)
+    assert ((layer(x).double() - x.double() @ dense.T).abs() <= bound).all()
+    assert f"from {ONEDNN_FROM_ROWS} onednn" in layer.kernel
+    assert torch.equal(layer(x[:ONEDNN_FROM_ROWS - 1]), kquant_kernel().bind(w, 1).run(x[:ONEDNN_FROM_ROWS - 1]))
 
 
 @needs_kernel
