@@ -42,7 +42,7 @@ class DecoderModel:
         self.dtype = dtype
         build = LayerBuilder(self.device, dtype, quantization, activations)
         head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
-        self.lm_head = build.linear([head])
+        self.lm_head = build.linear([head], logits=True)
         self.embed = Embedding(weights["model.embed_tokens.weight"], build,
                                self.lm_head if config.tie_word_embeddings else None)
         self.embed_scale = embedding_scale(config.arch, config, dtype)

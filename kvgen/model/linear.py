@@ -29,16 +29,7 @@
                   are reordered once into oneDNN's blocked layout.
     TorchLinear   everything else (CUDA, fp16...): `F.linear`.
 
-Over weights that stay quantized in memory (kvgen.model.formats):
-    KernelQuantLinear  the generic packed format, AVX-512 VNNI or AVX2 (qmatmul.c); x quantized in
-                  the call per 32, to int8 or two int8 parts (`int8x2`, ~15 bits: 100% top-1 against
-                  the fp32 model on the real Q4_1 file, 97.8-98.2% for int8). From BF16_FROM_ROWS /
-                  FP32_FROM_ROWS rows (prefill, compute-bound) the weight is dequantized per call for
-                  the float kernel this CPU runs faster (kernels/many_rows_choice.py).
-    KQuantLinear  Q4_K / Q5_K / Q6_K in kquant.c's layout (AVX-512 VNNI), one kernel at every row
-                  count; x in one int8 part from MANY_ROWS rows, where a second would double its work.
-    TorchQuantLinear  CUDA and other devices: dequantize per call, then `F.linear`.
-    ConcatLinear  layers over one input side by side (a Q4_K q/k beside a Q6_K v).
+Layers over weights that stay quantized in memory are kvgen.model.quant_linear's.
 Which layer a weight gets is kvgen.model.linear_choice's decision.
 
 On BlasLinear, by default a step's rows go through one BLAS call: GEMV for one row, GEMM for more, the fastest
@@ -66,17 +57,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvgen.model.kernels.bf16 import Bf16Matmul, Bf16Tiles
 from kvgen.model.kernels.build import KernelCall
-from kvgen.model.kernels.bf16 import Bf16Matmul, Bf16Tiles, bf16_kernel
 from kvgen.model.kernels.coded import CodedBf16Matmul, CodedF32Matmul
 from kvgen.model.kernels.f32 import F32Matmul, f32_kernel
-from kvgen.model.formats.kquant import KPacked
-from kvgen.model.formats.packed import PackedWeight, dequantize
-from kvgen.model.kernels.kquant import kquant_kernel
-from kvgen.model.kernels.many_rows_choice import (INTEGER_BELOW_ROWS, fp32_beats, integer_beats, many_rows_dtype,
-                                                  onednn_beats)
-from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, kernel_name, qmatmul_kernel
-from kvgen.model.kernels.step import step_kernels
+from kvgen.model.kernels.many_rows_choice import fp32_beats
 from kvgen.threads import WORKERS_SLEEP
 
 # From this many rows of x on (prefill), a bf16 layer unpacks its weight to row-major and runs
@@ -92,17 +77,6 @@ DECODED_FROM_ROWS = 16
 # Many GEMV rows over a large matrix (an LM head) go tile by tile so each tile is read from memory
 # once and then from cache; a tile's GEMV gives the same bits as the whole matrix's.
 GEMV_TILE_BYTES = 4 << 20
-# From this many rows of x on (prefill chunks, large decode batches; INTEGER_BELOW_ROWS where that
-# measures faster) a packed layer runs on its weight dequantized per call, in bf16 or fp32
-# (KernelQuantLinear). bf16: 1.3-1.9x faster than x int8x2 at 16 rows on some VMs (BENCHMARKS.md).
-BF16_FROM_ROWS = 16
-# fp32, by the integer kernel's build: a 3,072 x 576 int4 matrix at 64 / 128 / 512 rows took 9.8 / 20.5 / 81.9
-# ms on the AVX2 integer kernel (x int8x2), 10.1 / 11.4 / 16.1 ms dequantized, packed and multiplied (2 threads,
-# Zen 3); on an AVX-512 VM 0.51 / 0.91 / 1.92 ms at 16 / 32 / 64 rows against 0.88 / 0.93 / 1.35 (BENCHMARKS.md).
-FP32_FROM_ROWS = {"avx512-vnni": 32, "avx2": 128}
-# From this many rows of x on, one int8 part (KQuantLinear); fused decode steps run below 16 rows
-# (kvgen.model.fused), so decode and verify chunks keep the layer's activations.
-MANY_ROWS = 16
 
 
 def uses_blas(device: torch.device, dtype: torch.dtype) -> bool:
@@ -237,7 +211,7 @@ class Bf16Linear(Linear):
         super().__init__(weight, bias)
         self.packed = kernel.pack(weight)
         self._matmul = kernel
-        self._scratch = scratch if _onednn_bf16() else None
+        self._scratch = scratch if has_onednn_bf16() else None
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         if self._scratch is not None and x.shape[0] >= ONEDNN_FROM_ROWS:
@@ -297,161 +271,13 @@ class TorchLinear(Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-class QuantLinear(Linear):
-    """y = x @ W^T + bias for a PackedWeight W (on the device the layer runs on)."""
-
-    kernel: str
-
-    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None) -> None:
-        # Linear.__init__ reads the shape from a dense weight, which this layer never builds.
-        self.out_features, self.in_features = weight.shape
-        self.bias = bias
-        self.packed = weight
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.packed.nbytes
-
-
-@dataclass(frozen=True)
-class ManyRows:
-    """How a packed layer runs many rows of x (see KernelQuantLinear): on its weight dequantized per
-    call into `tiles` (a buffer the model's layers share), in `dtype` (bf16 or fp32; None: this CPU's
-    faster, kvgen.model.kernels.many_rows_choice)."""
-
-    tiles: Bf16Tiles
-    dtype: torch.dtype | None = None
-
-
-class KernelQuantLinear(QuantLinear):
-    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None, activations: str = "int8",
-                 many_rows: ManyRows | None = None) -> None:
-        super().__init__(weight, bias)
-        kernel = qmatmul_kernel()
-        assert kernel is not None, "KernelQuantLinear needs the compiled kernel (see qmatmul_kernel())"
-        self._matmul = kernel.bind(weight, activations)
-        dtype = many_rows_dtype(many_rows.dtype) if many_rows is not None else None
-        self._bf16 = bf16_kernel() if dtype == torch.bfloat16 else None
-        self._f32 = f32_kernel() if dtype == torch.float32 else None
-        self._tiles = many_rows.tiles if dtype is not None else None
-        self._from_rows = (None if dtype is None else BF16_FROM_ROWS if dtype == torch.bfloat16
-                           else FP32_FROM_ROWS[kernel.isa])
-        self._from_rows = self._from_rows and max(self._from_rows, INTEGER_BELOW_ROWS * integer_beats(dtype))
-        path = "bf16_matmul" if self._bf16 is not None else "f32_matmul"
-        self._onednn = dtype is not None and _onednn_bf16() and onednn_beats(path.replace("_matmul", " kernel"))
-        many = f"; from {self._from_rows} rows {path}" if self._from_rows is not None else ""
-        many += f", from {ONEDNN_FROM_ROWS} onednn" if self._onednn else ""
-        self.kernel = f"{kernel_name(weight)} [{kernel.isa}] (x {activations}{many})"
-
-    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
-        """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
-        whatever rows run with it, for a given side of the many-rows threshold."""
-        if self._many_rows(x):
-            out = self._dequantized_matmul(x)
-        elif x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == self.in_features:
-            out = self._matmul.run(x)
-        else:
-            out = self._matmul(x.float().contiguous())
-        out = out if x.dtype == torch.float32 else out.to(x.dtype)
-        return out if self.bias is None else out.add_(self.bias)
-
-    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
-        """The integer kernel's call, which is what `self(x)` runs for fp32 x below the many-rows
-        threshold."""
-        if self.bias is not None or x.dtype != torch.float32 or self._many_rows(x):
-            return None
-        return self._matmul.call(x, out)
-
-    def _many_rows(self, x: torch.Tensor) -> bool:
-        """Whether x has enough rows to run on the dequantized weight (see ManyRows)."""
-        return self._from_rows is not None and x.shape[0] >= self._from_rows
-
-    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] @ W^T -> fp32 [T, out]: on oneDNN's GEMM from ONEDNN_FROM_ROWS rows where it
-        measured faster (onednn_beats), else in bf16 on W^ rounded to bf16 where the bf16 kernel runs,
-        else in fp32 on W^."""
-        if self._onednn and x.shape[0] >= ONEDNN_FROM_ROWS:
-            return onednn_matmul(x, self._matmul.dequantize_bf16_rows(self._tiles))
-        if self._bf16 is not None:
-            tiles = self._matmul.dequantize_bf16(self._tiles)
-            return self._bf16(x.to(torch.bfloat16).contiguous(), tiles, self.out_features, torch.float32)
-        return self._f32(x.float().contiguous(), self._matmul.dequantize_f32(self._tiles), self.out_features)
-
-
-class TorchQuantLinear(QuantLinear):
-    kernel = "torch-dequantize"
-
-    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
-        weight = dequantize(self.packed).to(x.dtype)
-        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
-
-
-class KQuantLinear(QuantLinear):
-    """Given `tiles` (a buffer the model's layers share), calls of ONEDNN_FROM_ROWS rows or more
-    dequantize the weight into it for oneDNN's GEMM where that measured faster (onednn_beats)."""
-
-    def __init__(self, weight: KPacked, bias: torch.Tensor | None, activations: str = "int8x2",
-                 tiles: Bf16Tiles | None = None) -> None:
-        super().__init__(weight, bias)
-        kernel = kquant_kernel()
-        assert kernel is not None, "KQuantLinear needs the compiled kernel (see kquant_kernel())"
-        parts = ACTIVATION_PARTS[activations]
-        self._few = kernel.bind(weight, parts)
-        self._many = kernel.bind(weight, 1) if parts > 1 else self._few
-        self._tiles = tiles if tiles is not None and _onednn_bf16() and onednn_beats("K-quant kernel") else None
-        many = f"; from {MANY_ROWS} rows x int8" if parts > 1 else ""
-        many += f"; from {ONEDNN_FROM_ROWS} onednn" if self._tiles is not None else ""
-        self.kernel = f"kq_matmul_{weight.kind} [avx512-vnni] (x {activations}{many})"
-
-    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
-        """x [T, in] -> [T, out] in x's dtype; a row's result depends only on which side of
-        MANY_ROWS (and ONEDNN_FROM_ROWS) its call's row count is."""
-        if self._tiles is not None and x.shape[0] >= ONEDNN_FROM_ROWS:
-            out = onednn_matmul(x, self._many.dequantize_bf16_rows(self._tiles))
-            out = out if x.dtype == torch.float32 else out.to(x.dtype)
-            return out if self.bias is None else out.add_(self.bias)
-        x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-        out = (self._many if x.shape[0] >= MANY_ROWS else self._few).run(x32)
-        out = out if x.dtype == torch.float32 else out.to(x.dtype)
-        return out if self.bias is None else out.add_(self.bias)
-
-    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
-        """The kernel's call, which is what `self(x)` runs for fp32 x below MANY_ROWS rows."""
-        if self.bias is not None or x.dtype != torch.float32 or x.shape[0] >= MANY_ROWS:
-            return None
-        return self._few.call(x, out)
-
-
-class ConcatLinear(Linear):
-    """Several layers over the same input whose outputs are concatenated: y = [l1(x), l2(x), ...]."""
-
-    def __init__(self, parts: list[Linear]) -> None:
-        self.parts = parts
-        self.out_features = sum(p.out_features for p in parts)
-        self.in_features = parts[0].in_features
-        self.bias = None
-
-    def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
-        return torch.cat([p(x, rows) for p in self.parts], dim=-1)
-
-    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
-        """The parts' calls, each writing its columns of `out`, as one call: where every part is a
-        K-quant layer (whose kernel writes into a column slice) and the step kernels load."""
-        step = step_kernels()
-        if step is None or not all(isinstance(p, KQuantLinear) for p in self.parts):
-            return None
-        columns = out.split([p.out_features for p in self.parts], dim=1)
-        calls = [p.call(x, c) for p, c in zip(self.parts, columns)]
-        return None if any(c is None for c in calls) else step.calls_as_one(calls)
-
-
 def onednn_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, in] @ weight^T (bf16 [out, in], row-major) on oneDNN's bf16 GEMM -> fp32 [T, out], the
     sums rounded to bf16 as oneDNN returns them."""
     return F.linear(x.to(torch.bfloat16), weight).float()
 
 
-def _onednn_bf16() -> bool:
+def has_onednn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 

@@ -22,8 +22,8 @@ from kvgen.llm import DEFAULT_MODEL
 from kvgen.loaders import load_model
 from kvgen.model.linear_choice import make_linear
 from kvgen.model.decoder import DecoderModel
-from kvgen.model.linear_choice import ConcatLinear
-from kvgen.model.linear import QuantLinear
+from kvgen.model import linear, quant_linear
+from kvgen.model.quant_linear import ConcatLinear, QuantLinear
 from kvgen.model.kernels.kquant import kquant_kernel
 from tests.loaders.gguf_builder import Dims, llama_vocab, q4_k_m_style_model, random_model, write_gguf
 from tests.model.teacher_forced import all_logits, packed_model, top1_agreement
@@ -52,6 +52,19 @@ def test_a_gguf_runs_on_its_packed_blocks(tmp_path, vocab, qtype):
     tokens, got = greedy(packed, PROMPT, 8, "contiguous")
     assert (got - want).abs().max().item() <= logits_bound(packed, want)
     assert tokens == want_tokens
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0], ids=lambda q: q.name)
+def test_the_lm_head_keeps_fp32_sums_where_prefill_takes_onednn(tmp_path, vocab, qtype, monkeypatch):
+    """Where oneDNN measures faster (forced here) prefill-sized calls take its GEMM, whose sums come
+    back rounded to bf16; logits pick tokens and are reported, so the LM head never does."""
+    monkeypatch.setattr(quant_linear, "onednn_beats", lambda rival: True)
+    if not linear.has_onednn_bf16():
+        pytest.skip("oneDNN has no bf16 GEMM on this CPU")
+    path = write_gguf(tmp_path / "m.gguf", random_model(qtype, len(vocab.tokens), Dims(), seed=3), vocab)
+    packed = packed_model(path)
+    assert "onednn" not in packed.lm_head.kernel
+    assert all("onednn" in layer.gate_up.kernel for layer in packed.layers)
 
 
 def test_projections_whose_formats_do_not_stack_run_side_by_side(tmp_path, vocab):

@@ -10,7 +10,7 @@
 
 The packers that write these layouts from a file's memory map are C (kernels/block_pack.c,
 kernels/kquant_pack.c) with their bindings beside them in kvgen.model.kernels; the linear layers
-that read them are in kvgen.model.linear, and kvgen.model.linear_choice picks one per projection.
+that read them are in kvgen.model.quant_linear, and kvgen.model.linear_choice picks one per projection.
 
 Which GGUF type gets which kernel (all exact: the kernel's weights equal gguf's dequantization):
 

@@ -13,8 +13,9 @@ from kvgen.model.kernels.qmatmul import qmatmul_kernel
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.f32 import pack as pack_f32
 from kvgen.model.kernels.many_rows_choice import INTEGER_BELOW_ROWS, integer_beats, many_rows_dtype
-from kvgen.model import linear
-from kvgen.model.linear import BF16_FROM_ROWS, FP32_FROM_ROWS, ONEDNN_FROM_ROWS, KernelQuantLinear, ManyRows
+from kvgen.model import linear, quant_linear
+from kvgen.model.linear import ONEDNN_FROM_ROWS
+from kvgen.model.quant_linear import BF16_FROM_ROWS, FP32_FROM_ROWS, KernelQuantLinear, ManyRows
 from tests.support.tolerances import gamma
 from tests.model.quant.bounds import check_kernel_output
 from tests.model.quant.raw_blocks import MAPPED, raw_matrix
@@ -137,11 +138,11 @@ def test_prefill_rows_run_on_onednn_where_it_measures_faster(ggml_type, monkeypa
     x and W^ rounded to bf16 (relative u = 2^-8), summed in fp32, the sums rounded to bf16:
     |y - x W^T| <= ((1 + u)^3 - 1 + gamma(K) (1 + u)^3) sum |x| |W^|; below ONEDNN_FROM_ROWS rows,
     the layer's own many-rows path as before."""
-    if many_rows_dtype() is None or not linear._onednn_bf16():
+    if many_rows_dtype() is None or not linear.has_onednn_bf16():
         pytest.skip("this CPU runs neither float kernel, or oneDNN has no bf16 GEMM here")
     w = gguf_weight(ggml_type, out=13)
     own = KernelQuantLinear(w, None, "int8x2", ManyRows(Bf16Tiles()))
-    monkeypatch.setattr(linear, "onednn_beats", lambda rival: True)
+    monkeypatch.setattr(quant_linear, "onednn_beats", lambda rival: True)
     layer = KernelQuantLinear(w, None, "int8x2", ManyRows(Bf16Tiles()))
     x = torch.randn(ONEDNN_FROM_ROWS + 3, 512, generator=torch.Generator().manual_seed(4))
     dense = dequantize(w).double()

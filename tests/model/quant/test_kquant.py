@@ -21,9 +21,10 @@ from gguf.quants import dequantize as gguf_dequantize
 from kvgen.model.formats.gguf_blocks import k_fields
 from kvgen.model.formats.kquant import KPacked, dequantize, dequantize_rows
 from kvgen.model.kernels.kquant import kquant_kernel
-from kvgen.model import linear
+from kvgen.model import linear, quant_linear
 from kvgen.model.kernels.bf16 import Bf16Tiles
-from kvgen.model.linear import MANY_ROWS, ONEDNN_FROM_ROWS, KQuantLinear
+from kvgen.model.linear import ONEDNN_FROM_ROWS
+from kvgen.model.quant_linear import MANY_ROWS, KQuantLinear
 from tests.model.quant.kquant_oracle import pack_k
 from tests.model.quant.raw_blocks import raw_matrix
 from tests.support.tolerances import gamma
@@ -111,9 +112,9 @@ def test_prefill_rows_run_on_onednn_where_it_measures_faster(ggml_type, monkeypa
     x and W^ rounded to bf16 (relative u = 2^-8), summed in fp32, the sums rounded to bf16:
     |y - x W^T| <= ((1 + u)^3 - 1 + gamma(K) (1 + u)^3) sum |x| |W^|; below ONEDNN_FROM_ROWS rows,
     the K-quant kernel as before."""
-    if not linear._onednn_bf16():
+    if not linear.has_onednn_bf16():
         pytest.skip("oneDNN has no bf16 GEMM on this CPU")
-    monkeypatch.setattr(linear, "onednn_beats", lambda rival: True)
+    monkeypatch.setattr(quant_linear, "onednn_beats", lambda rival: True)
     w, raw = packed(ggml_type, out=40, cols=256)
     layer = KQuantLinear(w, None, "int8x2", Bf16Tiles())
     x = torch.randn(ONEDNN_FROM_ROWS + 3, 256, generator=torch.Generator().manual_seed(2))
