@@ -40,12 +40,14 @@ def _tokens(triton: bool, policy: str = "full", eager: bool = False) -> list[lis
     return tokens
 
 
-# The window through the whole engine is slow under the interpreter (~20 s a case) and the kernel tests
-# cross windows at every split edge already: slow here.
+# The window and sinks policies through the whole engine are slow under the interpreter (~10-20 s a case);
+# the kernel tests cross windows at every split edge, and test_triton_attention checks that sinks fall back
+# to the torch path: slow here.
 WINDOW = pytest.param("window:8", marks=pytest.mark.slow)
+SINKS = pytest.param("sinks:2,8", marks=pytest.mark.slow)
 
 
-@pytest.mark.parametrize("policy", ["full", WINDOW, "sinks:2,8"])
+@pytest.mark.parametrize("policy", ["full", WINDOW, SINKS])
 def test_triton_backend_gives_the_torch_paths_tokens(policy):
     assert _tokens(True, policy) == _tokens(False, policy)
 
