@@ -137,9 +137,16 @@ class TensorParallelGroup:
         return parts
 
     def broadcast(self, x: torch.Tensor, control: bool = False) -> torch.Tensor:
-        """x from rank 0 to every rank, in place. `control`: on the idle-tolerant header group."""
-        group = self.control if control else self.data
-        self._run("broadcast", lambda: dist.broadcast(x, src=0, group=group))
+        """x from rank 0 to every rank, in place. `control`: on the idle-tolerant header group, where
+        only the receivers wait without bound: rank 0's send waits the group's timeout, since a gloo
+        send to a worker that hangs (stopped between steps) never completes."""
+        if not control:
+            self._run("broadcast", lambda: dist.broadcast(x, src=0, group=self.data))
+        elif self.rank == 0:
+            timeout = datetime.timedelta(seconds=self.timeout)
+            self._run("broadcast", lambda: dist.broadcast(x, src=0, group=self.control, async_op=True).wait(timeout))
+        else:
+            self._run("broadcast", lambda: dist.broadcast(x, src=0, group=self.control))
         return x
 
     def _run(self, what: str, op) -> None:
