@@ -164,8 +164,9 @@ class LayerBuilder:
     def linear(self, parts: list[Weight], bias: torch.Tensor | None = None, logits: bool = False) -> Linear:
         """The projection whose weight is `parts` stacked by rows ([sum of out, in]). `logits`: its
         outputs are logits (the model's, which pick tokens and are reported as log-probabilities, or
-        a router's, which pick experts), so packed layers keep fp32 sums at every row count (oneDNN's GEMM returns them rounded to bf16:
-        teacher-forced top-1 on the real Qwen2.5-Coder-1.5B fell from 99.0% to 97.8% with them)."""
+        a router's, which pick experts), so packed layers keep fp32 sums at every row count (oneDNN's
+        GEMM returns them rounded to bf16: teacher-forced top-1 on the real Qwen2.5-Coder-1.5B fell
+        from 99.0% to 97.8% with them)."""
         return self._linear(parts, bias, replace(self._many_rows, onednn=False) if logits else self._many_rows)
 
     def _linear(self, parts: list[Weight], bias: torch.Tensor | None, many_rows: ManyRows) -> Linear:

@@ -26,7 +26,8 @@ class MoEBlock(Block):
             raise ValueError(f"{cfg.architecture}: mixtures of experts run on the CPU only (--device cpu)")
         p = f"model.layers.{index}.{spec.prefix}."
         router_bias = build.float(w[p + spec.router + ".bias"]) if spec.biases else None
-        self.router: Linear = build.linear([w[p + spec.router + ".weight"]], router_bias, logits=True)  # hidden -> experts
+        router = w[p + spec.router + ".weight"]
+        self.router: Linear = build.linear([router], router_bias, logits=True)  # hidden -> experts
         self.experts = Experts(*(w[p + f"experts.{n}_proj.weight"] for n in ("gate", "up", "down")),
                                top_k=cfg.experts_per_token, norm_topk=cfg.norm_topk_prob,
                                activations=build.activations, options=expert_options(spec, p, ctx))

@@ -39,8 +39,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 class Bf16Tiles:
     """One growable buffer, which a model's layers share for their weights laid out anew at many rows:
     dequantized into this kernel's tiles, the fp32 kernel's panels or row-major bf16 for oneDNN
-    (kvgen.model.quant_linear), decoded or unpacked to row-major for oneDNN (kvgen.model.linear). Each layer's copy lives only
-    during its own call, and a fresh multi-MB tensor per call is page-faulted in every time."""
+    (kvgen.model.quant_linear), decoded or unpacked to row-major for oneDNN (kvgen.model.linear).
+    Each layer's copy lives only during its own call, and a fresh multi-MB tensor per call is
+    page-faulted in every time."""
 
     def __init__(self) -> None:
         self._buffer = torch.empty(0, dtype=torch.uint8)
