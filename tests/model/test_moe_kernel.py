@@ -157,6 +157,25 @@ def test_rows_do_not_depend_on_their_neighbours():
     assert torch.equal(batch, alone)
 
 
+@pytest.mark.skipif(qmatmul_kernel() is None, reason="no packed kernel on this CPU")
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (1, 4), (6, 4)])
+def test_experts_shared_among_threads_give_the_same_bits(tokens, top_k):
+    """Two threads sharing the experts (at least two active experts a thread) or splitting each matmul
+    (fewer) give one thread's bits: a row's sums never depend on which thread ran them."""
+    layer = Experts(*gguf_experts(Q.Q4_K, 8, 256, 256), top_k=top_k, norm_topk=True, activations="int8")
+    g = torch.Generator().manual_seed(3)
+    x, logits = torch.randn(tokens, 256, generator=g), torch.randn(tokens, 8, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = layer(x, logits)
+        torch.set_num_threads(1)
+        one = layer(x, logits)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(two, one)
+
+
 def test_mixed_types_stay_float():
     """A stack whose parts differ in type (gate Q8_0, up Q4_0) cannot be one packed stack: fp32."""
     gate, up, _ = gguf_experts(Q.Q8_0, 2, 64, 32)

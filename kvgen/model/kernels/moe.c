@@ -158,6 +158,52 @@ static void swiglu(const struct moe_args *a, const float *gate_up, int64_t n, in
         }
 }
 
+/* Expert e over its rows r0 .. r0 + n - 1 of the gathered buffers: gate/up, activation, down. */
+static int expert_pass(const struct moe_args *a, int64_t e, int64_t r0, int64_t n, const float *xs, float *gate_up,
+                       float *act, float *ys, int threads) {
+    const int64_t hidden = a->down.N, inner = a->down.K;
+    if (expert_matmul(&a->gate_up, e, xs + r0 * hidden, n, gate_up + r0 * 2 * inner, threads))
+        return 1;
+    add_bias(gate_up + r0 * 2 * inner, n, 2 * inner, a->gate_up_bias ? a->gate_up_bias + e * 2 * inner : NULL);
+    swiglu(a, gate_up + r0 * 2 * inner, n, inner, act + r0 * inner);
+    if (expert_matmul(&a->down, e, act + r0 * inner, n, ys + r0 * hidden, threads))
+        return 1;
+    add_bias(ys + r0 * hidden, n, hidden, a->down_bias ? a->down_bias + e * hidden : NULL);
+    return 0;
+}
+
+/* Every expert some token chose, over its rows (start: expert e's are start[e] .. start[e + 1] - 1).
+ * With at least SHARE_FROM_EXPERTS per thread (decode chooses top_k, prefill most), the experts are
+ * shared among the threads, each running its experts' matmuls on one thread: a step forks once, not
+ * twice an expert, and each thread streams whole matrices. Otherwise each matmul is split. A row's
+ * result is the same either way (the kernels' rows do not depend on their threads). */
+#define SHARE_FROM_EXPERTS 2
+static int run_experts(const struct moe_args *a, const int64_t *start, const float *xs, float *gate_up, float *act,
+                       float *ys) {
+    int64_t *active = malloc(sizeof(int64_t) * a->experts), count = 0;
+    if (!active)
+        return 1;
+    for (int64_t e = 0; e < a->experts; e++)
+        if (start[e + 1] > start[e])
+            active[count++] = e;
+    int failed = 0;
+    const int threads = a->num_threads;
+    if (threads > 1 && count >= SHARE_FROM_EXPERTS * threads) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
+        for (int64_t i = 0; i < count; i++) {
+            const int64_t e = active[i];
+            failed |= expert_pass(a, e, start[e], start[e + 1] - start[e], xs, gate_up, act, ys, 1);
+        }
+    } else {
+        for (int64_t i = 0; i < count && !failed; i++) {
+            const int64_t e = active[i];
+            failed = expert_pass(a, e, start[e], start[e + 1] - start[e], xs, gate_up, act, ys, threads);
+        }
+    }
+    free(active);
+    return failed;
+}
+
 int moe_forward(const struct moe_args *a) {
     const int64_t T = a->T, E = a->experts, K = a->top_k, slots = T * K;
     const int64_t hidden = a->down.N, inner = a->down.K;
@@ -184,16 +230,7 @@ int moe_forward(const struct moe_args *a) {
             memcpy(xs + row * hidden, a->x + (s / K) * hidden, sizeof(float) * hidden);
         }
     }
-    for (int64_t e = 0; e < E && !failed; e++) {
-        const int64_t n = start[e + 1] - start[e], r0 = start[e];
-        if (n == 0)
-            continue;
-        failed = expert_matmul(&a->gate_up, e, xs + r0 * hidden, n, gate_up + r0 * 2 * inner, a->num_threads);
-        add_bias(gate_up + r0 * 2 * inner, n, 2 * inner, a->gate_up_bias ? a->gate_up_bias + e * 2 * inner : NULL);
-        swiglu(a, gate_up + r0 * 2 * inner, n, inner, act + r0 * inner);
-        failed = failed || expert_matmul(&a->down, e, act + r0 * inner, n, ys + r0 * hidden, a->num_threads);
-        add_bias(ys + r0 * hidden, n, hidden, a->down_bias ? a->down_bias + e * hidden : NULL);
-    }
+    failed = failed || run_experts(a, start, xs, gate_up, act, ys);
     if (!failed)
         for (int64_t t = 0; t < T; t++) {
             float *o = a->out + t * hidden;
