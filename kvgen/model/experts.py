@@ -48,7 +48,7 @@ class ExpertStack:
         w = self.weight
         if isinstance(w, torch.Tensor):
             return "moe f32"
-        return f"moe {w.kind}" if isinstance(w, KPacked) else f"moe packed u{w.bits} g{w.group}"
+        return f"moe {w.kind}" if isinstance(w, KPacked) else f"moe packed {w.codebook or f'u{w.bits}'} g{w.group}"
 
     @property
     def nbytes(self) -> int:

@@ -126,7 +126,7 @@ def test_fp32_experts_match_float64(tokens, top_k, norm):
 @pytest.mark.skipif(qmatmul_kernel() is None, reason="no packed kernel on this CPU")
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 @pytest.mark.parametrize("ggml_type,hidden,inner,kernel", [
-    (Q.Q8_0, 64, 32, "moe packed u8 g32"), (Q.Q4_0, 64, 32, "moe packed u4 g32"), (Q.MXFP4, 64, 32, "moe packed u8 g32"),
+    (Q.Q8_0, 64, 32, "moe packed u8 g32"), (Q.Q4_0, 64, 32, "moe packed u4 g32"), (Q.MXFP4, 64, 32, "moe packed e2m1 g32"),
     (Q.Q4_K, 256, 256, "moe q4_k"), (Q.Q6_K, 256, 256, "moe q6_k")], ids=lambda v: getattr(v, "name", None))
 def test_packed_experts_match_float64(tokens, ggml_type, hidden, inner, kernel):
     layer = check(gguf_experts(ggml_type, 4, hidden, inner), 2, True, tokens)
@@ -231,5 +231,5 @@ def test_packed_gpt_oss_experts_add_their_biases(ggml_type):
     x, logits = torch.randn(5, 64, generator=g), torch.randn(5, 8, generator=g)
     chosen, weights = route(logits, 4, True)
     want = moe_reference(x, chosen, weights, torch.cat((gate, up), dim=1), down, options)
-    assert layer.gate_up.kernel == "moe packed u8 g32"
+    assert layer.gate_up.kernel == ("moe packed e2m1 g32" if ggml_type == Q.MXFP4 else "moe packed u8 g32")
     assert (layer(x, logits) - want).abs().max() < 0.03 * want.abs().max()

@@ -1,8 +1,8 @@
 """GGUF quantized blocks -> PackedWeight, keeping every dequantized value exactly.
 
 `convert` reads a matrix's raw blocks (uint8 [out, bytes per row]) into the codes, scales and mins of
-kvgen.model.formats.packed: Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 in C (block_pack.c, which keeps their fp16
-scales as they are), the K-quants with the numpy converters below. gguf's own dequantizer computes
+kvgen.model.formats.packed: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and MXFP4 in C (block_pack.c, which keeps
+their fp16 scales as they are), the K-quants with the numpy converters below. gguf's own dequantizer computes
 the same fp32 products and sums, so `formats.dequantize` of the result equals
 `gguf.quants.dequantize` of the blocks bit for bit (the tests check every type):
 
@@ -16,10 +16,9 @@ the same fp32 products and sums, so `formats.dequantize` of the result equals
     Q6_K  d*sc*(q-32)           -> 8-bit, per 16: scale d*sc
     Q3_K  d*(sc-32)*q           -> 8-bit, per 16: scale d*(sc-32)
     Q2_K  d*sc*q - dmin*m       -> 8-bit, per 16: scale d*sc, min -(dmin*m)
-    MXFP4 d*k, k = 2 x e2m1     -> 8-bit, scale d = 2^(e - 128) (e8m0, halved as ggml's), codes k + 128:
-                                   the e2m1 values doubled are the integers 0, +-1, 2, 3, 4, 6, 8, 12,
-                                   so the format's s * (u - o) holds them exactly (in 8 bits, where the
-                                   file has 4.25 a weight)
+    MXFP4 d*k, k = 2 x e2m1     -> 4-bit codes of the "e2m1" codebook (the e2m1 values doubled, + 12),
+                                   offset 12, scale d = 2^(e - 128) (e8m0, halved as ggml's): the
+                                   format's s * (u - o) holds them exactly, in the file's 4.25 bits
 
 (8-bit codes are q + 128 - zero point, offset 128: what VNNI's unsigned-by-signed dot product wants.)
 """
@@ -154,25 +153,6 @@ def _q2_k(b: np.ndarray) -> Parts:
     return q, 128, 8, _f16(b, 80) * (sc & 0x0F), -(_f16(b, 82) * (sc >> 4)), 16
 
 
-# The e2m1 values, doubled, by 4-bit code (gguf's and ggml's kvalues_mxfp4).
-E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int16)
-
-
-def e8m0_half(e: np.ndarray) -> np.ndarray:
-    """An e8m0 exponent byte -> 2^(e - 128) in fp32, subnormal below e = 2 (ggml_e8m0_to_fp32_half)."""
-    e = e.astype(np.uint32)
-    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
-    return bits.astype(np.uint32).view(np.float32)
-
-
-def _mxfp4(b: np.ndarray) -> Parts:
-    """Blocks of 17 bytes: e, then 16 bytes whose low nibbles are elements 0-15 and high 16-31."""
-    qs = b[..., 1:17]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-    q = (E2M1_DOUBLED[codes] + 128).astype(np.uint8)
-    return q, 128, 8, e8m0_half(b[..., 0]), None, 32
-
-
 CONVERTERS: dict[Q, Callable[[np.ndarray], Parts]] = {
-    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k, Q.MXFP4: _mxfp4,
+    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k,
 }

@@ -19,6 +19,10 @@ sum in its own lane, and the codes unpacked once serve every row of x.
     scales, mins: per (panel, group) the 16 rows' values.
 
 Scales and mins are fp16 where every value is one (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 store fp16), else fp32.
+
+4-bit codes may index a codebook (CODEBOOKS): u is then the book's entry for the code. MXFP4's e2m1
+values, doubled, are the integers 0, +-1, 2, 3, 4, 6, 8, 12: "e2m1" holds them plus 12, with offset 12,
+so the file's 4.25 bits a weight stay 4.25 and the kernel maps a code as it unpacks it (qvec.h).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import torch
 
 GROUP = 32   # weights per span (and per group, except groups of 16)
 PANEL = 16   # rows per panel
+# code -> u, for 4-bit codes that index a book (qvec.h's E2M1_CODES)
+CODEBOOKS = {"e2m1": (12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)}
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class PackedWeight:
     bits: int
     group: int
     shape: tuple[int, int]      # (out, in)
+    codebook: str | None = None  # a key of CODEBOOKS (4-bit codes), or None: u is the code
 
     @property
     def nbytes(self) -> int:
@@ -54,7 +61,7 @@ class PackedWeight:
 
 
 def pack(q: np.ndarray, offset: int, bits: int, scale: np.ndarray, min: np.ndarray | None,
-         group: int) -> PackedWeight:
+         group: int, codebook: str | None = None) -> PackedWeight:
     """q: codes uint8 [out, in] (0..2^bits-1), scale/min fp32 [out, in / group] -> PackedWeight in
     panels, with fp16 scales and mins where that keeps every value."""
     out, cols = q.shape
@@ -79,7 +86,7 @@ def pack(q: np.ndarray, offset: int, bits: int, scale: np.ndarray, min: np.ndarr
         return torch.from_numpy(np.ascontiguousarray(a).reshape(panels, -1))
 
     codes = torch.from_numpy(np.ascontiguousarray(codes).reshape(panels, -1))
-    return PackedWeight(codes, tiled(scale), tiled(min), offset, bits, group, (out, cols))
+    return PackedWeight(codes, tiled(scale), tiled(min), offset, bits, group, (out, cols), codebook)
 
 
 def dequantize_rows(w: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
@@ -100,13 +107,13 @@ def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     one kernel call instead of several. The parts must share codes, offset, group and having mins;
     the scales stay fp16 only if every part's are."""
     first = parts[0]
-    kinds = {(p.bits, p.offset, p.group, p.min is None, p.shape[1]) for p in parts}
+    kinds = {(p.bits, p.offset, p.group, p.min is None, p.shape[1], p.codebook) for p in parts}
     if len(kinds) > 1:
         raise ValueError(f"cannot stack packed weights of different formats: {sorted(kinds)}")
     codes = np.concatenate([unpack_codes(p).numpy() for p in parts])
     scale = np.concatenate([untile(p.scale, p).float().numpy() for p in parts])
     mins = None if first.min is None else np.concatenate([untile(p.min, p).float().numpy() for p in parts])
-    return pack(codes, first.offset, first.bits, scale, mins, first.group)
+    return pack(codes, first.offset, first.bits, scale, mins, first.group, first.codebook)
 
 
 def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
@@ -143,6 +150,8 @@ def dequantize(w: PackedWeight) -> torch.Tensor:
 def _values(codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None, w: PackedWeight) -> torch.Tensor:
     """Rows' codes uint8 [n, in], scales and mins [n, in / group] -> their fp32 values [n, in]."""
     rows, cols = codes.shape
+    if w.codebook is not None:
+        codes = torch.tensor(CODEBOOKS[w.codebook], dtype=torch.uint8, device=codes.device)[codes.long()]
     q = (codes.to(torch.int32) - w.offset).to(torch.float32).reshape(rows, cols // w.group, w.group)
     values = q * scale.to(torch.float32)[..., None]
     if min is not None:

@@ -1,4 +1,4 @@
-"""Packing GGUF Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 matrices into formats.py's layout, in C (block_pack.c).
+"""Packing GGUF Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and MXFP4 matrices into formats.py's layout, in C (block_pack.c).
 
 A load packs every matrix of such a file, 0.7-1.3 GB for a 1B model: numpy's reshapes and
 transposes took 4-8 s of it, the C packer reads each row's blocks once, in place from the file's
@@ -27,9 +27,12 @@ log = logging.getLogger(__name__)
 Q = GGMLQuantizationType
 SOURCE = Path(__file__).with_name("block_pack.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
-# type -> (the C function's suffix, bits of a code, offset, has a min)
-BLOCK_TYPES = {Q.Q4_0: ("q4_0", 4, 8, False), Q.Q4_1: ("q4_1", 4, 0, True), Q.Q8_0: ("q8_0", 8, 128, False),
-               Q.Q5_0: ("q5_0", 8, 128, False), Q.Q5_1: ("q5_1", 8, 128, True)}
+# type -> (the C function's suffix, bits of a code, offset, has a min, codebook)
+BLOCK_TYPES = {Q.Q4_0: ("q4_0", 4, 8, False, None), Q.Q4_1: ("q4_1", 4, 0, True, None),
+               Q.Q8_0: ("q8_0", 8, 128, False, None), Q.Q5_0: ("q5_0", 8, 128, False, None),
+               Q.Q5_1: ("q5_1", 8, 128, True, None), Q.MXFP4: ("mxfp4", 4, 12, False, "e2m1")}
+# MXFP4's e8m0 exponents whose scale 2^(e - 128) is an fp16 (block_pack.c)
+FP16_EXPONENTS = range(104, 144)
 _P = ctypes.c_void_p
 
 
@@ -53,23 +56,36 @@ class BlockPacker:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {}
         for ggml_type, (suffix, *_) in BLOCK_TYPES.items():
-            function = getattr(library, f"bp_pack_{suffix}")
-            function.argtypes, function.restype = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int32], None
-            self._functions[ggml_type] = function
+            for dtype, name in ((torch.float16, suffix), (torch.float32, f"{suffix}_f32")):
+                if hasattr(library, f"bp_pack_{name}"):
+                    function = getattr(library, f"bp_pack_{name}")
+                    function.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int32]
+                    function.restype = None
+                    self._functions[ggml_type, dtype] = function
 
     def pack(self, ggml_type: GGMLQuantizationType, parts: Sequence[np.ndarray]) -> PackedWeight:
-        """Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 matrices' blocks (each uint8 [rows, bytes per row]; views of the
+        """Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/MXFP4 matrices' blocks (each uint8 [rows, bytes per row]; views of the
         file's memory map are read in place) stacked by rows -> PackedWeight, in one pass. A part's
         rows may be any row-strided view, such as a permutation's copy."""
-        rows, cols = row_pointers(ggml_type, parts, BLOCK_TYPES, "Q4_0/Q4_1/Q8_0/Q5_0/Q5_1")
-        _, bits, offset, has_min = BLOCK_TYPES[ggml_type]
+        rows, cols = row_pointers(ggml_type, parts, BLOCK_TYPES, "Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/MXFP4")
+        _, bits, offset, has_min, codebook = BLOCK_TYPES[ggml_type]
         panels = -(-len(rows) // PANEL)
         codes = torch.empty(panels, cols * PANEL * bits // 8, dtype=torch.uint8)
-        scale = torch.empty(panels, cols // GROUP * PANEL, dtype=torch.float16)
+        scale = torch.empty(panels, cols // GROUP * PANEL, dtype=_scale_dtype(ggml_type, parts))
         mins = torch.empty_like(scale) if has_min else None
-        self._functions[ggml_type](rows.ctypes.data, len(rows), cols, codes.data_ptr(), scale.data_ptr(),
-                                   None if mins is None else mins.data_ptr(), torch.get_num_threads())
-        return PackedWeight(codes, scale, mins, offset, bits, GROUP, (len(rows), cols))
+        self._functions[ggml_type, scale.dtype](rows.ctypes.data, len(rows), cols, codes.data_ptr(), scale.data_ptr(),
+                                                None if mins is None else mins.data_ptr(), torch.get_num_threads())
+        return PackedWeight(codes, scale, mins, offset, bits, GROUP, (len(rows), cols), codebook)
+
+
+def _scale_dtype(ggml_type: GGMLQuantizationType, parts: Sequence[np.ndarray]) -> torch.dtype:
+    """fp16, the files' scales, but for MXFP4 matrices with an exponent past fp16's range: fp32."""
+    if ggml_type != Q.MXFP4:
+        return torch.float16
+    block = GGML_QUANT_SIZES[ggml_type][1]
+    exponents = [p[:, ::block] for p in parts if p.size]
+    narrow = all(FP16_EXPONENTS.start <= e.min() and e.max() < FP16_EXPONENTS.stop for e in exponents)
+    return torch.float16 if narrow else torch.float32
 
 
 @functools.cache
@@ -78,5 +94,5 @@ def block_packer() -> BlockPacker | None:
     try:
         return BlockPacker(ctypes.CDLL(str(build_library(SOURCE, FLAGS))))
     except OSError as e:
-        log.warning("block packer unavailable (%s); Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 matrices are dequantized", e)
+        log.warning("block packer unavailable (%s); Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/MXFP4 matrices are dequantized", e)
         return None

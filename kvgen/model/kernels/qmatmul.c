@@ -6,6 +6,7 @@
  *
  * Weights [N, K] (layout in kvgen/model/formats/packed.py): unsigned codes u, an integer offset o,
  * and per group of G (32, or 16 for 8-bit) a scale s and an optional min m: w = s * (u - o) + m.
+ * 4-bit codes may index a codebook (`book`: MXFP4's, qvec.h's E2M1_CODES), looked up as they unpack.
  * Rows come in panels of 16, stored span (32 columns) by span; unpacked, a span is 8 vectors c_g,
  * lane n holding columns 4g .. 4g + 3 of row n (4-bit codes: the low and high nibbles of 4 loads).
  *
@@ -124,16 +125,16 @@ ALWAYS_INLINE void dots(const vi *c, const int8_t *xq, const int g0, const int g
 }
 
 /* The 8 vectors of one panel's span of codes (4-bit: the nibbles of 4 loads; 8-bit: 8 loads). */
-ALWAYS_INLINE void span_codes(const uint8_t *p, const int bits, vi *c) {
+ALWAYS_INLINE void span_codes(const uint8_t *p, const int bits, const int book, vi *c) {
     UNROLL for (int v = 0; v < 4; v++)
-        load_codes(p + v * PANEL * bits, bits, &c[2 * v], &c[2 * v + 1]);
+        load_codes(p + v * PANEL * bits, bits, book, &c[2 * v], &c[2 * v + 1]);
 }
 
 /* out[rows r0 .. r0+R-1, panel p's 16 columns]; `prefetch`: this pass is the panel's first, which
  * streams it from memory. */
 ALWAYS_INLINE void panel(const struct xq *x, int64_t r0, const int R, int64_t K, const uint8_t *codes,
                          const void *scale, const void *min, int64_t p, int64_t N, float *out, const int bits,
-                         const int group, const int f16, const int prefetch) {
+                         const int group, const int f16, const int book, const int prefetch) {
     const int64_t spans = K / 32, groups = K / group;
     const int per_span = 32 / group, span_bytes = PANEL * 4 * bits, value_bytes = f16 ? 2 : 4;
     const uint8_t *wc = codes + p * spans * span_bytes;
@@ -154,7 +155,7 @@ ALWAYS_INLINE void panel(const struct xq *x, int64_t r0, const int R, int64_t K,
             }
         }
         vi c[8];
-        span_codes(pc, bits, c);
+        span_codes(pc, bits, book, c);
         const int8_t *xq = x->q + (j * x->rows + r0) * 32;
         vf t[XPASS]; /* the span's s * dot (+ m * sum qx), over its groups */
         UNROLL for (int r = 0; r < R; r++)
@@ -184,20 +185,20 @@ ALWAYS_INLINE void panel(const struct xq *x, int64_t r0, const int R, int64_t K,
 /* Panel p against rows r0 .. r1-1 of x: XPASS at a time, then 4, 2, 1; the first pass prefetches. */
 ALWAYS_INLINE void panel_rows(const struct xq *x, int64_t r0, int64_t r1, int64_t K, const uint8_t *codes,
                               const void *scale, const void *min, int64_t p, int64_t N, float *out,
-                              const int bits, const int group, const int f16) {
+                              const int bits, const int group, const int f16, const int book) {
     int64_t r = r0;
     for (; r + XPASS <= r1; r += XPASS)
-        panel(x, r, XPASS, K, codes, scale, min, p, N, out, bits, group, f16, r == r0);
+        panel(x, r, XPASS, K, codes, scale, min, p, N, out, bits, group, f16, book, r == r0);
     if (r + 4 <= r1) {
-        panel(x, r, 4, K, codes, scale, min, p, N, out, bits, group, f16, r == r0);
+        panel(x, r, 4, K, codes, scale, min, p, N, out, bits, group, f16, book, r == r0);
         r += 4;
     }
     if (r + 2 <= r1) {
-        panel(x, r, 2, K, codes, scale, min, p, N, out, bits, group, f16, r == r0);
+        panel(x, r, 2, K, codes, scale, min, p, N, out, bits, group, f16, book, r == r0);
         r += 2;
     }
     if (r < r1)
-        panel(x, r, 1, K, codes, scale, min, p, N, out, bits, group, f16, r == r0);
+        panel(x, r, 1, K, codes, scale, min, p, N, out, bits, group, f16, book, r == r0);
 }
 
 /* r = x - s * q over one span: the rounding error of the first part, for the second. */
@@ -254,7 +255,7 @@ static void add_parts(const float *parts, int64_t T, int64_t N, float *out) {
  * outlined body is specialised for the format's constants (inside a shared inline function it is
  * outlined once, with bits/group/f16 as run-time values, and runs about three times slower).
  * Returns 0, or 1 when the scratch space for x cannot be allocated. */
-#define KERNEL(name, bits, group, f16)                                                                        \
+#define KERNEL(name, bits, group, f16, book)                                                                  \
     int name(const float *x, int64_t T, int64_t K, const uint8_t *codes, const void *scale, const void *min,  \
              int32_t offset, int64_t N, float *out, int32_t parts, int32_t num_threads) {                     \
         const int64_t panels = (N + PANEL - 1) / PANEL, rows = parts * T;                                     \
@@ -272,11 +273,11 @@ static void add_parts(const float *parts, int64_t T, int64_t N, float *out) {
             const int64_t r1 = r0 + XCHUNK < rows ? r0 + XCHUNK : rows;                                       \
             if (threads == 1) { /* no parallel region at all: entering even a serial one costs time */       \
                 for (int64_t p = 0; p < panels; p++)                                                          \
-                    panel_rows(&xq, r0, r1, K, codes, scale, min, p, N, y, bits, group, f16);                 \
+                    panel_rows(&xq, r0, r1, K, codes, scale, min, p, N, y, bits, group, f16, book);           \
             } else {                                                                                          \
                 _Pragma("omp parallel for num_threads(threads) schedule(static)")                             \
                 for (int64_t p = 0; p < panels; p++)                                                          \
-                    panel_rows(&xq, r0, r1, K, codes, scale, min, p, N, y, bits, group, f16);                 \
+                    panel_rows(&xq, r0, r1, K, codes, scale, min, p, N, y, bits, group, f16, book);           \
             }                                                                                                 \
         }                                                                                                     \
         if (parts == 2) {                                                                                     \
@@ -299,18 +300,20 @@ struct qmatmul_args {
     int32_t parts, num_threads;
 };
 
-#define KERNELS(name, bits, group, f16)                                                                       \
-    KERNEL(name, bits, group, f16)                                                                            \
+#define KERNELS(name, bits, group, f16, book)                                                                 \
+    KERNEL(name, bits, group, f16, book)                                                                      \
     int name##_call(const struct qmatmul_args *a) {                                                           \
         return name(a->x, a->T, a->K, a->codes, a->scale, a->min, a->offset, a->N, a->out, a->parts,          \
                     a->num_threads);                                                                          \
     }
 
-KERNELS(qmatmul_u4_g32_f16, 4, 32, 1)
-KERNELS(qmatmul_u4_g32_f32, 4, 32, 0)
-KERNELS(qmatmul_u8_g32_f16, 8, 32, 1)
-KERNELS(qmatmul_u8_g32_f32, 8, 32, 0)
-KERNELS(qmatmul_u8_g16_f32, 8, 16, 0)
+KERNELS(qmatmul_u4_g32_f16, 4, 32, 1, 0)
+KERNELS(qmatmul_u4_g32_f32, 4, 32, 0, 0)
+KERNELS(qmatmul_u8_g32_f16, 8, 32, 1, 0)
+KERNELS(qmatmul_u8_g32_f32, 8, 32, 0, 0)
+KERNELS(qmatmul_u8_g16_f32, 8, 16, 0, 0)
+KERNELS(qmatmul_e2m1_g32_f16, 4, 32, 1, 1)
+KERNELS(qmatmul_e2m1_g32_f32, 4, 32, 0, 1)
 
 /* -- dequantizing, for many rows of x --------------------------------------------------------------
  * At prefill's hundreds of rows the integer kernel is compute-bound, and two parts of x cost it twice
@@ -326,12 +329,12 @@ KERNELS(qmatmul_u8_g16_f32, 8, 16, 0)
  * row's 4 values come out together. */
 ALWAYS_INLINE void dequantize_panel_bf16(const uint8_t *codes, const void *scale, const void *min, int32_t offset,
                                          int64_t p, int64_t N, int64_t K, uint16_t *out, const int bits,
-                                         const int group, const int f16, const int row_major) {
+                                         const int group, const int f16, const int book, const int row_major) {
     const int64_t spans = K / 32, groups = K / group, tiles = (N + 3) / 4;
     const int per_span = 32 / group, quarters = row_major || tiles - 4 * p >= 4 ? 4 : (int)(tiles - 4 * p);
     for (int64_t j = 0; j < spans; j++) {
         vi c[8];
-        span_codes(codes + (p * spans + j) * PANEL * 4 * bits, bits, c);
+        span_codes(codes + (p * spans + j) * PANEL * 4 * bits, bits, book, c);
         for (int h = 0; h < per_span; h++) {
             const int64_t at = (p * groups + j * per_span + h) * PANEL;
             const vf sw = load_values(scale, at, PANEL, f16), mw = min ? load_values(min, at, PANEL, f16) : vf_zero();
@@ -347,20 +350,20 @@ ALWAYS_INLINE void dequantize_panel_bf16(const uint8_t *codes, const void *scale
 }
 ALWAYS_INLINE void dequantize_panel_bf16_tiles(const uint8_t *codes, const void *scale, const void *min,
                                                int32_t offset, int64_t p, int64_t N, int64_t K, uint16_t *out,
-                                               const int bits, const int group, const int f16) {
-    dequantize_panel_bf16(codes, scale, min, offset, p, N, K, out, bits, group, f16, 0);
+                                               const int bits, const int group, const int f16, const int book) {
+    dequantize_panel_bf16(codes, scale, min, offset, p, N, K, out, bits, group, f16, book, 0);
 }
 ALWAYS_INLINE void dequantize_panel_bf16_rows(const uint8_t *codes, const void *scale, const void *min,
                                               int32_t offset, int64_t p, int64_t N, int64_t K, uint16_t *out,
-                                              const int bits, const int group, const int f16) {
-    dequantize_panel_bf16(codes, scale, min, offset, p, N, K, out, bits, group, f16, 1);
+                                              const int bits, const int group, const int f16, const int book) {
+    dequantize_panel_bf16(codes, scale, min, offset, p, N, K, out, bits, group, f16, book, 1);
 }
 
 /* Rows 32P .. 32P + 31 of W^ into f32_matmul.c's panel P [K, 32] (zeros past N): codes panels 2P
  * and 2P + 1, whose column 4g + b is byte b of vector g's 16 lanes. */
 ALWAYS_INLINE void dequantize_panel_f32(const uint8_t *codes, const void *scale, const void *min, int32_t offset,
                                         int64_t P, int64_t N, int64_t K, float *out, const int bits,
-                                        const int group, const int f16) {
+                                        const int group, const int f16, const int book) {
     const int64_t spans = K / 32, groups = K / group;
     const int per_span = 32 / group;
     for (int half = 0; half < 2; half++) {
@@ -373,7 +376,7 @@ ALWAYS_INLINE void dequantize_panel_f32(const uint8_t *codes, const void *scale,
         }
         for (int64_t j = 0; j < spans; j++) {
             vi c[8];
-            span_codes(codes + (p * spans + j) * PANEL * 4 * bits, bits, c);
+            span_codes(codes + (p * spans + j) * PANEL * 4 * bits, bits, book, c);
             for (int h = 0; h < per_span; h++) {
                 const int64_t at = (p * groups + j * per_span + h) * PANEL;
                 const vf sw = load_values(scale, at, PANEL, f16);
@@ -388,25 +391,27 @@ ALWAYS_INLINE void dequantize_panel_f32(const uint8_t *codes, const void *scale,
 
 /* One exported function per format and layout, as for the kernels (OpenMP's outlined body per
  * format): over panels of 16 rows (bf16 tiles or rows) or 32 (fp32). */
-#define DEQUANTIZE(name, bits, group, f16, type, rows, panel_fn)                                              \
+#define DEQUANTIZE(name, bits, group, f16, book, type, rows, panel_fn)                                        \
     void name(const uint8_t *codes, const void *scale, const void *min, int32_t offset, int64_t N, int64_t K,  \
               type *out, int32_t num_threads) {                                                               \
         const int64_t panels = (N + (rows) - 1) / (rows);                                                     \
         const int threads = num_threads > 1 && N * K * bits / 8 >= PARALLEL_BYTES ? num_threads : 1;          \
         _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")                    \
         for (int64_t p = 0; p < panels; p++)                                                                  \
-            panel_fn(codes, scale, min, offset, p, N, K, out, bits, group, f16);                              \
+            panel_fn(codes, scale, min, offset, p, N, K, out, bits, group, f16, book);                        \
     }
-#define DEQUANTIZERS(name, bits, group, f16)                                                                  \
-    DEQUANTIZE(name##_bf16, bits, group, f16, uint16_t, PANEL, dequantize_panel_bf16_tiles)                    \
-    DEQUANTIZE(name##_bf16_rows, bits, group, f16, uint16_t, PANEL, dequantize_panel_bf16_rows)                \
-    DEQUANTIZE(name##_f32, bits, group, f16, float, 2 * PANEL, dequantize_panel_f32)
+#define DEQUANTIZERS(name, bits, group, f16, book)                                                            \
+    DEQUANTIZE(name##_bf16, bits, group, f16, book, uint16_t, PANEL, dequantize_panel_bf16_tiles)             \
+    DEQUANTIZE(name##_bf16_rows, bits, group, f16, book, uint16_t, PANEL, dequantize_panel_bf16_rows)         \
+    DEQUANTIZE(name##_f32, bits, group, f16, book, float, 2 * PANEL, dequantize_panel_f32)
 
-DEQUANTIZERS(qmatmul_u4_g32_f16, 4, 32, 1)
-DEQUANTIZERS(qmatmul_u4_g32_f32, 4, 32, 0)
-DEQUANTIZERS(qmatmul_u8_g32_f16, 8, 32, 1)
-DEQUANTIZERS(qmatmul_u8_g32_f32, 8, 32, 0)
-DEQUANTIZERS(qmatmul_u8_g16_f32, 8, 16, 0)
+DEQUANTIZERS(qmatmul_u4_g32_f16, 4, 32, 1, 0)
+DEQUANTIZERS(qmatmul_u4_g32_f32, 4, 32, 0, 0)
+DEQUANTIZERS(qmatmul_u8_g32_f16, 8, 32, 1, 0)
+DEQUANTIZERS(qmatmul_u8_g32_f32, 8, 32, 0, 0)
+DEQUANTIZERS(qmatmul_u8_g16_f32, 8, 16, 0, 0)
+DEQUANTIZERS(qmatmul_e2m1_g32_f16, 4, 32, 1, 1)
+DEQUANTIZERS(qmatmul_e2m1_g32_f32, 4, 32, 0, 1)
 
 /* x as the kernels quantize it, `parts` rows per row of x: x^ = sum over parts of scale * q (tests). */
 int quantize_activations(const float *x, int64_t T, int64_t K, int32_t parts, int8_t *q, float *scale) {

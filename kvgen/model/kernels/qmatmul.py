@@ -67,8 +67,9 @@ def quantized_activations(quantize: ctypes._CFuncPtr, x: torch.Tensor, parts: in
 
 
 def kernel_name(w: PackedWeight) -> str:
-    """The C function for the format: qmatmul_u{bits}_g{group}_{scale dtype}."""
-    return f"qmatmul_u{w.bits}_g{w.group}_{'f16' if w.scale.dtype == torch.float16 else 'f32'}"
+    """The C function for the format: qmatmul_{u{bits} or the codebook}_g{group}_{scale dtype}."""
+    codes = w.codebook or f"u{w.bits}"
+    return f"qmatmul_{codes}_g{w.group}_{'f16' if w.scale.dtype == torch.float16 else 'f32'}"
 
 
 class QMatmulKernel:

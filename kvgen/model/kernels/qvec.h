@@ -23,6 +23,10 @@ ALWAYS_INLINE void store_quads(uint16_t *o, __m256i v, int64_t stride) {
     _mm_storeh_pd((double *)(o + 3 * stride), _mm_castsi128_pd(hi));
 }
 
+/* A codebook of 4-bit codes (`book` 1): MXFP4's e2m1 values doubled (0, 1, 2, 3, 4, 6, 8, 12 and their
+ * negatives), plus 12 so that they are unsigned, by code; the format's offset 12 takes the 12 back. */
+static const uint8_t E2M1_CODES[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
 #ifdef __AVX512F__
 
 typedef __m512 vf;
@@ -75,11 +79,16 @@ ALWAYS_INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 
 /* Two vectors of codes, a byte each: the low and high nibbles of one 64-byte load for 4-bit codes,
  * two loads for 8-bit. */
-ALWAYS_INLINE void load_codes(const uint8_t *p, const int bits, vi *a, vi *b) {
+ALWAYS_INLINE void load_codes(const uint8_t *p, const int bits, const int book, vi *a, vi *b) {
     if (bits == 4) {
         const __m512i v = _mm512_loadu_si512(p);
         *a = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
         *b = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+        if (book) {
+            const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)E2M1_CODES));
+            *a = _mm512_shuffle_epi8(table, *a);
+            *b = _mm512_shuffle_epi8(table, *b);
+        }
     } else {
         *a = _mm512_loadu_si512(p);
         *b = _mm512_loadu_si512(p + 64);
@@ -200,12 +209,17 @@ ALWAYS_INLINE void vf_store_first(float *p, vf v, int n) {
 ALWAYS_INLINE vi vi_set1_i32(int32_t v) { return (vi){_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
 ALWAYS_INLINE vi vi_add(vi a, vi b) { return (vi){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 
-ALWAYS_INLINE void load_codes(const uint8_t *p, const int bits, vi *a, vi *b) {
+ALWAYS_INLINE void load_codes(const uint8_t *p, const int bits, const int book, vi *a, vi *b) {
     const __m256i lo = _mm256_loadu_si256((const __m256i *)p), hi = _mm256_loadu_si256((const __m256i *)(p + 32));
     if (bits == 4) {
         const __m256i nibble = _mm256_set1_epi8(0x0F);
         *a = (vi){_mm256_and_si256(lo, nibble), _mm256_and_si256(hi, nibble)};
         *b = (vi){_mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(hi, 4), nibble)};
+        if (book) {
+            const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1_CODES));
+            *a = (vi){_mm256_shuffle_epi8(table, a->lo), _mm256_shuffle_epi8(table, a->hi)};
+            *b = (vi){_mm256_shuffle_epi8(table, b->lo), _mm256_shuffle_epi8(table, b->hi)};
+        }
     } else {
         *a = (vi){lo, hi};
         *b = (vi){_mm256_loadu_si256((const __m256i *)(p + 64)), _mm256_loadu_si256((const __m256i *)(p + 96))};

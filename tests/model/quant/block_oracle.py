@@ -1,4 +1,4 @@
-"""The packed layout of Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 blocks computed with numpy: each block's codes,
+"""The packed layout of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and MXFP4 blocks computed with numpy: each block's codes,
 scales and mins as fp32 arrays, then formats.pack. The oracle the C packer (block_pack.c,
 BlockPacker.pack) is tested against byte for byte; written from the GGUF block definitions, not from
 the C code."""
@@ -18,12 +18,12 @@ Parts = tuple[np.ndarray, int, int, np.ndarray, np.ndarray | None]
 
 
 def pack_blocks(ggml_type: Q, raw: np.ndarray) -> PackedWeight:
-    """raw uint8 [out, bytes per row] of a Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 matrix -> PackedWeight."""
+    """raw uint8 [out, bytes per row] of a Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/MXFP4 matrix -> PackedWeight."""
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     out, cols = raw.shape[0], raw.shape[1] // type_size * block_size
     q, offset, bits, scale, min = CONVERTERS[ggml_type](raw.reshape(out, -1, type_size))
     return pack(q.reshape(out, cols), offset, bits, scale.reshape(out, -1),
-                None if min is None else min.reshape(out, -1), 32)
+                None if min is None else min.reshape(out, -1), 32, "e2m1" if ggml_type == Q.MXFP4 else None)
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -62,5 +62,12 @@ def _q5_1(b: np.ndarray) -> Parts:
     return _q5(b[..., 4:8], b[..., 8:24]) + np.uint8(128), 128, 8, _f16(b, 0), _f16(b, 2)
 
 
+def _mxfp4(b: np.ndarray) -> Parts:
+    """The e2m1 codes (the codebook's indices), scale 2^(e - 128) from the e8m0 byte: ggml's halved
+    scale, fp32 subnormal below e = 2."""
+    e = b[..., 0:1].astype(np.float64)
+    return _nibbles(b[..., 1:17]), 12, 4, np.exp2(e - 128).astype(np.float32), None
+
+
 CONVERTERS: dict[Q, Callable[[np.ndarray], Parts]] = {
-    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q8_0: _q8_0, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1}
+    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q8_0: _q8_0, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.MXFP4: _mxfp4}

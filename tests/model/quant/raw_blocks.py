@@ -13,7 +13,7 @@ QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.MXFP4]
 K_SCALE_FIELDS = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108], Q.Q2_K: [80, 82]}
 MAPPED = QUANTIZABLE + list(K_SCALE_FIELDS)
 # Where the others keep their fp16 scale d (and min m).
-SCALE_FIELDS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q5_0: [0], Q.Q5_1: [0, 2], **K_SCALE_FIELDS}
+SCALE_FIELDS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.MXFP4: [], **K_SCALE_FIELDS}
 
 
 def raw_matrix(ggml_type: Q, out: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -26,7 +26,7 @@ def raw_matrix(ggml_type: Q, out: int, cols: int, seed: int = 0) -> np.ndarray:
 
 def random_blocks(ggml_type: Q, out: int, cols: int, seed: int = 0) -> np.ndarray:
     """uint8 [out, bytes per row] of random blocks (every bit pattern of codes and sub-block scales)
-    with finite fp16 scales, of any type in SCALE_FIELDS."""
+    with finite fp16 scales (MXFP4: any exponent byte), of any type in SCALE_FIELDS."""
     rng = np.random.default_rng(seed)
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     blocks = rng.integers(0, 256, (out, cols // block_size, type_size), dtype=np.uint8)

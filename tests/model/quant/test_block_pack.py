@@ -1,4 +1,4 @@
-"""The C packer of Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 blocks (block_pack.c) writes the numpy oracle's bytes
+"""The C packer of Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/MXFP4 blocks (block_pack.c) writes the numpy oracle's bytes
 (block_oracle.py: each block's fields, then formats.pack), codes, scales and mins."""
 
 import numpy as np
@@ -15,8 +15,9 @@ needs_packer = pytest.mark.skipif(block_packer() is None, reason="no C compiler:
 
 
 def assert_same(got: PackedWeight, want: PackedWeight) -> None:
-    assert (got.offset, got.bits, got.group, got.shape) == (want.offset, want.bits, want.group, want.shape)
-    assert got.scale.dtype == want.scale.dtype == torch.float16 and (got.min is None) == (want.min is None)
+    assert ((got.offset, got.bits, got.group, got.shape, got.codebook)
+            == (want.offset, want.bits, want.group, want.shape, want.codebook))
+    assert got.scale.dtype == want.scale.dtype and (got.min is None) == (want.min is None)
     for a, b in [(got.codes, want.codes), (got.scale, want.scale)] + ([] if got.min is None else [(got.min, want.min)]):
         assert a.shape == b.shape and np.array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8))
 

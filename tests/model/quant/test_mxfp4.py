@@ -30,7 +30,7 @@ def test_every_exponent_and_code_dequantizes_as_gguf():
     want = gguf_dequantize(raw, Q.MXFP4)
     assert np.isfinite(want).all()
     assert np.array_equal(dequantize(packed).numpy().view(np.uint32), want.view(np.uint32))
-    assert (packed.bits, packed.group, packed.offset) == (8, 32, 128)
+    assert (packed.bits, packed.group, packed.offset, packed.codebook) == (4, 32, 12, "e2m1")
 
 
 def test_kernel_within_bound_on_real_exponents():
