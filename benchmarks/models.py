@@ -13,6 +13,10 @@
     qwen3-30b-a3b  Qwen3-30B-A3B's layer at full width (hidden 2048, 128 experts of 768, top-8, 32 heads
                    over 4 KV heads of 128, vocabulary 151936) with 8 of its 48 layers, which fit this
                    machine beside llama.cpp's copy
+    gpt-oss-20b    gpt-oss-20b's layer at full width (hidden 2880, 32 experts of 2880, top-4, 64 heads over 8
+                   KV heads of 64, windows of 128 in every other layer, learned sinks, YaRN RoPE, biases,
+                   vocabulary 201088) with 8 of its 24 layers; `gpt-oss-20b:MXFP4_MOE` is its published mix
+                   (experts MXFP4, the rest Q8_0)
     gemma4-e2b     Gemma 4 E2B's text shape (35 layers of hidden 1536, 8 heads over one KV head of 256 in
                    the window layers (window 512) and 512 in every fifth, global, layer; the last 20
                    layers reading layers 13 and 14's K/V, with MLPs of 12288 against 6144; per-layer
@@ -92,6 +96,15 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
         vocab_size=151936, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         max_position_embeddings=8192, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645,
+        dtype="bfloat16"),
+    "gpt-oss-20b": dict(
+        family=Family("GptOssConfig", "GptOssForCausalLM", "qwen2"), hidden_size=2880, intermediate_size=2880,
+        num_hidden_layers=8, num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+        num_experts_per_tok=4, sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 4,
+        attention_bias=True, vocab_size=201088, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        max_position_embeddings=8192, bos_token_id=199998, eos_token_id=200002, pad_token_id=199999,
         dtype="bfloat16"),
 }
 

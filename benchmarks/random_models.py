@@ -35,8 +35,9 @@ from benchmarks import llama_tools
 from kvgen.paths import cache_root
 
 SHARD_BYTES = 1 << 30
-# The mixes `--model NAME:MIX` makes with llama-quantize (BF16: the converter's output as it is).
-QUANT_MIXES = ("Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0", "BF16")
+# The mixes `--model NAME:MIX` makes with llama-quantize (BF16: the converter's output as it is;
+# MXFP4_MOE: experts in MXFP4 and the rest Q8_0, as gpt-oss is published).
+QUANT_MIXES = ("Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0", "MXFP4_MOE", "BF16")
 
 
 def build_atomically(path: Path, build: Callable[[Path], None], directory: bool = True) -> None:
