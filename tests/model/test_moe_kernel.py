@@ -126,8 +126,8 @@ def test_fp32_experts_match_float64(tokens, top_k, norm):
 @pytest.mark.skipif(qmatmul_kernel() is None, reason="no packed kernel on this CPU")
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 @pytest.mark.parametrize("ggml_type,hidden,inner,kernel", [
-    (Q.Q8_0, 64, 32, "moe packed u8 g32"), (Q.Q4_0, 64, 32, "moe packed u4 g32"), (Q.MXFP4, 64, 32, "moe packed e2m1 g32"),
-    (Q.Q4_K, 256, 256, "moe q4_k"), (Q.Q6_K, 256, 256, "moe q6_k")], ids=lambda v: getattr(v, "name", None))
+    (Q.Q8_0, 64, 32, "moe packed u8 g32"), (Q.Q4_0, 64, 32, "moe packed u4 g32"),
+    (Q.MXFP4, 64, 32, "moe packed e2m1 g32"), (Q.Q4_K, 256, 256, "moe q4_k"), (Q.Q6_K, 256, 256, "moe q6_k")], ids=lambda v: getattr(v, "name", None))
 def test_packed_experts_match_float64(tokens, ggml_type, hidden, inner, kernel):
     layer = check(gguf_experts(ggml_type, 4, hidden, inner), 2, True, tokens)
     assert layer.gate_up.kernel == layer.down.kernel == kernel

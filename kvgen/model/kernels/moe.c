@@ -7,7 +7,7 @@
  *
  * The experts' matrices are not read here: each projection's stack (every expert's [N, K], one after
  * the other at a fixed stride) is multiplied by the function it comes with, of the packed kernels'
- * signature: qmatmul.c's qmatmul_u{bits}_g{group}_{f16,f32} on a packed stack of a GGUF file, or
+ * signature: qmatmul.c's qmatmul_{u4,u8,e2m1}_g{group}_{f16,f32} on a packed stack of a GGUF file, or
  * kquant.c's kq_matmul_{q4_k,q5_k,q6_k} on a K-quant stack (`kquant`: its signature), or
  * moe_f32_matmul below for fp32 stacks. So packed experts run the same integer dot products as every
  * other packed layer.
