@@ -31,7 +31,7 @@ def test_model_names(name, want):
 
 def test_an_unknown_mix_names_the_ones_there_are():
     with pytest.raises(ValueError, match=r"llama-1b:Q3_K_S: unknown quantization mix 'Q3_K_S'; the bench makes "
-                                         r"Q4_K_M, Q4_0, Q5_K_M, Q6_K, Q8_0, BF16"):
+                                         r"Q4_K_M, Q4_0, Q5_K_M, Q6_K, Q8_0, MXFP4_MOE, BF16"):
         models.resolve("llama-1b:Q3_K_S")
 
 
