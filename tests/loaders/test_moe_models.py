@@ -105,7 +105,7 @@ def test_gpt_oss_sinks_in_every_attention_path(arch_ckpt, options):
 def test_gpt_oss_mxfp4_matches_transformers_on_its_values():
     """gpt-oss's experts as released, MXFP4, in its HF directory and through llama.cpp's converter: read
     without quantization, both give transformers' tokens on the values the blocks hold (300 tokens, batch
-    1); kept packed, the GGUF's experts run the packed u8 kernel (int8 activations: not these tokens,
+    1); kept packed, the GGUF's experts run the packed e2m1 kernel (int8 activations: not these tokens,
     tests/model/test_moe_kernel.py)."""
     from tests.loaders.arch_fixtures import FixtureError, mxfp4_checkpoint
 
@@ -118,4 +118,4 @@ def test_gpt_oss_mxfp4_matches_transformers_on_its_values():
     for path in (hf, gguf):
         assert tokens(kvgen_llm(path), [prompt]) == [want], path
     packed = LLM(gguf, quantization="auto", block_size=16, num_kv_blocks=256)
-    assert packed.engine.runner.model.layers[0].blocks[1].experts.gate_up.kernel == "moe packed u8 g32"
+    assert packed.engine.runner.model.layers[0].blocks[1].experts.gate_up.kernel == "moe packed e2m1 g32"
