@@ -56,6 +56,17 @@
 #define PARALLEL_BYTES (64 << 10)
 #endif
 
+/* Every packed format, listed once for the kernels and the dequantizers: the functions' name, bits of a
+ * code, group, fp16 scales, codebook. */
+#define FORMATS(X)                                                                                            \
+    X(qmatmul_u4_g32_f16, 4, 32, 1, 0)                                                                        \
+    X(qmatmul_u4_g32_f32, 4, 32, 0, 0)                                                                        \
+    X(qmatmul_u8_g32_f16, 8, 32, 1, 0)                                                                        \
+    X(qmatmul_u8_g32_f32, 8, 32, 0, 0)                                                                        \
+    X(qmatmul_u8_g16_f32, 8, 16, 0, 0)                                                                        \
+    X(qmatmul_e2m1_g32_f16, 4, 32, 1, 1)                                                                      \
+    X(qmatmul_e2m1_g32_f32, 4, 32, 0, 1)
+
 /* x after quantization (rows = parts * T, row parts * t + p), span by span: a pass's rows of one
  * span lie together, each a fixed offset from one pointer. */
 struct xq {
@@ -307,13 +318,7 @@ struct qmatmul_args {
                     a->num_threads);                                                                          \
     }
 
-KERNELS(qmatmul_u4_g32_f16, 4, 32, 1, 0)
-KERNELS(qmatmul_u4_g32_f32, 4, 32, 0, 0)
-KERNELS(qmatmul_u8_g32_f16, 8, 32, 1, 0)
-KERNELS(qmatmul_u8_g32_f32, 8, 32, 0, 0)
-KERNELS(qmatmul_u8_g16_f32, 8, 16, 0, 0)
-KERNELS(qmatmul_e2m1_g32_f16, 4, 32, 1, 1)
-KERNELS(qmatmul_e2m1_g32_f32, 4, 32, 0, 1)
+FORMATS(KERNELS)
 
 /* -- dequantizing, for many rows of x --------------------------------------------------------------
  * At prefill's hundreds of rows the integer kernel is compute-bound, and two parts of x cost it twice
@@ -405,13 +410,7 @@ ALWAYS_INLINE void dequantize_panel_f32(const uint8_t *codes, const void *scale,
     DEQUANTIZE(name##_bf16_rows, bits, group, f16, book, uint16_t, PANEL, dequantize_panel_bf16_rows)         \
     DEQUANTIZE(name##_f32, bits, group, f16, book, float, 2 * PANEL, dequantize_panel_f32)
 
-DEQUANTIZERS(qmatmul_u4_g32_f16, 4, 32, 1, 0)
-DEQUANTIZERS(qmatmul_u4_g32_f32, 4, 32, 0, 0)
-DEQUANTIZERS(qmatmul_u8_g32_f16, 8, 32, 1, 0)
-DEQUANTIZERS(qmatmul_u8_g32_f32, 8, 32, 0, 0)
-DEQUANTIZERS(qmatmul_u8_g16_f32, 8, 16, 0, 0)
-DEQUANTIZERS(qmatmul_e2m1_g32_f16, 4, 32, 1, 1)
-DEQUANTIZERS(qmatmul_e2m1_g32_f32, 4, 32, 0, 1)
+FORMATS(DEQUANTIZERS)
 
 /* x as the kernels quantize it, `parts` rows per row of x: x^ = sum over parts of scale * q (tests). */
 int quantize_activations(const float *x, int64_t T, int64_t K, int32_t parts, int8_t *q, float *scale) {
