@@ -172,17 +172,16 @@ static int expert_pass(const struct moe_args *a, int64_t e, int64_t r0, int64_t 
     return 0;
 }
 
-/* Every expert some token chose, over its rows (start: expert e's are start[e] .. start[e + 1] - 1).
+/* Every expert some token chose, over its rows (start: expert e's are start[e] .. start[e + 1] - 1;
+ * `active`: room for the experts' indices).
  * With at least SHARE_FROM_EXPERTS per thread (decode chooses top_k, prefill most), the experts are
  * shared among the threads, each running its experts' matmuls on one thread: a step forks once, not
  * twice an expert, and each thread streams whole matrices. Otherwise each matmul is split. A row's
  * result is the same either way (the kernels' rows do not depend on their threads). */
 #define SHARE_FROM_EXPERTS 2
-static int run_experts(const struct moe_args *a, const int64_t *start, const float *xs, float *gate_up, float *act,
-                       float *ys) {
-    int64_t *active = malloc(sizeof(int64_t) * a->experts), count = 0;
-    if (!active)
-        return 1;
+static int run_experts(const struct moe_args *a, const int64_t *start, int64_t *active, const float *xs,
+                       float *gate_up, float *act, float *ys) {
+    int64_t count = 0;
     for (int64_t e = 0; e < a->experts; e++)
         if (start[e + 1] > start[e])
             active[count++] = e;
@@ -200,7 +199,6 @@ static int run_experts(const struct moe_args *a, const int64_t *start, const flo
             failed = expert_pass(a, e, start[e], start[e + 1] - start[e], xs, gate_up, act, ys, threads);
         }
     }
-    free(active);
     return failed;
 }
 
@@ -230,7 +228,7 @@ int moe_forward(const struct moe_args *a) {
             memcpy(xs + row * hidden, a->x + (s / K) * hidden, sizeof(float) * hidden);
         }
     }
-    failed = failed || run_experts(a, start, xs, gate_up, act, ys);
+    failed = failed || run_experts(a, start, fill, xs, gate_up, act, ys); /* fill: free once gathered */
     if (!failed)
         for (int64_t t = 0; t < T; t++) {
             float *o = a->out + t * hidden;
