@@ -100,6 +100,31 @@ def stories_bin() -> Path:
     return DEFAULT_MODEL
 
 
+def transformers_reading(gguf: Path):
+    """(model, tokenizer) as transformers reads `gguf` (dequantized to float32).
+
+    transformers' reading of a GGUF takes 15-65 s (its vocabulary and tensors converted in Python), so
+    the first run saves what it read in transformers' own format, under the test-model cache, keyed by
+    the file's size and time and by transformers' version; later runs load that in a few seconds."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.loaders.arch_fixtures import cache_root
+
+    stat = gguf.stat()
+    saved = cache_root() / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
+    if not (saved / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None  # the values are plain float32 by now; saved as such
+        model.config.__dict__.pop("quantization_config", None)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        partial = saved.with_name(saved.name + f".partial-{os.getpid()}")
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        partial.rename(saved)
+    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(saved)
+
+
 # -- the real SmolLM2-135M-Instruct Q4_1 GGUF (98 MB): loaded once per test run ------------------
 
 SMOLLM_GGUF = STORIES_DIR.parent / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -124,11 +149,7 @@ def smollm_llm(smollm_gguf):
 def smollm_transformers(smollm_gguf):
     """(model, tokenizer) as transformers reads the same file (dequantized to float32)."""
     pytest.importorskip("accelerate", reason="transformers needs accelerate for from_pretrained(gguf_file=...)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    directory, name = smollm_gguf.parent, smollm_gguf.name
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return transformers_reading(smollm_gguf)
 
 
 @pytest.fixture(scope="session")
@@ -253,11 +274,7 @@ def gemma_gguf() -> Path:
 @pytest.fixture(scope="session")
 def gemma_transformers(gemma_gguf):
     """(model, tokenizer) as transformers reads the same file (dequantized to float32)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    directory, name = gemma_gguf.parent, gemma_gguf.name
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return transformers_reading(gemma_gguf)
 
 
 @pytest.fixture(scope="session")
