@@ -45,8 +45,11 @@
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048
 #endif
+/* Into L2, not L1: a prefetch into L1 holds one of its few fill buffers until the line arrives, and
+ * those are what the demand loads need, so the stream and the arithmetic overlapped less (1-row
+ * decode on the Intel AMX host: 1B Q8_0 15 -> 17 tok/s; kquant.c the same, docs/performance-notes.md). */
 #ifndef PREFETCH_HINT
-#define PREFETCH_HINT _MM_HINT_T0
+#define PREFETCH_HINT _MM_HINT_T1
 #endif
 /* Below this many bytes of weights (plus a share for each row of x), one thread: waking the second
  * costs more than it saves. Since OpenMP's workers spin briefly after each call (kvgen/threads.py),
