@@ -170,9 +170,10 @@ ALWAYS_INLINE void dots(const __m512i *c, const int32_t *const *xq, const int g0
     }
 }
 
-/* out[rows r0 .. r0+R-1, panel's 16 columns] for one panel (`w`: its first block) and R rows of x. */
+/* out[rows r0 .. r0+R-1, panel's 16 columns] for one panel (`w`: its first block) and R rows of x;
+ * `prefetch`: this pass is the panel's first, which streams it from memory. */
 ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, const int R, float *out,
-                         int64_t N, int64_t ldo, int64_t n0, const int kind) {
+                         int64_t N, int64_t ldo, int64_t n0, const int kind, const int prefetch) {
     const int64_t blocks = K / QK, spans = K / 32;
     const int bytes = BLOCK_BYTES(kind), lines_per_sub = (bytes / 64 + 7) / 8;
     __m512 y[8];
@@ -183,7 +184,7 @@ ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_
         const __m512 d = f16x16(meta + 256);
         const __m512 neg_dmin = kind == 6 ? d : _mm512_sub_ps(_mm512_setzero_ps(), f16x16(meta + 288));
         for (int s = 0; s < 8; s++) {
-            if (PREFETCH_BYTES && R <= 2) /* an eighth of the block's lines with each sub-block */
+            if (PREFETCH_BYTES && prefetch) /* an eighth of the block's lines with each sub-block */
                 for (int l = s * lines_per_sub; l < (s + 1) * lines_per_sub && l < bytes / 64; l++)
                     _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64 * l, PREFETCH_HINT);
             __m512i low[4], high[2], c[8];
@@ -232,23 +233,23 @@ ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_
         _mm512_mask_storeu_ps(out + (r0 + r) * ldo + n0, valid, y[r]);
 }
 
-/* Panel p against rows r0 .. r1-1 of x: 8 at a time, then 4, 2, 1. */
+/* Panel p against rows r0 .. r1-1 of x: 8 at a time, then 4, 2, 1; the first pass prefetches. */
 ALWAYS_INLINE void panel_rows(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, int64_t r1, float *out,
                               int64_t N, int64_t ldo, int64_t p, const int kind) {
     const uint8_t *wp = w + p * (K / QK) * BLOCK_BYTES(kind);
     int64_t r = r0;
     for (; r + 8 <= r1; r += 8)
-        panel(wp, K, x, r, 8, out, N, ldo, PANEL * p, kind);
+        panel(wp, K, x, r, 8, out, N, ldo, PANEL * p, kind, r == r0);
     if (r + 4 <= r1) {
-        panel(wp, K, x, r, 4, out, N, ldo, PANEL * p, kind);
+        panel(wp, K, x, r, 4, out, N, ldo, PANEL * p, kind, r == r0);
         r += 4;
     }
     if (r + 2 <= r1) {
-        panel(wp, K, x, r, 2, out, N, ldo, PANEL * p, kind);
+        panel(wp, K, x, r, 2, out, N, ldo, PANEL * p, kind, r == r0);
         r += 2;
     }
     if (r < r1)
-        panel(wp, K, x, r, 1, out, N, ldo, PANEL * p, kind);
+        panel(wp, K, x, r, 1, out, N, ldo, PANEL * p, kind, r == r0);
 }
 
 /* out[t] = y[2t] + y[2t+1] for rows of N (out's rows ldo apart). */
