@@ -44,8 +44,8 @@
 #define META 320
 #define LOW 2048
 #define XCHUNK 64
-/* Software prefetch into L2 (as qmatmul.c, which says why) this far ahead of a 1-2-row panel's
- * stream, a few lines with each sub-block rather than a block's 37-53 at once: with both, 1-row
+/* Software prefetch into L2 (as qmatmul.c, which says why) this far ahead in the first pass over a
+ * panel, a few lines with each sub-block rather than a block's 37-53 at once: with both, 1-row
  * Q4_K streamed 16 -> 21 GB/s on the Intel AMX host (docs/performance-notes.md). */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
