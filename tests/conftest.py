@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -121,7 +122,10 @@ def transformers_reading(gguf: Path):
         partial = saved.with_name(saved.name + f".partial-{os.getpid()}")
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
-        partial.rename(saved)
+        try:
+            partial.rename(saved)
+        except OSError:  # another run saved it first
+            shutil.rmtree(partial, ignore_errors=True)
     return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(saved)
 
 
