@@ -254,7 +254,7 @@ def test_tiers_need_the_paged_cache():
 
 def test_a_second_model_on_the_same_directory_never_reads_the_firsts_blocks(tmp_path, caplog, smollm_gguf):
     _fill(tmp_path)  # stories260K's blocks
-    kw = dict(model=smollm_gguf, quantization="none", dtype="float32", num_kv_blocks=40)
+    kw = dict(model=smollm_gguf, num_kv_blocks=40)  # packed: what is checked is whose blocks are read
     plain, computed_plain, _ = run([DOC + " Q2"], **kw)
     with caplog.at_level(logging.WARNING):
         out, computed, llm = run([DOC + " Q2"], **kw, kv_cache_dir=str(tmp_path))
