@@ -29,7 +29,7 @@ from kvgen.engine.sequential import SequentialEngine
 from kvgen.loaders import LoadedModel, load_model
 from kvgen.loaders.hub import resolve_model
 from kvgen.loaders.progress import loading
-from kvgen.loaders.residency import peak_rss_bytes, rss_bytes, trim_heap
+from kvgen.loaders.residency import keep_step_buffers, peak_rss_bytes, rss_bytes, trim_heap
 from kvgen.sampling_params import SamplingParams
 from kvgen.scheduling.sequence import RequestOutput
 
@@ -108,8 +108,8 @@ class LoadStats:
 def open_engine(model: str | Path | None, config: EngineConfig, tokenizer: str | Path | None = None,
                 gguf_file: str | None = None) -> tuple[Engine, LoadStats]:
     """`build_engine(load(...))` with a progress bar while the weights are converted (on a terminal,
-    kvgen.loaders.progress), the heap that conversion freed handed back (kvgen.loaders.residency),
-    and how long it took and what stays resident."""
+    kvgen.loaders.progress), the heap that conversion freed handed back and the steps' freed buffers
+    kept for the next step (kvgen.loaders.residency), and how long it took and what stays resident."""
     started = time.perf_counter()
     loaded = load(model, config, tokenizer, gguf_file)
     total = sum(w.raw.nbytes for w in loaded.quantized.values()) + sum(t.nbytes for t in loaded.weights.values())
@@ -118,6 +118,7 @@ def open_engine(model: str | Path | None, config: EngineConfig, tokenizer: str |
     source = loaded.source
     del loaded  # the memory map of a GGUF goes with the last view of its bytes
     trim_heap()
+    keep_step_buffers()
     size = os.path.getsize(source) if os.path.isfile(source) else None
     return engine, LoadStats(time.perf_counter() - started, source, size, rss_bytes(), peak_rss_bytes())
 

@@ -77,11 +77,11 @@ def run_replica(index: int, address: str | tuple[str, int], authkey: bytes, thre
     import kvgen  # noqa: F401 - thread settings first (kvgen.threads)
     from multiprocessing.connection import Client
 
-    from kvgen.llm import build_engine, load
+    from kvgen.llm import open_engine
 
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING, format=f"replica {index}: %(levelname)s: %(message)s")
-    engine = build_engine(load(model, config, tokenizer, gguf_file), config)
+    engine = open_engine(model, config, tokenizer, gguf_file)[0]  # as a single process's, heap settings too
     conn = Client(address, authkey=authkey)
     channel = Channel(conn)
     try:
