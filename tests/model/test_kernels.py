@@ -68,7 +68,7 @@ def gather_and_sdpa(cache, q, block_ids, mask):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kv_heads, group", [(1, 1), (2, 3), (3, 4)])
+@pytest.mark.parametrize("kv_heads, group", [(1, 1), (2, 3), (3, 4), (2, 15)])  # 15: tiles of 8, 4, 2 and 1 heads
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256, 512])  # 64 to 512 take the constant-size loops
@@ -240,6 +240,21 @@ def test_paged_decode_gives_the_same_bits_on_two_threads(dtype):
     with torch_threads(2):
         two = kernel(q, cache.k[0], cache.v[0], block_ids, 4, mask)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 512])
+def test_each_query_head_gets_the_bits_it_gets_alone(dtype, head_dim):
+    """The heads that share a KV head run in tiles of 8, 4, 2 and 1 that read each key once for the
+    tile; a head's output must not depend on the tile it lands in (15 heads: one of each)."""
+    kv_heads, group = 2, 15
+    cache, q, block_ids, mask = ragged_batch(dtype, kv_heads, group, 16, window=None, head_dim=head_dim, long=300)
+    kernel = load_paged_decode()
+    together = kernel(q, cache.k[0], cache.v[0], block_ids, 16, mask)
+    for head in range(kv_heads * group):
+        h = head // group
+        alone = kernel(q[:, head:head + 1], cache.k[0][h:h + 1], cache.v[0][h:h + 1], block_ids, 16, mask)
+        assert torch.equal(together[:, head], alone[:, 0]), head
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 256])

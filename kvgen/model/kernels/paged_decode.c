@@ -218,60 +218,113 @@ static inline __attribute__((always_inline)) __m512 load16(const void *pool, int
     return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), fp8_values, 4);
 }
 
-/* `attend` for head sizes a multiple of 16 (compile-time, at most 512): per query head, scores against every
- * allowed key (the scale folded into the query), their exponentials 16 at a time, then the values' sum. */
-static inline __attribute__((always_inline)) void attend_avx512(const struct paged_decode_args *a, struct span w,
-                                                               void *scratch, float *restrict partial,
-                                                               const enum element kind, const int64_t dim) {
-    enum { MAX_VECTORS = 32 };
-    const int64_t group = a->group, vectors = dim / 16;
+/* 16 lanes of a pre-scaled query from lane 16 * c, times the key scale that covers them (quantized pools). */
+static inline __attribute__((always_inline)) __m512 scaled_query(const float *query, int64_t c, const float *key_scales,
+                                                                int64_t per_scale, const enum element kind) {
+    const __m512 lanes = _mm512_loadu_ps(query + 16 * c);
+    return kind == INT8 || kind == FP8 ? _mm512_mul_ps(lanes, _mm512_set1_ps(key_scales[c / per_scale])) : lanes;
+}
+
+/* Query heads g0 .. g0 + T - 1 (T a compile-time 1, 2, 4 or 8) of a work item, for head sizes a
+ * multiple of 32 (compile-time, at most 512), into their rows of `partial`. Each key row is read and
+ * widened once for the T heads, and each value row once per 32 dimensions: the heads' dot products
+ * and sums run side by side in registers. Per head the arithmetic is that of one head alone (the
+ * query pre-scaled, a key's dot product summed over its 16-lane vectors in order, then across lanes;
+ * each value dimension summed over the keys in order), so a head's result does not depend on T. */
+static inline __attribute__((always_inline)) void attend_heads(const struct paged_decode_args *a, const int64_t *rows,
+                                                              int64_t count, float *restrict weights, int64_t g0,
+                                                              const int T, float *restrict partial,
+                                                              const enum element kind, const int64_t dim) {
+    const int64_t vectors = dim / 16;
     /* scales per key row, and 16-lane vectors per scale (the caller keeps dim / key_groups a multiple of 16) */
     const int64_t key_groups = kind == INT8 || kind == FP8 ? a->key_groups : 1, per_scale = vectors / key_groups;
     const void *k_pool = a->k_pool, *v_pool = a->v_pool;
-    const float *restrict q = a->q + w.b * a->q_stride + w.h * group * dim;
-    int64_t *restrict rows = scratch;                      /* [count] */
-    float *restrict weights = (float *)(rows + SPLIT_KEYS); /* [count] for the head in hand */
-    const int64_t count = allowed_rows(a, w, dim, rows);
-    for (int64_t g = 0; g < group; g++, partial += 2 + dim) {
-        __m512 query[MAX_VECTORS], acc[MAX_VECTORS];
-        for (int64_t c = 0; c < vectors; c++)
-            query[c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim + 16 * c), _mm512_set1_ps(a->scale));
-        float top = -INFINITY;
-        for (int64_t i = 0; i < count; i++) {
-            __m512 dot;
-            if (kind == INT8 || kind == FP8) { /* each 16-lane load meets one of the key's scales */
-                const float *key_scales = a->k_scale + rows[i] / dim * key_groups;
-                dot = _mm512_mul_ps(_mm512_mul_ps(query[0], _mm512_set1_ps(key_scales[0])), load16(k_pool, rows[i], kind));
-                for (int64_t c = 1; c < vectors; c++)
-                    dot = _mm512_fmadd_ps(_mm512_mul_ps(query[c], _mm512_set1_ps(key_scales[c / per_scale])),
-                                          load16(k_pool, rows[i] + 16 * c, kind), dot);
-            } else {
-                dot = _mm512_mul_ps(query[0], load16(k_pool, rows[i], kind));
-                for (int64_t c = 1; c < vectors; c++)
-                    dot = _mm512_fmadd_ps(query[c], load16(k_pool, rows[i] + 16 * c, kind), dot);
-            }
-            const float score = _mm512_reduce_add_ps(dot);
-            weights[i] = score;
-            top = score > top ? score : top;
+    const float *restrict q = a->q + g0 * dim;
+    float query[T * dim]; /* the heads' queries, pre-scaled */
+    for (int64_t j = 0; j < T * vectors; j++)
+        _mm512_storeu_ps(query + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(q + 16 * j), _mm512_set1_ps(a->scale)));
+    for (int64_t i = 0; i < count; i++) {
+        const float *key_scales = kind == INT8 || kind == FP8 ? a->k_scale + rows[i] / dim * key_groups : NULL;
+        __m512 dot[T];
+        const __m512 key = load16(k_pool, rows[i], kind);
+#pragma GCC unroll 8
+        for (int g = 0; g < T; g++) /* with key scales, each 16-lane load meets one of them */
+            dot[g] = _mm512_mul_ps(scaled_query(query + g * dim, 0, key_scales, per_scale, kind), key);
+        for (int64_t c = 1; c < vectors; c++) {
+            const __m512 key = load16(k_pool, rows[i] + 16 * c, kind);
+#pragma GCC unroll 8
+            for (int g = 0; g < T; g++)
+                dot[g] = _mm512_fmadd_ps(scaled_query(query + g * dim, c, key_scales, per_scale, kind), key, dot[g]);
         }
+#pragma GCC unroll 8
+        for (int g = 0; g < T; g++)
+            weights[g * count + i] = _mm512_reduce_add_ps(dot[g]);
+    }
+    for (int g = 0; g < T; g++) { /* exponentials 16 at a time, then each value's scale folded in */
+        float *restrict w = weights + g * count;
+        __m512 tops = _mm512_set1_ps(-INFINITY);
+        for (int64_t i = 0; i < count; i += 16) {
+            const __mmask16 lanes = count - i >= 16 ? 0xffff : (__mmask16)((1u << (count - i)) - 1);
+            tops = _mm512_mask_max_ps(tops, lanes, tops, _mm512_maskz_loadu_ps(lanes, w + i));
+        }
+        const float top = _mm512_reduce_max_ps(tops);
         const __m512 shift = _mm512_set1_ps(top);
         __m512 totals = _mm512_setzero_ps();
         for (int64_t i = 0; i < count; i += 16) {
             const __mmask16 lanes = count - i >= 16 ? 0xffff : (__mmask16)((1u << (count - i)) - 1);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, weights + i), shift));
-            _mm512_mask_storeu_ps(weights + i, lanes, e);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, w + i), shift));
+            _mm512_mask_storeu_ps(w + i, lanes, e);
             totals = _mm512_add_ps(totals, _mm512_maskz_mov_ps(lanes, e));
         }
-        for (int64_t c = 0; c < vectors; c++)
-            acc[c] = _mm512_setzero_ps();
+        if (kind == INT8 || kind == FP8)
+            for (int64_t i = 0; i < count; i++)
+                w[i] *= row_scale(a->v_scale, rows[i], dim, kind);
+        partial[g * (2 + dim)] = top, partial[g * (2 + dim) + 1] = _mm512_reduce_add_ps(totals);
+    }
+    for (int64_t c = 0; c < vectors; c += 2) { /* 32 dimensions (a 64-byte line of bf16) at a time */
+        __m512 low[T], high[T];
+#pragma GCC unroll 8
+        for (int g = 0; g < T; g++)
+            low[g] = high[g] = _mm512_setzero_ps();
         for (int64_t i = 0; i < count; i++) {
-            const __m512 e = _mm512_set1_ps(weights[i] * row_scale(a->v_scale, rows[i], dim, kind));
-            for (int64_t c = 0; c < vectors; c++)
-                acc[c] = _mm512_fmadd_ps(e, load16(v_pool, rows[i] + 16 * c, kind), acc[c]);
+            const __m512 v0 = load16(v_pool, rows[i] + 16 * c, kind), v1 = load16(v_pool, rows[i] + 16 * c + 16, kind);
+#pragma GCC unroll 8
+            for (int g = 0; g < T; g++) {
+                const __m512 e = _mm512_set1_ps(weights[g * count + i]);
+                low[g] = _mm512_fmadd_ps(e, v0, low[g]);
+                high[g] = _mm512_fmadd_ps(e, v1, high[g]);
+            }
         }
-        partial[0] = top, partial[1] = _mm512_reduce_add_ps(totals);
-        for (int64_t c = 0; c < vectors; c++)
-            _mm512_storeu_ps(partial + 2 + 16 * c, acc[c]);
+#pragma GCC unroll 8
+        for (int g = 0; g < T; g++) {
+            _mm512_storeu_ps(partial + g * (2 + dim) + 2 + 16 * c, low[g]);
+            _mm512_storeu_ps(partial + g * (2 + dim) + 18 + 16 * c, high[g]);
+        }
+    }
+}
+
+/* `attend` for head sizes a multiple of 32 (compile-time, at most 512): the group's query heads in
+ * tiles of 8, then 4, 2 and 1 (attend_heads). */
+static inline __attribute__((always_inline)) void attend_avx512(const struct paged_decode_args *a, struct span w,
+                                                               void *scratch, float *restrict partial,
+                                                               const enum element kind, const int64_t dim) {
+    const int64_t group = a->group;
+    int64_t *restrict rows = scratch;                      /* [count] */
+    float *restrict weights = (float *)(rows + SPLIT_KEYS); /* [T, count] for the heads in hand */
+    const int64_t count = allowed_rows(a, w, dim, rows);
+    struct paged_decode_args item = *a;
+    item.q = a->q + w.b * a->q_stride + w.h * group * dim;
+    for (int64_t g0 = 0; g0 < group;) {
+        const int64_t left = group - g0;
+        float *heads = partial + g0 * (2 + dim);
+        if (left >= 8)
+            attend_heads(&item, rows, count, weights, g0, 8, heads, kind, dim), g0 += 8;
+        else if (left >= 4)
+            attend_heads(&item, rows, count, weights, g0, 4, heads, kind, dim), g0 += 4;
+        else if (left >= 2)
+            attend_heads(&item, rows, count, weights, g0, 2, heads, kind, dim), g0 += 2;
+        else
+            attend_heads(&item, rows, count, weights, g0, 1, heads, kind, dim), g0 += 1;
     }
 }
 #define ATTEND_FIXED attend_avx512
