@@ -23,9 +23,11 @@
  * the whole row), and one per value (KV head, slot). A key's scales multiply the partial dot
  * products of their groups, a value's scale its weight once, so quantized rows are dequantized in
  * registers. Queries, scores and outputs are fp32. With AVX-512 and a head size of 64, 128, 256 (Gemma 3)
- * or 512 (Gemma 4's global layers), `attend_avx512` runs instead of the portable `attend`: one query head
- * at a time, its query (pre-scaled) and output rows in registers (spilling at 512), the softmax's
- * exponentials 16 at a time (exp16); 2.2x faster at 192 keys, 2.1x at 2,048 (BENCHMARKS.md). */
+ * or 512 (Gemma 4's global layers), `attend_avx512` runs instead of the portable `attend`: the query
+ * heads of a KV head in tiles of up to 8 that read and widen each key and value row once for the tile
+ * (attend_heads), the softmax's maxima and exponentials 16 at a time (exp16); 2.2x faster than the
+ * portable loops at 192 keys, 2.1x at 2,048 (BENCHMARKS.md), and the tiles 1.5x (head size 256) to
+ * 2.2x (512) faster than one head at a time with Gemma 4's 8 heads per KV head. */
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
