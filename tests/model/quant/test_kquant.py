@@ -91,6 +91,20 @@ def test_kernel_equals_dequantized_matmul(ggml_type, rows, parts):
     assert ((y - x.double() @ w_hat.T).abs() <= accumulation + step @ w_hat.abs().T).all()
 
 
+
+@needs_kernel
+@pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
+def test_threads_share_chunks_of_rows_without_changing_a_bit(ggml_type):
+    """150 rows are three chunks of x, which two threads take panel by panel without waiting for
+    each other between chunks: every row the same bits as on one thread."""
+    w, _ = packed(ggml_type, out=53, cols=512)
+    x = torch.randn(150, w.shape[1], generator=torch.Generator().manual_seed(2))
+    bound = kquant_kernel().bind(w, 1)
+    with torch_threads(1):
+        alone = bound.run(x)
+    with torch_threads(2):
+        assert torch.equal(bound.run(x), alone)
+
 @needs_kernel
 def test_layer_runs_one_part_from_many_rows_and_its_call_matches():
     """Below MANY_ROWS rows a row's result is the same alone or with others, and the fused step's
