@@ -205,6 +205,9 @@ ATTENTION_BACKENDS = ("auto", "native", "sdpa")
 # How weights are kept: "auto" keeps a GGUF's quantized matrices packed (kvgen.model.formats); "none"
 # dequantizes them to `dtype`; "int8" / "int4" pack float matrices in groups of 32.
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+# How packed matmuls quantize x, per 32 values (kvgen.model.kernels.qmatmul.ACTIVATION_PARTS): two int8
+# parts (~15 bits, the default) or one, as llama.cpp does (docs/kernels.md, "Activations").
+ACTIVATION_MODES = ("int8x2", "int8")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
 # What the paged KV pools store: "auto" is the model's dtype; int8 and fp8 (e4m3) are quantized with
@@ -241,6 +244,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     quantization: str = "auto"
+    activations: str = "int8x2"  # a key of ACTIVATION_MODES
     tensor_parallel_size: int = 1
     distributed_backend: str = "auto"
     distributed_timeout: float = 30.0
@@ -276,6 +280,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
+        if self.activations not in ACTIVATION_MODES:
+            raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {self.activations!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.kv_cache != "paged":

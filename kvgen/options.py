@@ -13,8 +13,8 @@ from pathlib import Path
 
 from kvgen.cache.sizing import parse_bytes
 from kvgen.config import (
-    ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES, KV_OFFLOAD_DTYPES,
-    MAX_SPECULATIVE_TOKENS, QUANTIZATION_MODES, SPECULATIVE_METHODS, EngineConfig, ModelConfig,
+    ACTIVATION_MODES, ATTENTION_BACKENDS, DISTRIBUTED_BACKENDS, DTYPES, KV_CACHE_DTYPES, KV_CACHE_MODES,
+    KV_OFFLOAD_DTYPES, MAX_SPECULATIVE_TOKENS, QUANTIZATION_MODES, SPECULATIVE_METHODS, EngineConfig, ModelConfig,
 )
 from kvgen.engine.base import Engine
 from kvgen.errors import ModelLoadError
@@ -34,6 +34,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", choices=QUANTIZATION_MODES, default="auto",
                    help="auto (default): keep a GGUF's quantized weights packed, on kernels that read them so; "
                         "none: dequantize them to --dtype; int8 / int4: pack float weights (groups of 32)")
+    g.add_argument("--activations", choices=ACTIVATION_MODES, default="int8x2",
+                   help="how packed matmuls quantize x per 32 values: int8x2 (default: two int8 parts, ~15 bits) "
+                        "or int8 (one part, as llama.cpp: verify steps and small batches do half the integer work)")
     g.add_argument("--kv-cache", choices=KV_CACHE_MODES, default="paged", help="KV cache kind (default: paged)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two, 1..256)")
     g.add_argument("--num-kv-blocks", type=int, help="KV capacity in blocks")
@@ -99,7 +102,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization, activations=args.activations,
+        tensor_parallel_size=args.tensor_parallel_size,
         distributed_backend=args.distributed_backend, distributed_timeout=args.distributed_timeout,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 def shard_model(loaded: LoadedModel, config: EngineConfig, plan: ShardPlan, group: TensorParallelGroup) -> DecoderModel:
     """This rank's model: its slices (already in `loaded`), its local head counts, the collectives."""
     model = DecoderModel(plan.local_config(), {**loaded.weights, **loaded.quantized}, config.device,
-                       config.torch_dtype, config.quantization, config.fused_decode)
+                       config.torch_dtype, config.quantization, config.fused_decode, config.activations)
     return parallelize(model, plan, group)
 
 

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 def load_model(loaded: LoadedModel, config: EngineConfig) -> DecoderModel:
     """The model of `loaded` in this process, as `config` keeps its weights."""
     model = DecoderModel(loaded.config, {**loaded.weights, **loaded.quantized}, config.device,
-                         config.torch_dtype, config.quantization, config.fused_decode)
+                         config.torch_dtype, config.quantization, config.fused_decode, config.activations)
     model.mtp = loaded.mtp
     return model
 

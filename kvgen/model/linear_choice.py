@@ -28,6 +28,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from kvgen.config import ACTIVATION_MODES
 from kvgen.loaders.gguf_tensors import GGUFWeight
 from kvgen.loaders.progress import advance
 from kvgen.model.formats import packed as formats
@@ -47,9 +48,10 @@ from kvgen.model.quant_linear import (ConcatLinear, KernelQuantLinear, KQuantLin
                                       TorchQuantLinear)
 
 Weight = torch.Tensor | GGUFWeight
-# How the packed kernels quantize activations: two int8 parts per 32 (~15 bits), which keeps top-1
-# agreement with the fp32 model at 100% on the real Q4_1 file where one part gives 97.8-98.2% (BENCHMARKS.md).
-ACTIVATIONS = "int8x2"
+# How the packed kernels quantize activations by default (EngineConfig.activations): two int8 parts per
+# 32 (~15 bits), which keeps top-1 agreement with the fp32 model at 100% on the real Q4_1 file where one
+# part gives 97.8-98.2% (BENCHMARKS.md).
+ACTIVATIONS = ACTIVATION_MODES[0]
 CPU = torch.device("cpu")
 FLOAT_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 

@@ -209,6 +209,26 @@ def test_a_packed_draft_quantizes_activations_to_one_int8_part(loaded, stories_b
     assert target and all(re.search(r"\(x int8x2[;)]", k) for k in target), target
 
 
+@pytest.mark.skipif(qmatmul_kernel() is None, reason="needs the quantized kernel (AVX-512 VNNI or AVX2)")
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_target_in_one_int8_part_speculates_exactly(loaded, stories_bin, method):
+    """activations="int8" (as llama.cpp): the target's packed layers read x in one part at every row
+    count, so a verify's rows are the plain decode's, and speculation gives its greedy tokens."""
+    one_part = dict(quantization="int4", activations="int8")
+    requests = [(p, SamplingParams(temperature=0, max_tokens=48)) for p in (STORY, "Once upon a time")]
+    plain = engine(loaded, **one_part)
+    target = {k for k, _ in plain.runner.model.kernels().values() if k.startswith("qmatmul")}
+    assert target and all(re.search(r"\(x int8[;)]", k) for k in target), target
+    want = [run_all(plain, [r])[0] for r in requests]
+    spec = [run_all(engine(loaded, **one_part, **spec_options(method, 3, stories_bin)), [r])[0] for r in requests]
+    assert spec == want
+
+
+def test_unknown_activation_quantization_is_refused():
+    with pytest.raises(ValueError, match=r"activations must be one of \('int8x2', 'int8'\), got 'int4'"):
+        EngineConfig(activations="int4")
+
+
 def test_a_draft_with_another_vocabulary_is_refused(loaded, hf_model):
     path, _ = hf_model("llama-gqa")  # vocabulary 320, stories260K's 512
     config = EngineConfig(speculative_method="draft", draft_model=str(path))
