@@ -91,7 +91,6 @@ def test_kernel_equals_dequantized_matmul(ggml_type, rows, parts):
     assert ((y - x.double() @ w_hat.T).abs() <= accumulation + step @ w_hat.abs().T).all()
 
 
-
 @needs_kernel
 @pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
 def test_threads_share_chunks_of_rows_without_changing_a_bit(ggml_type):
