@@ -158,6 +158,19 @@ def test_rows_do_not_depend_on_their_neighbours():
 
 
 @pytest.mark.skipif(qmatmul_kernel() is None, reason="no packed kernel on this CPU")
+@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
+def test_an_expert_with_many_rows_takes_x_in_one_int8_part(ggml_type):
+    """Two int8 parts (the engine's default) below 16 rows an expert, one from 16 on, as a dense
+    packed layer's call: 16 tokens through every expert give the one-part layer's bits, 15 do not."""
+    parts = gguf_experts(ggml_type, 4, 256, 256)
+    two, one = (Experts(*parts, top_k=4, norm_topk=True, activations=a) for a in ("int8x2", "int8"))
+    g = torch.Generator().manual_seed(4)
+    x, logits = torch.randn(16, 256, generator=g), torch.randn(16, 4, generator=g)
+    assert torch.equal(two(x, logits), one(x, logits))
+    assert not torch.equal(two(x[:15], logits[:15]), one(x[:15], logits[:15]))
+
+
+@pytest.mark.skipif(qmatmul_kernel() is None, reason="no packed kernel on this CPU")
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (1, 4), (6, 4)])
 def test_experts_shared_among_threads_give_the_same_bits(tokens, top_k):
     """Two threads sharing the experts (at least two active experts a thread) or splitting each matmul
