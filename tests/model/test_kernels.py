@@ -12,17 +12,23 @@ from kvgen.model.attention import sdpa_heads_first
 from kvgen.model.kv_storage import PagedKVCache
 from kvgen.model.kernels import paged_decode as kernels
 from kvgen.model.kernels.build import FLAGS, build_library
-from kvgen.model.kernels.paged_decode import SOURCE, PagedDecode, load_paged_decode, paged_decode_for
+from kvgen.model.kernels.paged_decode import SOURCE, STORE_SOURCE, PagedDecode, load_paged_decode, paged_decode_for
 from tests.support.tolerances import fp32_gap
 from tests.support.torch_threads import torch_threads
 
 CPU = torch.device("cpu")
 
 
+def built_with(*flags: str) -> PagedDecode:
+    """The kernel and its store built with the host's FLAGS and `flags`."""
+    libraries = (ctypes.CDLL(str(build_library(source, (*FLAGS, *flags)))) for source in (SOURCE, STORE_SOURCE))
+    return PagedDecode(*libraries)
+
+
 @functools.cache
 def portable_paged_decode() -> PagedDecode:
     """The kernel built without AVX-512: its portable loops, which CPUs without AVX-512 run."""
-    return PagedDecode(ctypes.CDLL(str(build_library(SOURCE, (*FLAGS, "-mno-avx512f")))))
+    return built_with("-mno-avx512f")
 
 
 KERNELS = {"native": load_paged_decode, "portable": portable_paged_decode}
@@ -30,8 +36,9 @@ KERNELS = {"native": load_paged_decode, "portable": portable_paged_decode}
 
 @functools.cache
 def no_f16c_paged_decode() -> PagedDecode:
-    """The portable loops without F16C too: fp16 pool rows widened by their bits (from_f16)."""
-    return PagedDecode(ctypes.CDLL(str(build_library(SOURCE, (*FLAGS, "-mno-avx512f", "-mno-f16c")))))
+    """The portable loops without F16C too: fp16 pool rows widened by their bits (from_f16), and
+    stored by theirs (to_f16)."""
+    return built_with("-mno-avx512f", "-mno-f16c")
 
 
 FLOAT_POOL_KERNELS = {**KERNELS, "no-f16c": no_f16c_paged_decode}

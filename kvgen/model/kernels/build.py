@@ -9,6 +9,7 @@ every feature they use. Where nothing can be built (no compiler, no OpenMP) ever
 torch fallback.
 
     paged_decode.c     decode attention reading K/V in place from the block pool (paged_decode.py)
+    paged_store.c      the store of a step's K/V rows into the float pools (paged_decode.py)
     prefill_attention.c  causal attention for a prompt chunk (prefill.py)
     f32_matmul.c, bf16_matmul.c  float linear layers on AVX-512 (f32.py, bf16.py)
     f32_coded.c, bf16_coded.c    the same on losslessly coded weights (coded.py)

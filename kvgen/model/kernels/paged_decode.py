@@ -1,5 +1,5 @@
 """Paged decode attention (paged_decode.c): one query per sequence, or a verify chunk's few, reading
-K/V in place from the block pool, and the store of a step's K/V into float pools.
+K/V in place from the block pool, and the store of a step's K/V into float pools (paged_store.c).
 
 Gathering each sequence's blocks into a padded copy and running SDPA on it reads the KV cache three
 times (gather read, gather write, SDPA read) and pads every sequence to the longest; this reads each
@@ -23,6 +23,7 @@ from kvgen.model.kernels.build import KernelCall, build_library, dtype_functions
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
+STORE_SOURCE = Path(__file__).with_name("paged_store.c")
 POOL_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
                torch.float16: "paged_decode_f16", torch.int8: "paged_decode_int8",
                torch.float8_e4m3fn: "paged_decode_fp8"}
@@ -83,7 +84,7 @@ def _layer(args: _Args, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
 
 
 class _StoreArgs(ctypes.Structure):
-    """`struct paged_store_args` of paged_decode.c: paged_store's arguments, in order."""
+    """`struct paged_store_args` of paged_store.c: paged_store's arguments, in order."""
 
     _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("k_stride", ctypes.c_int64),
                 ("v_stride", ctypes.c_int64), ("slots", ctypes.c_void_p), ("T", ctypes.c_int64),
@@ -115,13 +116,13 @@ class PagedDecode:
     float32 scales [kv_heads, num_slots], on the CPU; and stores fp32 / bf16 rows into fp32, bf16 or
     fp16 pools."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, store_library: ctypes.CDLL) -> None:
         self._functions = dtype_functions(library, POOL_DTYPES, [ctypes.POINTER(_Args)], ctypes.c_int)
-        self._store = library.paged_store
+        self._store = store_library.paged_store
         self._store.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 6 \
             + [ctypes.c_void_p] * 2
         self._store.restype = None
-        self._store_call = library.paged_store_call
+        self._store_call = store_library.paged_store_call
 
     def store(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
@@ -252,5 +253,5 @@ def paged_decode_for(backend: str, device: torch.device, dtype: torch.dtype,
 
 @functools.cache
 def load_paged_decode() -> PagedDecode:
-    """Builds (once per machine) and loads the kernel; OSError if it cannot."""
-    return PagedDecode(ctypes.CDLL(str(build_library(SOURCE))))
+    """Builds (once per machine) and loads the kernel and the store; OSError if it cannot."""
+    return PagedDecode(*(ctypes.CDLL(str(build_library(source))) for source in (SOURCE, STORE_SOURCE)))
