@@ -30,6 +30,7 @@ from kvgen.model.kernels.build import KernelCall
 from kvgen.model.kernels.kquant import kquant_kernel
 from kvgen.model.kernels.moe import ExpertOptions, ExpertStackArgs, moe_kernel
 from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, qmatmul_kernel
+from kvgen.model.quant_linear import MANY_ROWS
 
 Weight = torch.Tensor | GGUFWeight
 
@@ -70,7 +71,7 @@ def float_stack(values: torch.Tensor) -> ExpertStack:
     experts, n, k = w.shape
     kernel = moe_kernel()
     matmul = kernel.f32_matmul if kernel is not None else None
-    args = ExpertStackArgs(matmul, w.data_ptr(), None, None, n * k * 4, 0, 0, 0, 1, n, k, 0)
+    args = ExpertStackArgs(matmul, w.data_ptr(), None, None, n * k * 4, 0, 0, 0, 1, MANY_ROWS, n, k, 0)
     return ExpertStack(w, args, experts)
 
 
@@ -90,7 +91,7 @@ def kquant_stack(parts: list[GGUFWeight], activations: str) -> ExpertStack | Non
     packed = kernel.pack(parts[0].ggml_type, expert_rows(parts))
     stride = n // PANEL * packed.data.shape[1]
     args = ExpertStackArgs(kernel.address(packed), packed.data.data_ptr(), None, None, stride, 0, 0, 0,
-                           ACTIVATION_PARTS[activations], n, k, 1)
+                           ACTIVATION_PARTS[activations], MANY_ROWS, n, k, 1)
     return ExpertStack(packed, args, experts)
 
 
@@ -113,7 +114,7 @@ def packed_stack(parts: list[GGUFWeight], activations: str) -> ExpertStack | Non
     minimum = None if packed.min is None else packed.min.data_ptr()
     args = ExpertStackArgs(qmatmul.address(packed), packed.codes.data_ptr(), packed.scale.data_ptr(), minimum,
                            panels * packed.codes.shape[1], scale_stride, scale_stride if minimum else 0,
-                           packed.offset, ACTIVATION_PARTS[activations], n, k, 0)
+                           packed.offset, ACTIVATION_PARTS[activations], MANY_ROWS, n, k, 0)
     return ExpertStack(packed, args, experts)
 
 

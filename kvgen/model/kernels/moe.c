@@ -18,7 +18,7 @@
  * expert's rows of x gathered into one block, and
  *     y[slot] = down_e( silu(gate_e(x_t)) * up_e(x_t) ),   out[t] = sum over k of w[t, k] * y[(t, k)]
  * (the sum in k's order, so a token's output does not depend on the tokens beside it, but for which
- * side of MANY_ROWS its experts' row counts are, as a dense packed layer's rows on its call's).
+ * side of `many_rows` its experts' row counts are, as a dense packed layer's rows on its call's).
  *
  * gpt-oss's experts add a bias to each projection's rows (`gate_up_bias` [experts, 2 * inner],
  * `down_bias` [experts, hidden], NULL where there is none) and take the clamped SwiGLU in place of
@@ -45,6 +45,11 @@ struct expert_stack {
     const uint8_t *codes, *scale, *min;
     int64_t codes_stride, scale_stride, min_stride; /* bytes per expert */
     int32_t offset, parts;
+    /* From this many rows an expert's x goes in one int8 part, as a dense packed layer's call does
+     * from as many (kvgen.model.quant_linear.MANY_ROWS): the second part doubles the integer work
+     * where the kernel is compute-bound (a prefill's experts), and costs nothing at decode's few rows,
+     * which keep it. */
+    int32_t many_rows;
     int64_t N, K;
     int32_t kquant;
 };
@@ -124,15 +129,10 @@ static inline const uint8_t *at(const uint8_t *base, int64_t stride, int64_t e) 
     return base ? base + e * stride : NULL;
 }
 
-/* From this many rows an expert's x goes in one int8 part, as a dense packed layer's call does from
- * kvgen.model.quant_linear.MANY_ROWS: the second part doubles the integer work where the kernel is
- * compute-bound (a prefill's experts), and costs nothing at decode's few rows, which keep it. */
-#define MANY_ROWS 16
-
 /* rows [n, N] of x through expert e of `s`. */
 static int expert_matmul(const struct expert_stack *s, int64_t e, const float *x, int64_t n, float *out,
                          int threads) {
-    const int32_t parts = n >= MANY_ROWS ? 1 : s->parts;
+    const int32_t parts = n >= s->many_rows ? 1 : s->parts;
     if (s->kquant)
         return ((kquant_fn)s->matmul)(x, n, s->K, at(s->codes, s->codes_stride, e), s->N, out, s->N, parts,
                                       threads);

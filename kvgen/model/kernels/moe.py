@@ -27,8 +27,8 @@ class ExpertStackArgs(ctypes.Structure):
     """`struct expert_stack` of moe.c: one projection of every expert, expert e's parts at e * stride."""
 
     _fields_ = [("matmul", _P), ("codes", _P), ("scale", _P), ("min", _P), ("codes_stride", _I64),
-                ("scale_stride", _I64), ("min_stride", _I64), ("offset", _I32), ("parts", _I32), ("N", _I64),
-                ("K", _I64), ("kquant", _I32)]
+                ("scale_stride", _I64), ("min_stride", _I64), ("offset", _I32), ("parts", _I32),
+                ("many_rows", _I32), ("N", _I64), ("K", _I64), ("kquant", _I32)]
 
 
 ACTIVATION_CODES = {name: code for code, name in enumerate(EXPERT_ACTIVATIONS)}  # moe.c's ACT_*, in that order
