@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgen.config import (
-    ATTENTION_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_MODES, QUANTIZATION_MODES, SPECULATIVE_METHODS,
+    ACTIVATION_MODES, ATTENTION_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_MODES, QUANTIZATION_MODES, SPECULATIVE_METHODS,
 )
 from kvgen.cache.policies import FORMS as KV_POLICY_FORMS, KINDS as KV_POLICY_KINDS
 from kvgen.errors import InvalidRequestError
@@ -50,13 +50,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("fused_decode", "engine", "--no-fused-decode", (True, False), (True, False)),
     Option("attention_backend", "engine", "--attention-backend", ATTENTION_BACKENDS, ("native", "sdpa")),
     Option("tensor_parallel_size", "engine", "--tensor-parallel-size", ("1..",), (1, 2)),
+    Option("activations", "engine", "--activations", ACTIVATION_MODES, ACTIVATION_MODES),
 )
 BY_NAME = {option.name: option for option in OPTIONS}
 # What the plain path is: the reference every other combination is compared with.
 PLAIN = {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "auto", "kv_cache": "paged",
          "kv_policy": "full", "speculative_method": None, "grammar": None, "n": 1, "enable_prefix_caching": True,
          "max_num_batched_tokens": 512, "fused_decode": True, "attention_backend": "native",
-         "tensor_parallel_size": 1}
+         "tensor_parallel_size": 1, "activations": "int8x2"}
 
 
 def kind(name: str, value: object) -> object:
