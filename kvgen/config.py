@@ -206,7 +206,7 @@ ATTENTION_BACKENDS = ("auto", "native", "sdpa")
 # dequantizes them to `dtype`; "int8" / "int4" pack float matrices in groups of 32.
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 # How packed matmuls quantize x, per 32 values (kvgen.model.kernels.qmatmul.ACTIVATION_PARTS): two int8
-# parts (~15 bits, the default) or one, as llama.cpp does (docs/kernels.md, "Activations").
+# parts (~15 bits, the default, first) or one, as llama.cpp does (docs/kernels.md, "Activations").
 ACTIVATION_MODES = ("int8x2", "int8")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
@@ -244,7 +244,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     quantization: str = "auto"
-    activations: str = "int8x2"  # a key of ACTIVATION_MODES
+    activations: str = ACTIVATION_MODES[0]  # the default: two int8 parts
     tensor_parallel_size: int = 1
     distributed_backend: str = "auto"
     distributed_timeout: float = 30.0

@@ -34,7 +34,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", choices=QUANTIZATION_MODES, default="auto",
                    help="auto (default): keep a GGUF's quantized weights packed, on kernels that read them so; "
                         "none: dequantize them to --dtype; int8 / int4: pack float weights (groups of 32)")
-    g.add_argument("--activations", choices=ACTIVATION_MODES, default="int8x2",
+    g.add_argument("--activations", choices=ACTIVATION_MODES, default=ACTIVATION_MODES[0],
                    help="how packed matmuls quantize x per 32 values: int8x2 (default: two int8 parts, ~15 bits) "
                         "or int8 (one part, as llama.cpp: verify steps and small batches do half the integer work)")
     g.add_argument("--kv-cache", choices=KV_CACHE_MODES, default="paged", help="KV cache kind (default: paged)")
