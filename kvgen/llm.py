@@ -46,7 +46,7 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     """The paged continuous-batching engine, or the one-at-a-time reference for contiguous / none;
     across processes with tensor_parallel_size > 1 (a torchrun worker rank serves its part of every
     step inside this call and exits the process when rank 0 stops). A draft model for speculative
-    decoding is loaded here, its quantization being draft_quantization."""
+    decoding is loaded here, its quantization being config.draft_weights."""
     config = resolve_kv_dtype(loaded, config)  # every rank of a tensor-parallel group alike
     refusal = recurrent_refusal(loaded.config, config)
     if refusal is not None:
@@ -59,7 +59,7 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         return SequentialEngine(loaded, config)
     draft = None
     if config.speculative_method == "draft":
-        draft = load(config.draft_model, dataclasses.replace(config, quantization=config.draft_quantization))
+        draft = load(config.draft_model, dataclasses.replace(config, quantization=config.draft_weights))
     return LLMEngine(loaded, config, draft)
 
 
@@ -68,8 +68,9 @@ def load(model: str | Path | None, config: EngineConfig, tokenizer: str | Path |
     """The model at a path or Hugging Face repo id (`org/name`, `org/name:Q4_K_M`, or `gguf_file` in it).
 
     The one place `config.quantization` meets the loader: 'auto' keeps a GGUF's block-quantized
-    matrices raw (`LoadedModel.quantized`) for the model's quantized layers; 'none' dequantizes
-    them; 'int8' / 'int4' load floats, which the model then packs.
+    matrices raw (`LoadedModel.quantized`) for the model's quantized layers, and so do 'int8' /
+    'int4', for which the model packs again those it makes smaller, one at a time (a float
+    checkpoint's floats are packed alike); 'none' dequantizes them.
     """
     path = resolve_model(str(model), gguf_file) if model is not None else default_model_path()
     # On CUDA a GGUF's matrices are dequantized at load, one tensor at a time, straight to the
@@ -77,7 +78,7 @@ def load(model: str | Path | None, config: EngineConfig, tokenizer: str | Path |
     on_gpu = torch.device(config.device).type == "cuda"
     reload = partial(load_model, path, tokenizer_path=tokenizer, device=config.device,
                      dtype=getattr(torch, DTYPES[config.dtype]) if on_gpu else torch.float32,
-                     keep_quantized=config.quantization == "auto" and not on_gpu)
+                     keep_quantized=config.quantization != "none" and not on_gpu)
     if config.tensor_parallel_size == 1:
         return reload()
     from kvgen.distributed.launch import local_rank_of

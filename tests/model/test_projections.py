@@ -98,6 +98,28 @@ def test_float_weights_packed_by_the_engine(method):
         assert size < floats[role][1] * (0.35 if method == "int8" else 0.2), role
 
 
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q5_0, QType.Q6_K], ids=lambda q: q.name)
+def test_gguf_matrices_packed_again_as_their_floats_would_be(tmp_path, vocab, qtype):
+    """`--quantization int4` on a GGUF (a draft's default on the CPU) packs each matrix wider than int4
+    from its values as the model loads, one at a time: the same layers, to the bit, as packing the
+    dequantized file's floats, and every projection in the int4 kernel."""
+    path = write_gguf(tmp_path / "m.gguf", random_model(qtype, len(vocab.tokens), Dims(), seed=4), vocab)
+    raw, floats = load_model(path, keep_quantized=True), load_model(path)
+    assert raw.quantized and not floats.quantized
+    again = DecoderModel(*_parts(raw), quantization="int4")
+    from_floats = DecoderModel(*_parts(floats), quantization="int4")
+    assert all(kernel.startswith("qmatmul_u4") for kernel, _ in again.kernels().values())
+    assert torch.equal(all_logits(again, PROMPT), all_logits(from_floats, PROMPT))
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_K], ids=lambda q: q.name)
+def test_gguf_matrices_no_wider_than_int4_stay_as_they_are(tmp_path, vocab, qtype):
+    """4.5 bits a weight against int4's 5: packing them again would grow them and round them twice."""
+    path = write_gguf(tmp_path / "m.gguf", random_model(qtype, len(vocab.tokens), Dims(), seed=4), vocab)
+    raw = load_model(path, keep_quantized=True)
+    assert DecoderModel(*_parts(raw), quantization="int4").kernels() == packed_model(path).kernels()
+
+
 def test_packed_real_model_keeps_its_quality(smollm_gguf, smollm_llm):
     """Issue 15's bar on the real Q4_1 file, teacher-forced over the bundled text: top-1 agrees with
     the dequantized fp32 model on >= 98% of positions and perplexity stays within 1%."""
