@@ -328,6 +328,17 @@ class EngineConfig:
         return getattr(torch, DTYPES[self.dtype])
 
     @property
+    def draft_weights(self) -> str:
+        """How the draft's matrices are kept: draft_quantization, 'auto' being int4 on the CPU. A draft's
+        numbers only steer proposals, and its steps are half the cost of a speculative step: on the real
+        Qwen2.5-Coder 0.5B / 1.5B pair (an Intel Xeon, 2 threads) int4 took a draft step from 30 to 22 ms
+        (Q5_0 and a Q8_0 LM head) and speculation on a copy task from 1.28x to 1.52x plain decoding, at
+        the same 98% acceptance (docs/speculative.md)."""
+        if self.draft_quantization == "auto" and torch.device(self.device).type == "cpu":
+            return "int4"
+        return self.draft_quantization
+
+    @property
     def kv_dtype(self) -> str:
         """The pools' dtype by name, "auto" resolved to the model's."""
         return DTYPES[self.dtype] if self.kv_cache_dtype == "auto" else self.kv_cache_dtype

@@ -76,7 +76,7 @@ class DraftProposer(Proposer):
         check_vocabulary(loaded.config, target, config.draft_model)
         cfg = loaded.config
         self.model = DecoderModel(cfg, {**loaded.weights, **loaded.quantized}, config.device, config.torch_dtype,
-                                config.draft_quantization, config.fused_decode, DRAFT_ACTIVATIONS)
+                                config.draft_weights, config.fused_decode, DRAFT_ACTIVATIONS)
         pool_dtype = STORAGE_DTYPES[config.kv_dtype]
         self.cache = PagedKVCache(cfg.num_layers, kv.num_blocks, kv.block_size, cfg.num_kv_heads, cfg.head_dim,
                                   self.model.device, pool_dtype, compute_dtype=self.model.dtype)

@@ -210,6 +210,18 @@ def test_a_packed_draft_quantizes_activations_to_one_int8_part(loaded, stories_b
 
 
 @pytest.mark.skipif(qmatmul_kernel() is None, reason="needs the quantized kernel (AVX-512 VNNI or AVX2)")
+def test_a_drafts_weights_default_to_int4_on_the_cpu(loaded, stories_bin):
+    """draft_quantization 'auto': on the CPU the draft's matrices take the int4 kernel (its numbers only
+    steer proposals), whatever the checkpoint; asked for, a mode is kept."""
+    assert EngineConfig().draft_weights == "int4"
+    assert EngineConfig(draft_quantization="none").draft_weights == "none"
+    eng = engine(loaded, speculative_method="draft", draft_model=str(stories_bin), num_speculative_tokens=3)
+    kernels = eng.speculator.proposer.model.kernels()
+    kernels.pop("down")  # 172 columns, not a multiple of 32: stays float
+    assert all(kernel.startswith("qmatmul_u4") for kernel, _ in kernels.values()), kernels
+
+
+@pytest.mark.skipif(qmatmul_kernel() is None, reason="needs the quantized kernel (AVX-512 VNNI or AVX2)")
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_a_target_in_one_int8_part_speculates_exactly(loaded, stories_bin, method):
     """activations="int8" (as llama.cpp): the target's packed layers read x in one part at every row
