@@ -206,7 +206,8 @@ class LayerBuilder:
 
     def _requantized(self, parts: list[GGUFWeight], bias: torch.Tensor | None, many_rows: ManyRows) -> Linear:
         """GGUF matrices packed again as `quantization` asks (int8 / int4: a draft made smaller than
-        its file), from their values in the model's dtype, as a float checkpoint's would be."""
+        its file), from their values in the model's dtype, as a float checkpoint's would be; a
+        projection stacked from several matrices is packed whole when any of them narrows."""
         values = [gguf_values(p).to(device=self.device, dtype=self.dtype) for p in parts]
         weight = torch.cat(values) if len(values) > 1 else values[0]
         for part in parts:
