@@ -81,7 +81,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                    help=f"tokens proposed and verified per step, 1..{MAX_SPECULATIVE_TOKENS} (default: 4)")
     s.add_argument("--draft-model", help="the draft checkpoint (the target's own file for self-speculation)")
     s.add_argument("--draft-quantization", choices=QUANTIZATION_MODES, default="auto",
-                   help="how the draft's weights are kept (auto: int4 on the CPU, a 4-bit copy of any checkpoint)")
+                   help="how the draft's weights are kept (auto: int4 on the CPU, for matrices wider than that)")
     s.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram prompt lookup matches")
     s.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram prompt lookup matches")
     s.add_argument("--no-adaptive-speculation", action="store_true",

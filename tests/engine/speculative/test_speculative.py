@@ -226,7 +226,7 @@ def test_a_draft_stops_after_a_token_it_is_unsure_of(loaded, stories_bin, monkey
 @pytest.mark.skipif(qmatmul_kernel() is None, reason="needs the quantized kernel (AVX-512 VNNI or AVX2)")
 def test_a_drafts_weights_default_to_int4_on_the_cpu(loaded, stories_bin):
     """draft_quantization 'auto': on the CPU the draft's matrices take the int4 kernel (its numbers only
-    steer proposals), whatever the checkpoint; asked for, a mode is kept."""
+    steer proposals), here a float checkpoint's; a mode asked for is kept."""
     assert EngineConfig().draft_weights == "int4"
     assert EngineConfig(draft_quantization="none").draft_weights == "none"
     eng = engine(loaded, speculative_method="draft", draft_model=str(stories_bin), num_speculative_tokens=3)
