@@ -72,8 +72,10 @@ class DraftChunk:
 
 def token_probabilities(logits: torch.Tensor, tokens: list[int], q: list[torch.Tensor | None] | None) -> list[float]:
     """The draft's probability of each row's token: under the request's sampling where it drew it
-    (q), else under the draft's softmax."""
-    plain = logits.float().softmax(-1)[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    (q), else under the draft's softmax, exp(logit - logsumexp) (no [rows, vocab] softmax a pass)."""
+    logits = logits.float()
+    chosen = logits.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    plain = (chosen - torch.logsumexp(logits, -1)).exp().tolist()
     return [float(q[row][token]) if q is not None and q[row] is not None else plain[row]
             for row, token in enumerate(tokens)]
 
