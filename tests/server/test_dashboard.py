@@ -18,6 +18,7 @@ import pytest
 from kvgen import LLM
 from kvgen.cache.kv_manager import BLOCK_STATES, NO_OWNER, BlockStates
 from kvgen.server.app import create_app
+from kvgen.server.dashboard.source import MAX_INTERVAL_S, DashboardSource
 from kvgen.server.dashboard.state import compact_pool
 from tests.server.harness import API_KEY, Server, blocks_used, running
 
@@ -168,6 +169,14 @@ def test_an_idle_server_sends_one_event_then_one_per_change(server):
         first = next_event(lines)
         http.post("/v1/completions", json={"prompt": "Tom", "max_tokens": 3})  # something changes
         assert next_event(lines)["step"] > first["step"]
+
+
+def test_costly_snapshots_space_the_events_out_up_to_a_bound():
+    """A snapshot costing 1 ms allows 10 a second (1%), 20 ms one a 2 s; however costly, one per 5 s."""
+    source = DashboardSource(llm=None, metrics=None)
+    for cost_s, interval in ((0.001, 0.1), (0.02, 2.0), (0.6, MAX_INTERVAL_S)):
+        source._cost_s = cost_s
+        assert source.interval == pytest.approx(interval)
 
 
 def test_the_data_needs_the_key_and_the_page_does_not(server):

@@ -3,7 +3,10 @@
 However many pages are open, snapshots are taken at most `max_rate` times a second: a client asking
 within that interval of the last one gets the same (coalesced). The interval also grows with what a
 snapshot costs (at most `max_share`, 1%, of the time goes into taking and formatting them), so a huge pool
-slows the updates rather than the engine. The last `keep` snapshots stay retrievable by id.
+slows the updates rather than the engine, up to `MAX_INTERVAL_S`, so a page never goes still. The cost is
+the loop thread's own CPU time: waiting for the GIL while other threads run is not the snapshot's cost,
+and counting it let one busy moment stretch the interval past a minute. The last `keep` snapshots stay
+retrievable by id.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from kvgen.server.dashboard.state import DashboardSnapshot, state_json
 from kvgen.server.metrics import ServerMetrics
 
 KEEPALIVE_S = 15.0
+MAX_INTERVAL_S = 5.0
 
 
 class DashboardSource:
@@ -49,7 +53,7 @@ class DashboardSource:
     @property
     def interval(self) -> float:
         """Seconds between snapshots: 1 / max_rate, or longer where a snapshot is costly."""
-        return max(1.0 / self.max_rate, self._cost_s / self.max_share)
+        return min(max(1.0 / self.max_rate, self._cost_s / self.max_share), MAX_INTERVAL_S)
 
     def recent(self, snapshot_id: int) -> DashboardSnapshot | None:
         return self._recent.get(snapshot_id)
@@ -88,15 +92,14 @@ class DashboardSource:
     async def _take(self) -> DashboardSnapshot:
         if self.replica is None:
             return await self.llm.between_steps(self._capture)
-        started = time.perf_counter()
         engine_snap = await self.llm.snapshot(self.replica, self._since())
-        return self._record(engine_snap, started)
+        return self._record(engine_snap, time.thread_time())  # the front end's share: the rest is the replica's
 
     def _since(self) -> int:
         return self._last.engine.step if self._last is not None else 0
 
     def _capture(self, engine: Engine) -> DashboardSnapshot:
-        started = time.perf_counter()
+        started = time.thread_time()
         return self._record(take_snapshot(engine, released_since=self._since()), started)
 
     def _record(self, engine_snap: EngineSnapshot, started: float) -> DashboardSnapshot:
@@ -105,13 +108,13 @@ class DashboardSource:
         while len(self._recent) > self._keep:
             self._recent.popitem(last=False)
         self._last, self._last_at = snap, time.monotonic()
-        self._cost_s = time.perf_counter() - started
+        self._cost_s = time.thread_time() - started
         return snap
 
     def _compact_payload(self, snap: DashboardSnapshot) -> str:
         """The event's JSON, formatted once per snapshot whatever the number of clients."""
         if self._compact is None or self._compact[0] != snap.id:
-            started = time.perf_counter()
+            started = time.thread_time()
             self._compact = (snap.id, json.dumps(state_json(snap, compact=True), separators=(",", ":")))
-            self._cost_s += time.perf_counter() - started
+            self._cost_s += time.thread_time() - started
         return self._compact[1]
