@@ -92,9 +92,14 @@ def test_kv_size_prints_state_apart(tmp_path, capsys):
         print(f"\n{out}")
 
 
-def test_a_qwen35_moe_directory_is_sized_as_hybrid_too():
-    """Qwen3.5-MoE's layers are Qwen3.5's: 1 of the fixture's 4 keeps KV, 3 a state."""
-    from tests.loaders.arch_fixtures import arch_checkpoint
+def test_a_qwen35_moe_directory_is_sized_as_hybrid_too(tmp_path):
+    """Qwen3.5-MoE's layers are Qwen3.5's: 1 of the fixture's 4 keeps KV, 3 a state (its config.json as
+    transformers writes it; sizing reads nothing else)."""
+    import transformers
 
-    shape = hybrid_shape_of(arch_checkpoint("qwen35moe").hf_dir)
+    from tests.loaders.arch_fixtures import SPECS
+
+    spec = SPECS["qwen35moe"]
+    getattr(transformers, spec.config_cls)(**spec.config).save_pretrained(tmp_path)
+    shape = hybrid_shape_of(tmp_path)
     assert (shape.attention_layers, shape.recurrent_layers, shape.recurrent) == (1, 3, RecurrentShape(2, 4, 16, 16, 4))
