@@ -20,6 +20,7 @@ import torch
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
 from kvgen.loaders.progress import advance
+from kvgen.model.formats.float_weights import GROUP
 from kvgen.model.formats.gguf_blocks import convert
 from kvgen.model.formats.kquant import KINDS, KPacked
 from kvgen.model.formats.kquant import dequantize as dequantize_k
@@ -30,6 +31,7 @@ from kvgen.model.kernels.build import KernelCall
 from kvgen.model.kernels.kquant import kquant_kernel
 from kvgen.model.kernels.moe import ExpertOptions, ExpertStackArgs, moe_kernel
 from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, qmatmul_kernel
+from kvgen.model.linear_choice import FLOAT_QUANTIZERS, gguf_values, narrows
 from kvgen.model.quant_linear import MANY_ROWS
 
 Weight = torch.Tensor | GGUFWeight
@@ -98,8 +100,7 @@ def kquant_stack(parts: list[GGUFWeight], activations: str) -> ExpertStack | Non
 def packed_stack(parts: list[GGUFWeight], activations: str) -> ExpertStack | None:
     """Experts of a legacy block type (Q8_0, Q4_0, ...) or another type the packed format holds, in
     that format, or None where no format holds it or no packed kernel runs here."""
-    qmatmul = qmatmul_kernel()
-    if qmatmul is None:
+    if qmatmul_kernel() is None:
         return None
     ggml_type, experts, k = parts[0].ggml_type, parts[0].shape[0], parts[0].shape[2]
     n = sum(p.shape[1] for p in parts)
@@ -107,8 +108,22 @@ def packed_stack(parts: list[GGUFWeight], activations: str) -> ExpertStack | Non
         packed = block_packer().pack(ggml_type, expert_rows(parts))
     else:
         packed = convert(ggml_type, np.concatenate(expert_rows(parts)), (experts * n, k))
-    if packed is None:
+    return None if packed is None else _packed_stack(packed, experts, activations)
+
+
+def quantized_stack(values: torch.Tensor, quantization: str, activations: str) -> ExpertStack | None:
+    """fp32 [experts, N, K] packed as `quantization` (int8 / int4) asks, as the dense layers of the
+    model are, or None where no packed kernel runs here."""
+    if qmatmul_kernel() is None:
         return None
+    experts, n, k = values.shape
+    return _packed_stack(FLOAT_QUANTIZERS[quantization](values.reshape(experts * n, k)), experts, activations)
+
+
+def _packed_stack(packed: PackedWeight, experts: int, activations: str) -> ExpertStack:
+    """A PackedWeight of `experts` experts' rows one after another as moe.c's stack."""
+    qmatmul = qmatmul_kernel()
+    n, k = packed.shape[0] // experts, packed.shape[1]
     panels = n // PANEL
     scale_stride = panels * packed.scale.shape[1] * packed.scale.element_size()
     minimum = None if packed.min is None else packed.min.data_ptr()
@@ -118,21 +133,33 @@ def packed_stack(parts: list[GGUFWeight], activations: str) -> ExpertStack | Non
     return ExpertStack(packed, args, experts)
 
 
-def expert_stack(parts: list[Weight], activations: str) -> ExpertStack:
-    """Parts [experts, N_i, K] (stacked along N per expert) as one stack: packed where all are GGUF
-    blocks of one type a packed kernel holds (each expert's rows filling whole panels of 16), else fp32."""
+def expert_stack(parts: list[Weight], activations: str, quantization: str = "none") -> ExpertStack:
+    """Parts [experts, N_i, K] (stacked along N per expert) as one stack, each expert's rows filling
+    whole panels of 16: packed again as `quantization` asks (int8 / int4) where that makes them smaller
+    (float weights, or GGUF blocks wider than it: the rule of the dense layers); else packed as they are
+    where all are GGUF blocks of one type a packed kernel holds; else fp32."""
     advance(sum(p.raw.nbytes if isinstance(p, GGUFWeight) else p.nbytes for p in parts))  # the progress bar
-    quantized = all(isinstance(p, GGUFWeight) and p.is_quantized for p in parts)
-    if quantized and len({p.ggml_type for p in parts}) == 1 and sum(p.shape[1] for p in parts) % PANEL == 0 \
-            and moe_kernel() is not None:
-        build = kquant_stack if parts[0].ggml_type in KINDS else packed_stack
-        stack = build(parts, activations)
-        if stack is not None:
-            for p in parts:
-                p.release()
-            return stack
-    values = [p.dequantize() if isinstance(p, GGUFWeight) else p for p in parts]
-    return float_stack(torch.cat(values, dim=1) if len(values) > 1 else values[0])
+    n, k = sum(p.shape[1] for p in parts), parts[0].shape[2]
+    packable = n % PANEL == 0 and moe_kernel() is not None
+    stack = None
+    if packable and quantization in FLOAT_QUANTIZERS and k % GROUP == 0 and any(
+            not isinstance(p, GGUFWeight) or not p.is_quantized or narrows(p, quantization) for p in parts):
+        stack = quantized_stack(_values(parts), quantization, activations)
+    elif packable and all(isinstance(p, GGUFWeight) and p.is_quantized for p in parts) \
+            and len({p.ggml_type for p in parts}) == 1:
+        stack = (kquant_stack if parts[0].ggml_type in KINDS else packed_stack)(parts, activations)
+    if stack is None:
+        return float_stack(_values(parts))
+    for p in parts:
+        if isinstance(p, GGUFWeight):
+            p.release()
+    return stack
+
+
+def _values(parts: list[Weight]) -> torch.Tensor:
+    """The parts' values, fp32 [experts, sum of N_i, K]."""
+    values = [(gguf_values(p) if isinstance(p, GGUFWeight) else p).to(torch.float32) for p in parts]
+    return torch.cat(values, dim=1) if len(values) > 1 else values[0]
 
 
 class Experts:
@@ -141,9 +168,9 @@ class Experts:
     `counts` [experts] accumulates the tokens routed to each (router statistics)."""
 
     def __init__(self, gate: Weight, up: Weight, down: Weight, top_k: int, norm_topk: bool,
-                 activations: str, options: ExpertOptions = ExpertOptions()) -> None:
-        self.gate_up = expert_stack([gate, up], activations)  # [experts, 2 * inner, hidden]
-        self.down = expert_stack([down], activations)  # [experts, hidden, inner]
+                 activations: str, options: ExpertOptions = ExpertOptions(), quantization: str = "none") -> None:
+        self.gate_up = expert_stack([gate, up], activations, quantization)  # [experts, 2 * inner, hidden]
+        self.down = expert_stack([down], activations, quantization)  # [experts, hidden, inner]
         self.top_k, self.norm_topk, self.options = top_k, norm_topk, options
         self.num_experts = self.down.experts
         self.counts = torch.zeros(self.num_experts, dtype=torch.int64)

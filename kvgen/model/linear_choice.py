@@ -122,12 +122,21 @@ def quantize_linear(weight: torch.Tensor, method: str, bias: torch.Tensor | None
                          many_rows)
 
 
+def narrows(weight: GGUFWeight, quantization: str) -> bool:
+    """Whether packing `weight` again as `quantization` (int8 / int4) asks makes it smaller: a Q8_0, Q5_0
+    or Q6_K matrix at int4 does, a Q4_0 or Q4_K one (4.5 bits a weight against int4's 5) does not, and
+    stays as it is."""
+    block, size = GGML_QUANT_SIZES[weight.ggml_type]
+    return weight.shape[-1] % GROUP == 0 and 8 * size / block > PACKED_BITS[quantization]
+
+
 def gguf_values(weight: GGUFWeight) -> torch.Tensor:
     """A GGUF matrix's fp32 values (gguf's, bit for bit): through its packed copy where the block
     packer takes the type (gguf's numpy dequantized Q8_0 at ~33 ns a value, 4.5 s of a 0.5B
     model's load), else gguf's."""
-    packed = convert(weight.ggml_type, weight.raw, weight.shape) if weight.ggml_type in BLOCK_TYPES else None
-    return dequantize(packed) if packed is not None else weight.dequantize()
+    rows = (weight.raw.shape[0], weight.shape[-1])  # an expert stack's [experts, N, K] as rows of K
+    packed = convert(weight.ggml_type, weight.raw, rows) if weight.ggml_type in BLOCK_TYPES else None
+    return dequantize(packed).view(weight.shape) if packed is not None else weight.dequantize()
 
 
 class LayerBuilder:
@@ -180,6 +189,11 @@ class LayerBuilder:
         from 99.0% to 97.8% with them)."""
         return self._linear(parts, bias, replace(self._many_rows, onednn=False) if logits else self._many_rows)
 
+    def unquantized(self, weight: Weight, bias: torch.Tensor | None = None) -> Linear:
+        """A projection in the model's dtype whatever `quantization` asks: a router's, whose few logits
+        pick the experts (llama.cpp's files keep routers F32, and vLLM leaves MoE gates unquantized)."""
+        return make_linear(self.float(weight), bias, self._many_rows.tiles)
+
     def _linear(self, parts: list[Weight], bias: torch.Tensor | None, many_rows: ManyRows) -> Linear:
         if all(isinstance(p, GGUFWeight) for p in parts):
             if self.quantization in FLOAT_QUANTIZERS and any(self._narrows(p) for p in parts):
@@ -198,11 +212,7 @@ class LayerBuilder:
         return make_linear(weight, bias, self._many_rows.tiles)
 
     def _narrows(self, weight: GGUFWeight) -> bool:
-        """Whether packing `weight` again as `quantization` asks makes it smaller: a Q8_0, Q5_0 or Q6_K
-        matrix at int4 does, a Q4_0 or Q4_K one (4.5 bits a weight against int4's 5) does not, and
-        stays as it is."""
-        block, size = GGML_QUANT_SIZES[weight.ggml_type]
-        return weight.shape[1] % GROUP == 0 and 8 * size / block > PACKED_BITS[self.quantization]
+        return narrows(weight, self.quantization)
 
     def _requantized(self, parts: list[GGUFWeight], bias: torch.Tensor | None, many_rows: ManyRows) -> Linear:
         """GGUF matrices packed again as `quantization` asks (int8 / int4: a draft made smaller than

@@ -21,7 +21,9 @@ from kvgen.loaders.gguf_tensors import GGUFWeight
 from kvgen.model.experts import Experts, expert_stack, moe_reference, route
 from kvgen.model.formats.gguf_blocks import convert
 from kvgen.model.kernels.moe import ExpertOptions, moe_kernel
+from kvgen.model.formats.float_weights import quantize_int4
 from kvgen.model.kernels.qmatmul import qmatmul_kernel
+from kvgen.model.linear_choice import FLOAT_QUANTIZERS, gguf_values
 from tests.model.quant.bounds import U, term_magnitudes
 from tests.model.quant.raw_blocks import raw_matrix
 from tests.model.quant.test_kquant import K_TYPES
@@ -101,10 +103,13 @@ def magnitudes(parts: list) -> torch.Tensor:
     return torch.cat([one(p) for p in parts], dim=1)
 
 
-def check(parts: list, top_k: int, norm: bool, tokens: int, seed: int = 0) -> Experts:
-    """Builds the experts of `parts` (gate, up, down) and checks one call of `tokens` random rows."""
-    terms = magnitudes(parts[:2]), magnitudes(parts[2:])
-    layer = Experts(*parts, top_k=top_k, norm_topk=norm, activations="int8")
+def check(parts: list, top_k: int, norm: bool, tokens: int, seed: int = 0, quantization: str = "none") -> Experts:
+    """Builds the experts of `parts` (gate, up, down), packed again as `quantization` asks, and checks
+    one call of `tokens` random rows."""
+    terms = (magnitudes(parts[:2]), magnitudes(parts[2:])) if quantization == "none" else None
+    layer = Experts(*parts, top_k=top_k, norm_topk=norm, activations="int8", quantization=quantization)
+    if terms is None:  # the terms of the packed copy the layer made
+        terms = tuple(term_magnitudes(s.weight).view(s.experts, s.args.N, s.args.K) for s in (layer.gate_up, layer.down))
     g = torch.Generator().manual_seed(seed)
     hidden = layer.down.args.N
     x = torch.randn(tokens, hidden, generator=g)
@@ -131,6 +136,35 @@ def test_fp32_experts_match_float64(tokens, top_k, norm):
 def test_packed_experts_match_float64(tokens, ggml_type, hidden, inner, kernel):
     layer = check(gguf_experts(ggml_type, 4, hidden, inner), 2, True, tokens)
     assert layer.gate_up.kernel == layer.down.kernel == kernel
+
+
+@pytest.mark.skipif(qmatmul_kernel() is None, reason="no packed kernel on this CPU")
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("quantization,kernel", [("int8", "moe packed u8 g32"), ("int4", "moe packed u4 g32")])
+def test_float_experts_packed_as_quantization_asks(tokens, quantization, kernel):
+    """`--quantization int8 / int4` packs a float checkpoint's experts as it packs its dense matrices:
+    each stack holds the bits quantize_int8 / quantize_int4 give its experts' rows."""
+    parts = random_experts(4, 64, 32)
+    layer = check(parts, 2, True, tokens, quantization=quantization)
+    assert layer.gate_up.kernel == layer.down.kernel == kernel
+    want = FLOAT_QUANTIZERS[quantization](torch.cat(parts[:2], dim=1).reshape(4 * 64, 64))
+    assert torch.equal(layer.gate_up.weight.codes, want.codes) and torch.equal(layer.gate_up.weight.scale, want.scale)
+
+
+@pytest.mark.skipif(qmatmul_kernel() is None, reason="no packed kernel on this CPU")
+def test_gguf_experts_packed_again_only_where_that_narrows_them():
+    """At int4, Q8_0 experts are packed again from their values (as a Q8_0 dense matrix is), Q4_0
+    experts (4.5 bits a weight against int4's 5) stay as the file has them; at int8, Q8_0 stays."""
+    q8 = gguf_experts(Q.Q8_0, 4, 64, 32)
+    layer = Experts(*q8, top_k=2, norm_topk=True, activations="int8", quantization="int4")
+    values = torch.cat([gguf_values(p) for p in q8[:2]], dim=1).reshape(4 * 64, 64)
+    assert layer.gate_up.kernel == "moe packed u4 g32"
+    assert torch.equal(layer.gate_up.weight.codes, quantize_int4(values).codes)
+    assert Experts(*q8, top_k=2, norm_topk=True, activations="int8", quantization="int8").gate_up.kernel == \
+        "moe packed u8 g32"
+    q4 = gguf_experts(Q.Q4_0, 4, 64, 32)
+    kept = Experts(*q4, top_k=2, norm_topk=True, activations="int8", quantization="int4")
+    assert torch.equal(kept.down.dequantize(), Experts(*q4, top_k=2, norm_topk=True, activations="int8").down.dequantize())
 
 
 def test_a_token_reads_only_its_experts():

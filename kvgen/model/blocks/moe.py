@@ -27,10 +27,11 @@ class MoEBlock(Block):
         p = f"model.layers.{index}.{spec.prefix}."
         router_bias = build.float(w[p + spec.router + ".bias"]) if spec.biases else None
         router = w[p + spec.router + ".weight"]
-        self.router: Linear = build.linear([router], router_bias, logits=True)  # hidden -> experts
+        self.router: Linear = build.unquantized(router, router_bias)  # hidden -> experts
         self.experts = Experts(*(w[p + f"experts.{n}_proj.weight"] for n in ("gate", "up", "down")),
                                top_k=cfg.experts_per_token, norm_topk=cfg.norm_topk_prob,
-                               activations=build.activations, options=expert_options(spec, p, ctx))
+                               activations=build.activations, options=expert_options(spec, p, ctx),
+                               quantization=build.quantization)
         self.shared: GatedMLP | None = None
         self.shared_gate: Linear | None = None  # hidden -> 1
         if spec.shared_expert:
