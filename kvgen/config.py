@@ -252,6 +252,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     draft_model: str | None = None
     draft_quantization: str = "auto"
+    draft_p_min: float = 0.75  # a draft stops proposing after a token it gives less (kvgen.engine.speculative.draft)
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     adaptive_speculation: bool = True  # skip speculating a step where it measures slower (docs/speculative.md)
@@ -319,6 +320,8 @@ class EngineConfig:
                              "'ngram' or 'suffix'")
         if self.draft_quantization not in QUANTIZATION_MODES:
             raise ValueError(f"draft_quantization must be one of {QUANTIZATION_MODES}, got {self.draft_quantization!r}")
+        if not 0.0 <= self.draft_p_min <= 1.0:
+            raise ValueError(f"draft_p_min must be a probability in [0, 1], got {self.draft_p_min!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min and prompt_lookup_max need 1 <= min <= max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

@@ -82,6 +82,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-model", help="the draft checkpoint (the target's own file for self-speculation)")
     s.add_argument("--draft-quantization", choices=QUANTIZATION_MODES, default="auto",
                    help="how the draft's weights are kept (auto: int4 on the CPU, for matrices wider than that)")
+    s.add_argument("--draft-p-min", type=float, default=0.75,
+                   help="the draft stops proposing after a token it gives less probability than this (0: never)")
     s.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram prompt lookup matches")
     s.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram prompt lookup matches")
     s.add_argument("--no-adaptive-speculation", action="store_true",
@@ -107,7 +109,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         distributed_backend=args.distributed_backend, distributed_timeout=args.distributed_timeout,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
-        draft_quantization=args.draft_quantization, prompt_lookup_min=args.prompt_lookup_min,
+        draft_quantization=args.draft_quantization, draft_p_min=args.draft_p_min,
+        prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max, adaptive_speculation=not args.no_adaptive_speculation,
         fused_decode=not args.no_fused_decode, enforce_eager=getattr(args, "enforce_eager", False),
         kv_offload_memory=getattr(args, "kv_offload_memory", None), kv_cache_dir=getattr(args, "kv_cache_dir", None),

@@ -44,11 +44,6 @@ from kvgen.scheduling.sequence import Sequence
 # (kvgen.model.linear_choice.ACTIVATIONS): its numbers only steer proposals, and one part halves
 # the integer kernel's work. A SmolLM2 Q4_1 step's matrices at 1 / 2 rows: 5.9 / 9.7 ms -> 4.6 / 5.9.
 DRAFT_ACTIVATIONS = "int8"
-# A draft stops proposing for a sequence after a token it gives less than this probability (as
-# llama.cpp's draft speculation, `--draft-p-min`): on free text each further draft step and verify
-# row would mostly be wasted, and a speculative step cost ~3.5 plain ones on the real Qwen2.5-Coder
-# pair where the text kept ~2.3 of its tokens.
-DRAFT_P_MIN = 0.75
 
 
 @dataclass
@@ -98,6 +93,10 @@ class DraftProposer(Proposer):
         kernel = paged_decode_for(config.attention_backend, self.model.device, self.model.dtype, pool_dtype)
         self.runner = ModelRunner(self.model, self.cache, kv, kernel)
         self.kv = kv
+        # A sequence's drafting stops after a token the draft gives less than this (as llama.cpp's
+        # `--draft-p-min`): on free text each further draft step and verify row would mostly be wasted;
+        # a speculative step cost ~3.5 plain ones on the real Qwen2.5-Coder pair where it kept ~2.3 tokens.
+        self.p_min = config.draft_p_min
         self.bytes_per_token = kv_bytes_per_token_of(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_dtype)
         self.computed: dict[int, int] = {}  # seq_id -> tokens whose draft K/V are in the pools
 
@@ -115,7 +114,7 @@ class DraftProposer(Proposer):
                 if q is not None and q[row] is not None:
                     probs[i].append(q[row])
                 self.computed[p.seq.seq_id] = p.start + p.num_tokens
-                if len(drafts[i]) < chunks[i].num_lookahead and sure[row] >= DRAFT_P_MIN:
+                if len(drafts[i]) < chunks[i].num_lookahead and sure[row] >= self.p_min:
                     following.append((i, DraftChunk(p.seq, p.start + p.num_tokens, [tokens[row]])))
             passes = following
         return [Proposal(d, torch.stack(q) if q and not c.seq.params.greedy else None)

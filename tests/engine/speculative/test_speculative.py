@@ -12,7 +12,6 @@ from scipy.stats import chi2_contingency
 from kvgen import LLM
 from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.speculative import draft
 from kvgen.engine.speculative.adaptive import MAX_PROBE_EVERY, MIN_SAMPLES, PROBE_EVERY, AdaptiveSwitch
 from kvgen.errors import InvalidRequestError, ModelLoadError
 from kvgen.loaders import load_model
@@ -210,17 +209,16 @@ def test_a_packed_draft_quantizes_activations_to_one_int8_part(loaded, stories_b
     assert target and all(re.search(r"\(x int8x2[;)]", k) for k in target), target
 
 
-@pytest.mark.parametrize("p_min", [0.0, 1.01])
-def test_a_draft_stops_after_a_token_it_is_unsure_of(loaded, stories_bin, monkeypatch, p_min):
-    """After a token the draft gives less than DRAFT_P_MIN it proposes no more this step: with a bar
-    above 1, one token a verify; with none, more. The greedy tokens are the plain engine's."""
-    monkeypatch.setattr(draft, "DRAFT_P_MIN", p_min)
+@pytest.mark.parametrize("p_min", [0.0, 1.0])
+def test_a_draft_stops_after_a_token_it_is_unsure_of(loaded, stories_bin, p_min):
+    """After a token the draft gives less than draft_p_min it proposes no more this step: with a bar
+    of 1 and an unsure draft, one token a verify; with none, more. The greedy tokens are the plain engine's."""
     request = (STORY, SamplingParams(temperature=0, max_tokens=40))
-    eng = engine(loaded, **spec_options("draft", 4, stories_bin))
+    eng = engine(loaded, draft_p_min=p_min, **spec_options("draft", 4, stories_bin))
     assert run_all(eng, [request])[0] == run_all(engine(loaded), [request])[0]
     counters = eng.speculator.counters
     assert counters.verify_steps > 0
-    assert (counters.proposed == counters.verify_steps) == (p_min > 1)
+    assert (counters.proposed == counters.verify_steps) == (p_min == 1.0)
 
 
 @pytest.mark.skipif(qmatmul_kernel() is None, reason="needs the quantized kernel (AVX-512 VNNI or AVX2)")
