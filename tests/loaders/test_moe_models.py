@@ -89,6 +89,16 @@ def test_fused_decode_steps_give_the_layered_tokens(arch_ckpt, arch):
         assert packed == (quantization == "auto")
 
 
+def test_int4_packs_a_q8_files_experts_and_keeps_its_router_in_floats(arch_ckpt):
+    """`--quantization int4` on a Q8_0 file: its experts in 4 bits like its dense matrices, its router
+    in floats (its logits pick the experts); the engine runs and gives every block back."""
+    llm = LLM(arch_ckpt("qwen3moe").gguf_q8, quantization="int4", block_size=16, num_kv_blocks=256)
+    report = llm.engine.model.kernels()
+    assert report["experts"][0] == "moe packed u4 g32" and report["qkv"][0].startswith("qmatmul_u4")
+    assert not report["router"][0].startswith("qmatmul"), report["router"]
+    assert all(len(t) == N for t in tokens(llm, ragged_prompts()[:3]))
+
+
 @pytest.mark.parametrize("options", [dict(kv_cache="contiguous"), dict(kv_cache="none"),
                                      dict(attention_backend="sdpa", block_size=16, num_kv_blocks=256)],
                          ids=["contiguous", "no-cache", "paged-sdpa"])
