@@ -61,10 +61,12 @@ def pack_f32(weight: torch.Tensor) -> CodedWeight:
 def _f32_layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """Codes and low 3 bytes [rows, K] (rows a multiple of 32) -> panels uint8 [rows/32, K, 112]."""
     rows, k = codes.shape
-    codes, low = (t.view(rows // PANEL, PANEL, k).transpose(1, 2) for t in (codes, low))  # [panels, K, 32]
-    low_bytes = torch.stack([low & 0xFF, low >> 8 & 0xFF, low >> 16], dim=-1).flatten(2)  # [panels, K, 96]
+    panels = rows // PANEL
+    low_bytes = low.contiguous().view(torch.uint8).view(panels, PANEL, k, 4)[..., :3]  # little-endian bytes 0-2
+    low_bytes = low_bytes.transpose(1, 2).reshape(panels, k, 3 * PANEL)  # [panels, K, 96]
+    codes = codes.to(torch.uint8).view(panels, PANEL, k).transpose(1, 2)  # [panels, K, 32]
     nibbles = codes[..., :16] | codes[..., 16:] << 4  # [panels, K, 16]
-    return torch.cat([low_bytes, nibbles], dim=2).to(torch.uint8).contiguous()
+    return torch.cat([low_bytes, nibbles], dim=2)
 
 
 class _CodedMatmul:
