@@ -158,10 +158,10 @@ def pack_bf16(weight: torch.Tensor) -> CodedWeight:
 def _bf16_layout(codes: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """Codes and low bytes [rows, K] (rows a multiple of 4) -> tiles uint8 [rows/4, K/64, 384]."""
     rows, k = codes.shape
-    codes, low = (t.view(rows // TILE_ROWS, TILE_ROWS, k // SPAN, SPAN)[..., COLUMN_AT].transpose(1, 2)
-                  for t in (codes, low))  # [tiles, spans, 4, 64]
+    codes, low = (t.to(torch.uint8).view(rows // TILE_ROWS, TILE_ROWS, k // SPAN, SPAN)[..., COLUMN_AT].transpose(1, 2)
+                  for t in (codes, low))  # [tiles, spans, 4, 64], each a byte
     nibbles = codes[..., :32] | codes[..., 32:] << 4  # [tiles, spans, 4, 32]
-    return torch.cat([low.flatten(2), nibbles.flatten(2)], dim=2).to(torch.uint8).contiguous()
+    return torch.cat([low.flatten(2), nibbles.flatten(2)], dim=2)
 
 
 class CodedBf16Matmul(_CodedMatmul):
