@@ -109,7 +109,8 @@ def check(parts: list, top_k: int, norm: bool, tokens: int, seed: int = 0, quant
     terms = (magnitudes(parts[:2]), magnitudes(parts[2:])) if quantization == "none" else None
     layer = Experts(*parts, top_k=top_k, norm_topk=norm, activations="int8", quantization=quantization)
     if terms is None:  # the terms of the packed copy the layer made
-        terms = tuple(term_magnitudes(s.weight).view(s.experts, s.args.N, s.args.K) for s in (layer.gate_up, layer.down))
+        terms = tuple(term_magnitudes(stack.weight).view(stack.experts, stack.args.N, stack.args.K)
+                      for stack in (layer.gate_up, layer.down))
     g = torch.Generator().manual_seed(seed)
     hidden = layer.down.args.N
     x = torch.randn(tokens, hidden, generator=g)
@@ -163,8 +164,8 @@ def test_gguf_experts_packed_again_only_where_that_narrows_them():
     assert Experts(*q8, top_k=2, norm_topk=True, activations="int8", quantization="int8").gate_up.kernel == \
         "moe packed u8 g32"
     q4 = gguf_experts(Q.Q4_0, 4, 64, 32)
-    kept = Experts(*q4, top_k=2, norm_topk=True, activations="int8", quantization="int4")
-    assert torch.equal(kept.down.dequantize(), Experts(*q4, top_k=2, norm_topk=True, activations="int8").down.dequantize())
+    kept, auto = (Experts(*q4, top_k=2, norm_topk=True, activations="int8", quantization=q) for q in ("int4", "auto"))
+    assert kept.down.kernel == "moe packed u4 g32" and torch.equal(kept.down.dequantize(), auto.down.dequantize())
 
 
 def test_a_token_reads_only_its_experts():
