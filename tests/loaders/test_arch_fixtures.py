@@ -104,7 +104,7 @@ def test_reference_is_self_consistent(arch_ckpt, arch):
     assert len(set(tokens)) >= 4, tokens
 
 
-@pytest.mark.parametrize("arch", gguf_archs("qwen2"))
+@pytest.mark.parametrize("arch", gguf_archs("qwen2", "qwen3"))
 def test_gguf_roundtrip(arch_ckpt, arch):
     """transformers reads the F32 GGUF back into the same model: the same greedy tokens."""
     ckpt = arch_ckpt(arch)
@@ -188,7 +188,7 @@ def test_gguf_gemma4_fields(arch_ckpt):
     assert factors.count(1.0) == len(factors) // 4  # proportional RoPE: a quarter of the pairs rotate
 
 
-@pytest.mark.parametrize("arch", gguf_archs("qwen2"))
+@pytest.mark.parametrize("arch", gguf_archs("qwen2", "qwen3"))
 def test_gguf_q8_0(arch_ckpt, arch):
     """The Q8_0 GGUF is the same model up to quantization: last-position logits nearly parallel."""
     ckpt = arch_ckpt(arch)
