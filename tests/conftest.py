@@ -16,6 +16,7 @@ def pytest_configure(config):
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the servers started in subprocesses
     torch.set_num_threads(1)
 
+
 # A run that collects at least this many tests is taken for the whole suite: it makes the suite's cached
 # files in a second process meanwhile (tests/prebuild.py).
 PREBUILD_FROM_TESTS = 1000
@@ -327,8 +328,6 @@ def _fetch_model(fetch: Path, name: str) -> Path:
         return fetch_model(fetch, name)
     except FetchError as e:
         pytest.fail(str(e), pytrace=False)
-
-
 
 
 @pytest.fixture(scope="session")
