@@ -8,6 +8,7 @@ Errors a user can cause (bad file, bad parameter, prompt too long) print one lin
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import sys
 import time
@@ -279,5 +280,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def console() -> None:
+    """The `kvgen` command and `python -m kvgen`: main's status as the process's. Under torchrun, the
+    exit handlers run (a tensor-parallel engine's close: STOP to the other ranks, the group left) and
+    the process ends without interpreter teardown, as the other ranks do: tearing gloo's threads down
+    there sometimes aborts (SIGABRT) after the work is done, which fails the torchrun job
+    (kvgen.distributed.worker.exit_now)."""
+    status = main()
+    from kvgen.distributed.group import torchrun_rank
+
+    if torchrun_rank() is not None:
+        from kvgen.distributed.worker import exit_now
+
+        atexit._run_exitfuncs()
+        exit_now(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -196,7 +196,7 @@ class LayerBuilder:
 
     def _linear(self, parts: list[Weight], bias: torch.Tensor | None, many_rows: ManyRows) -> Linear:
         if all(isinstance(p, GGUFWeight) for p in parts):
-            if self.quantization in FLOAT_QUANTIZERS and any(self._narrows(p) for p in parts):
+            if self.quantization in FLOAT_QUANTIZERS and any(narrows(p, self.quantization) for p in parts):
                 return self._requantized(parts, bias, many_rows)
             if any(self._keeps_k(p.ggml_type) for p in parts):
                 return self._k_linear(parts, bias, many_rows)
@@ -210,9 +210,6 @@ class LayerBuilder:
         if self.quantization in ("int8", "int4") and weight.shape[1] % GROUP == 0:
             return quantize_linear(weight, self.quantization, bias, self.activations, many_rows)
         return make_linear(weight, bias, self._many_rows.tiles)
-
-    def _narrows(self, weight: GGUFWeight) -> bool:
-        return narrows(weight, self.quantization)
 
     def _requantized(self, parts: list[GGUFWeight], bias: torch.Tensor | None, many_rows: ManyRows) -> Linear:
         """GGUF matrices packed again as `quantization` asks (int8 / int4: a draft made smaller than
