@@ -8,7 +8,7 @@ once, when the weights load (kvgen.model.linear_choice):
                   the float kernel this CPU runs faster (kernels/many_rows_choice.py), and from
                   ONEDNN_FROM_ROWS rows to row-major bf16 for oneDNN's GEMM where that measured
                   faster still (AMX hosts; docs/kernels.md).
-    KQuantLinear  Q4_K / Q5_K / Q6_K in kquant.c's layout (AVX-512 VNNI), one kernel at every row
+    KQuantLinear  Q4_K / Q5_K / Q6_K in kquant.c's layout (AVX-512 VNNI or AVX2), one kernel at every row
                   count; x in one int8 part from MANY_ROWS rows, where a second would double its work;
                   from ONEDNN_FROM_ROWS rows on oneDNN's GEMM where that measured faster.
     TorchQuantLinear  CUDA and other devices: dequantize per call, then `F.linear`.
@@ -153,7 +153,7 @@ class KQuantLinear(QuantLinear):
         self._tiles = tiles if tiles is not None and has_onednn_bf16() and onednn_beats("K-quant kernel") else None
         many = f"; from {MANY_ROWS} rows x int8" if parts > 1 else ""
         many += f"; from {ONEDNN_FROM_ROWS} onednn" if self._tiles is not None else ""
-        self.kernel = f"kq_matmul_{weight.kind} [avx512-vnni] (x {activations}{many})"
+        self.kernel = f"kq_matmul_{weight.kind} [{kernel.isa}] (x {activations}{many})"
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype; a row's result depends only on which side of

@@ -1,8 +1,10 @@
 /* y = x @ W^T for GGUF K-quant weights (Q4_K, Q5_K, Q6_K) kept in a layout close to the file's:
- * integer dot products (AVX-512 VNNI), one pass of the weights for any number of rows of x.
+ * integer dot products, one pass of the weights for any number of rows of x.
  *
- * Built by kvgen/model/kernels/kquant.py with explicit flags (AVX-512 F/BW/VL/VNNI, F16C; never
- * -march=native, never AMX) and loaded only on CPUs that report them.
+ * One source, two builds, as qmatmul.c (qvec.h's vectors): AVX-512 VNNI, or AVX2 with FMA and F16C,
+ * which give the same bits (every code is below 64, so AVX2's int16 pair sums of code * x never
+ * saturate). Built by kvgen/model/kernels/kquant.py with explicit flags (never -march=native, never
+ * AMX) and loaded only on CPUs that report them.
  *
  * Layout (kvgen/model/formats/kquant.py packs it): rows in panels of 16 (the last padded with
  * zero rows), each panel stored super-block (256 columns) by super-block as one stream. A block:
@@ -32,7 +34,7 @@
  * among the threads, each thread getting the same panels in every chunk so that it goes on to the
  * next chunk without waiting for the others (one barrier a call, not one a chunk: OpenMP's spinning
  * was 5.7% of a Qwen3.5-2B prefill's samples on a 2-core AMD EPYC with eight). Each panel meets
- * the chunk's rows 8 at a time (then 4, 2, 1), so the codes unpacked once serve 8 rows of x. A
+ * the chunk's rows XPASS at a time (then 4, 2, 1), so the codes unpacked once serve XPASS rows of x. A
  * row's result does not depend on the rows beside it.
  */
 #include <immintrin.h>
@@ -47,6 +49,13 @@
 #define META 320
 #define LOW 2048
 #define XCHUNK 64
+/* Rows of x per pass over a panel: their sums and outputs stay in registers (32 zmm; AVX2 has 16
+ * ymm, two to a vector). */
+#ifdef __AVX512F__
+#define XPASS 8
+#else
+#define XPASS 4
+#endif
 /* Software prefetch into L2 (as qmatmul.c, which says why) this far ahead in the first pass over a
  * panel, a few lines with each sub-block rather than a block's 37-53 at once: with both, 1-row
  * Q4_K streamed 16 -> 21 GB/s on the Intel AMX host (docs/performance-notes.md). */
@@ -72,15 +81,18 @@ struct kx {
     int32_t *init;  /* [rows, K / 16]: -32 * sum of q over the 16 (Q6_K's offset) */
 };
 
-ALWAYS_INLINE int sum_i8x16(__m128i q) { return _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q)); }
+ALWAYS_INLINE int sum_i8x16(__m128i q) {
+    __m128i s = sums_of_4(q);
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
 
 /* One span of 32 values -> q, sx, xsum, init (2 entries). */
 static void quantize_span(const float *x, int8_t *q, float *sx, float *xsum, int32_t *init) {
-    __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
-    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    float amax = abs_max32(x);
     float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv))));
-    __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv))));
+    __m128i qa = vf_to_i8x16(vf_mul(vf_loadu(x), vf_set1(inv)));
+    __m128i qb = vf_to_i8x16(vf_mul(vf_loadu(x + 16), vf_set1(inv)));
     _mm_storeu_si128((__m128i *)q, qa);
     _mm_storeu_si128((__m128i *)(q + 16), qb);
     int sa = sum_i8x16(qa), sb = sum_i8x16(qb);
@@ -93,8 +105,8 @@ static void quantize_span(const float *x, int8_t *q, float *sx, float *xsum, int
 /* r = x - s * q over one span: the first part's rounding error, for the second. */
 static void residual(const float *x, const int8_t *q, float s, float *r) {
     for (int h = 0; h < 32; h += 16) {
-        __m512 qh = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + h))));
-        _mm512_storeu_ps(r + h, _mm512_sub_ps(_mm512_loadu_ps(x + h), _mm512_mul_ps(_mm512_set1_ps(s), qh)));
+        vf qh = i8x16_to_vf(_mm_loadu_si128((const __m128i *)(q + h)));
+        vf_storeu(r + h, vf_sub(vf_loadu(x + h), vf_mul(vf_set1(s), qh)));
     }
 }
 
@@ -127,50 +139,56 @@ static int quantize_x(const float *x, int64_t T, int64_t K, int parts, int threa
 }
 
 /* Vector g (0-7) of a sub-block's codes from the low-nibble vectors and the high-bit vectors. */
-ALWAYS_INLINE __m512i codes_at(const __m512i *low, const __m512i *high, int g, const int kind) {
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    __m512i c = g & 1 ? _mm512_and_si512(_mm512_srli_epi16(low[g >> 1], 4), nib) : _mm512_and_si512(low[g >> 1], nib);
+ALWAYS_INLINE vi codes_at(const vi *low, const vi *high, int g, const int kind) {
+    const vi nib = vi_set1_i8(0x0F);
+    vi c = g & 1 ? vi_and(vi_srli16(low[g >> 1], 4), nib) : vi_and(low[g >> 1], nib);
     if (kind == 5) {
-        __m512i t = g <= 4 ? _mm512_slli_epi32(high[0], 4 - g) : _mm512_srli_epi32(high[0], g - 4);
-        c = _mm512_ternarylogic_epi32(c, t, _mm512_set1_epi8(0x10), 0xF8); /* c | (t & 0x10..) */
+        vi t = g <= 4 ? vi_slli32(high[0], 4 - g) : vi_srli32(high[0], g - 4);
+        c = vi_or_and(c, t, vi_set1_i8(0x10));
     } else if (kind == 6) {
         const int j = g & 3;
-        __m512i h = high[g >> 2];
-        __m512i t = j <= 2 ? _mm512_slli_epi32(h, 4 - 2 * j) : _mm512_srli_epi32(h, 2);
-        c = _mm512_ternarylogic_epi32(c, t, _mm512_set1_epi8(0x30), 0xF8);
+        vi h = high[g >> 2];
+        vi t = j <= 2 ? vi_slli32(h, 4 - 2 * j) : vi_srli32(h, 2);
+        c = vi_or_and(c, t, vi_set1_i8(0x30));
     }
     return c;
 }
 
-ALWAYS_INLINE __m512 f16x16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-ALWAYS_INLINE __m512 u8x16(const uint8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-ALWAYS_INLINE __m512 i8x16(const uint8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
+ALWAYS_INLINE vf f16x16(const uint8_t *p) { return load_values(p, 0, 16, 1); }
+ALWAYS_INLINE vf u8x16(const uint8_t *p) { return u8x16_minus_to_vf(_mm_loadu_si128((const __m128i *)p), 0); }
+ALWAYS_INLINE vf i8x16(const uint8_t *p) { return i8x16_to_vf(_mm_loadu_si128((const __m128i *)p)); }
 
-/* a[r] += sum over g in [g0, g1) of codes c[g] by row r's 4 bytes g of x, the rows' chains of
- * dependent vpdpbusd interleaved to hide its latency (at R <= 2, two chains a row). Integer sums:
- * the same whatever the order. */
-ALWAYS_INLINE void dots(const __m512i *c, const int32_t *const *xq, const int g0, const int g1, const int R,
-                        __m512i *a) {
+/* How many codes vectors dot4_run takes at a time (qvec.h): AVX2 adds their products in int16, so
+ * 2 * (largest code) * 127 * RUN <= 32,767; vpdpbusd needs no such runs. */
+#ifdef __AVX512F__
+#define RUN(kind) 1
+#else
+#define RUN(kind) ((kind) == 4 ? 8 : (kind) == 5 ? 4 : 2)
+#endif
+
+/* a[r] += sum over g in [g0, g1) of codes c[g] by row r's 4 bytes g of x. With AVX-512 the rows'
+ * chains of dependent vpdpbusd are interleaved to hide its latency (at R <= 2, two chains a row).
+ * Integer sums: the same whatever the order. */
+ALWAYS_INLINE void dots(const vi *c, const int32_t *const *xq, const int g0, const int g1, const int R, vi *a,
+                        const int kind) {
+#ifdef __AVX512F__
     if (R <= 2) {
-        __m512i b[2];
+        vi b[2];
         UNROLL for (int r = 0; r < R; r++)
-            b[r] = _mm512_setzero_si512();
+            b[r] = vi_set1_i32(0);
         UNROLL for (int g = g0; g < g1; g += 2)
             UNROLL for (int r = 0; r < R; r++) {
-                a[r] = _mm512_dpbusd_epi32(a[r], c[g], _mm512_set1_epi32(xq[r][g]));
-                b[r] = _mm512_dpbusd_epi32(b[r], c[g + 1], _mm512_set1_epi32(xq[r][g + 1]));
+                a[r] = dot4(a[r], c[g], vi_set1_i32(xq[r][g]), 4);
+                b[r] = dot4(b[r], c[g + 1], vi_set1_i32(xq[r][g + 1]), 4);
             }
         UNROLL for (int r = 0; r < R; r++)
-            a[r] = _mm512_add_epi32(a[r], b[r]);
-    } else {
-        UNROLL for (int g = g0; g < g1; g++)
-            UNROLL for (int r = 0; r < R; r++)
-                a[r] = _mm512_dpbusd_epi32(a[r], c[g], _mm512_set1_epi32(xq[r][g]));
+            a[r] = vi_add(a[r], b[r]);
+        return;
     }
+#endif
+    UNROLL for (int g = g0; g < g1; g += RUN(kind))
+        UNROLL for (int r = 0; r < R; r++)
+            a[r] = dot4_run(a[r], c + g, xq[r] + g, RUN(kind));
 }
 
 /* out[rows r0 .. r0+R-1, panel's 16 columns] for one panel (`w`: its first block) and R rows of x;
@@ -179,71 +197,70 @@ ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_
                          int64_t N, int64_t ldo, int64_t n0, const int kind, const int prefetch) {
     const int64_t blocks = K / QK, spans = K / 32;
     const int bytes = BLOCK_BYTES(kind), lines_per_sub = (bytes / 64 + 7) / 8;
-    __m512 y[8];
+    vf y[XPASS];
     UNROLL for (int r = 0; r < R; r++)
-        y[r] = _mm512_setzero_ps();
+        y[r] = vf_zero();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = w + b * bytes, *meta = blk, *lo = blk + META, *hi = blk + META + LOW;
-        const __m512 d = f16x16(meta + 256);
-        const __m512 neg_dmin = kind == 6 ? d : _mm512_sub_ps(_mm512_setzero_ps(), f16x16(meta + 288));
+        const vf d = f16x16(meta + 256);
+        const vf neg_dmin = kind == 6 ? d : vf_sub(vf_zero(), f16x16(meta + 288));
         for (int s = 0; s < 8; s++) {
             if (PREFETCH_BYTES && prefetch) /* an eighth of the block's lines with each sub-block */
                 for (int l = s * lines_per_sub; l < (s + 1) * lines_per_sub && l < bytes / 64; l++)
                     _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64 * l, PREFETCH_HINT);
-            __m512i low[4], high[2], c[8];
+            vi low[4], high[2], c[8];
             for (int v = 0; v < 4; v++)
-                low[v] = _mm512_loadu_si512(lo + 256 * s + 64 * v);
+                low[v] = vi_loadu(lo + 256 * s + 64 * v);
             if (kind == 5)
-                high[0] = _mm512_loadu_si512(hi + 64 * s);
+                high[0] = vi_loadu(hi + 64 * s);
             if (kind == 6) {
-                high[0] = _mm512_loadu_si512(hi + 128 * s);
-                high[1] = _mm512_loadu_si512(hi + 128 * s + 64);
+                high[0] = vi_loadu(hi + 128 * s);
+                high[1] = vi_loadu(hi + 128 * s + 64);
             }
             for (int g = 0; g < 8; g++)
                 c[g] = codes_at(low, high, g, kind);
             const int64_t span = b * 8 + s, at = span;
-            const int32_t *xq[8];
-            __m512 sx[8];
-            __m512i a[8];
+            const int32_t *xq[XPASS];
+            vf sx[XPASS];
+            vi a[XPASS];
             UNROLL for (int r = 0; r < R; r++) {
                 xq[r] = (const int32_t *)(x->q + (r0 + r) * K + 32 * span);
-                sx[r] = _mm512_set1_ps(x->sx[(r0 + r) * spans + at]);
+                sx[r] = vf_set1(x->sx[(r0 + r) * spans + at]);
             }
             if (kind == 6) { /* per 16 columns: dot - 32 sum q_x, scaled by d*sc */
                 for (int half = 0; half < 2; half++) {
-                    const __m512 sc = _mm512_mul_ps(d, i8x16(meta + 32 * s + 16 * half));
+                    const vf sc = vf_mul(d, i8x16(meta + 32 * s + 16 * half));
                     UNROLL for (int r = 0; r < R; r++)
-                        a[r] = _mm512_set1_epi32(x->init[2 * ((r0 + r) * spans + at) + half]);
-                    dots(c, xq, 4 * half, 4 * half + 4, R, a);
+                        a[r] = vi_set1_i32(x->init[2 * ((r0 + r) * spans + at) + half]);
+                    dots(c, xq, 4 * half, 4 * half + 4, R, a, kind);
                     UNROLL for (int r = 0; r < R; r++)
-                        y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), sx[r]), sc, y[r]);
+                        y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), sx[r]), sc, y[r]);
                 }
             } else {
-                const __m512 sc = _mm512_mul_ps(d, u8x16(meta + 16 * s));
-                const __m512 mn = _mm512_mul_ps(neg_dmin, u8x16(meta + 128 + 16 * s));
+                const vf sc = vf_mul(d, u8x16(meta + 16 * s));
+                const vf mn = vf_mul(neg_dmin, u8x16(meta + 128 + 16 * s));
                 UNROLL for (int r = 0; r < R; r++)
-                    a[r] = _mm512_setzero_si512();
-                dots(c, xq, 0, 8, R, a);
+                    a[r] = vi_set1_i32(0);
+                dots(c, xq, 0, 8, R, a, kind);
                 UNROLL for (int r = 0; r < R; r++) {
-                    y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), sx[r]), sc, y[r]);
-                    y[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x->xsum[(r0 + r) * spans + at]), y[r]);
+                    y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), sx[r]), sc, y[r]);
+                    y[r] = vf_fmadd(mn, vf_set1(x->xsum[(r0 + r) * spans + at]), y[r]);
                 }
             }
         }
     }
-    const __mmask16 valid = N - n0 >= PANEL ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
     UNROLL for (int r = 0; r < R; r++)
-        _mm512_mask_storeu_ps(out + (r0 + r) * ldo + n0, valid, y[r]);
+        vf_store_first(out + (r0 + r) * ldo + n0, y[r], N - n0 >= PANEL ? PANEL : (int)(N - n0));
 }
 
-/* Panel p against rows r0 .. r1-1 of x: 8 at a time, then 4, 2, 1; the first pass prefetches. */
+/* Panel p against rows r0 .. r1-1 of x: XPASS at a time, then 4, 2, 1; the first pass prefetches. */
 ALWAYS_INLINE void panel_rows(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, int64_t r1, float *out,
                               int64_t N, int64_t ldo, int64_t p, const int kind) {
     const uint8_t *wp = w + p * (K / QK) * BLOCK_BYTES(kind);
     int64_t r = r0;
-    for (; r + 8 <= r1; r += 8)
-        panel(wp, K, x, r, 8, out, N, ldo, PANEL * p, kind, r == r0);
-    if (r + 4 <= r1) {
+    for (; r + XPASS <= r1; r += XPASS)
+        panel(wp, K, x, r, XPASS, out, N, ldo, PANEL * p, kind, r == r0);
+    if (XPASS > 4 && r + 4 <= r1) {
         panel(wp, K, x, r, 4, out, N, ldo, PANEL * p, kind, r == r0);
         r += 4;
     }
@@ -367,24 +384,24 @@ ALWAYS_INLINE void dequantize_panel_rows(const uint8_t *w, int64_t K, int64_t p,
     const int bytes = BLOCK_BYTES(kind), offset = kind == 6 ? 32 : 0;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *meta = w + (p * blocks + b) * bytes, *lo = meta + META, *hi = meta + META + LOW;
-        const __m512 d = f16x16(meta + 256);
-        const __m512 neg_dmin = kind == 6 ? _mm512_setzero_ps() : _mm512_sub_ps(_mm512_setzero_ps(), f16x16(meta + 288));
+        const vf d = f16x16(meta + 256);
+        const vf neg_dmin = kind == 6 ? vf_zero() : vf_sub(vf_zero(), f16x16(meta + 288));
         for (int s = 0; s < 8; s++) {
-            __m512i low[4], high[2], c[8];
+            vi low[4], high[2], c[8];
             for (int v = 0; v < 4; v++)
-                low[v] = _mm512_loadu_si512(lo + 256 * s + 64 * v);
+                low[v] = vi_loadu(lo + 256 * s + 64 * v);
             for (int h = 0; h < (kind == 6 ? 2 : kind == 5 ? 1 : 0); h++)
-                high[h] = _mm512_loadu_si512(hi + (kind == 6 ? 128 : 64) * s + 64 * h);
+                high[h] = vi_loadu(hi + (kind == 6 ? 128 : 64) * s + 64 * h);
             for (int g = 0; g < 8; g++)
                 c[g] = codes_at(low, high, g, kind);
             for (int half = 0; half < 2; half++) { /* columns 16 half .. 16 half + 15: Q6_K's scale groups */
-                const __m512 sc = _mm512_mul_ps(d, kind == 6 ? i8x16(meta + 32 * s + 16 * half) : u8x16(meta + 16 * s));
-                const __m512 m = kind == 6 ? neg_dmin : _mm512_mul_ps(neg_dmin, u8x16(meta + 128 + 16 * s));
+                const vf sc = vf_mul(d, kind == 6 ? i8x16(meta + 32 * s + 16 * half) : u8x16(meta + 16 * s));
+                const vf m = kind == 6 ? neg_dmin : vf_mul(neg_dmin, u8x16(meta + 128 + 16 * s));
                 _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) { /* i: an immediate */
-                    const __m512 si = spread(sc, 4 * i, 4), mi = spread(m, 4 * i, 4);
+                    const vf si = spread(sc, 4 * i, 4), mi = spread(m, 4 * i, 4);
                     uint16_t *o = out + (PANEL * p + 4 * i) * K + b * QK + 32 * s;
                     for (int g = 4 * half; g < 4 * half + 4; g++)
-                        store_quads(o + 4 * g, bf16_of(_mm512_fmadd_ps(si, u8x16_minus_to_vf(row_codes(c[g], i), offset), mi)),
+                        store_quads(o + 4 * g, bf16_of(vf_fmadd(si, u8x16_minus_to_vf(row_codes(c[g], i), offset), mi)),
                                     K);
                 }
             }

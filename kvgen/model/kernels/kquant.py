@@ -1,10 +1,11 @@
 """The compiled K-quant matmul (kquant.c) and its packer (kquant_pack.c): when they can run, loading
 them, and calling them.
 
-Built with explicit flags (AVX-512 F/BW/VL/VNNI, F16C; not -march=native, which would also enable
-AMX where a CPU advertises it) and loaded only where /proc/cpuinfo lists every feature they use;
-elsewhere `kquant_kernel()` is None and K-quant matrices take the generic packed format
-(kvgen.model.formats.packed, qmatmul.c, which also has an AVX2 build).
+Two builds, as qmatmul's (kvgen.model.kernels.qmatmul.BUILDS): AVX-512 VNNI where the CPU has it,
+else AVX2 with FMA and F16C, which give the same bits. Each is built with explicit flags (not
+-march=native, which would also enable AMX where a CPU advertises it) and loaded only where
+/proc/cpuinfo lists every feature it uses; elsewhere `kquant_kernel()` is None and K-quant matrices
+take the generic packed format (kvgen.model.formats.packed), which widens them to 6-10 bits a weight.
 """
 
 from __future__ import annotations
@@ -22,16 +23,13 @@ from gguf import GGMLQuantizationType
 from kvgen.model.kernels.build import KernelCall, build_library, cpu_has
 from kvgen.model.kernels.bf16 import Bf16Tiles
 from kvgen.model.kernels.block_pack import row_pointers
-from kvgen.model.kernels.qmatmul import quantized_activations
+from kvgen.model.kernels.qmatmul import BUILDS, COMMON_FLAGS, quantized_activations
 from kvgen.model.formats.kquant import KINDS, PANEL, QK_K, KPacked, block_bytes
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kquant.c")
 PACK_SOURCE = Path(__file__).with_name("kquant_pack.c")
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
-         "-mf16c")
-FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
 _P = ctypes.c_void_p
 _ARGTYPES = [_P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int64, _P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
 
@@ -44,8 +42,8 @@ class _Args(ctypes.Structure):
 
 
 class KQuantKernel:
-    def __init__(self, library: ctypes.CDLL, packer: ctypes.CDLL) -> None:
-        self._library = library
+    def __init__(self, library: ctypes.CDLL, packer: ctypes.CDLL, isa: str) -> None:
+        self._library, self.isa = library, isa
         quantize = library.kq_quantize
         quantize.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, _P, _P]
         quantize.restype = ctypes.c_int
@@ -132,12 +130,16 @@ class BoundKQuant:
 
 @functools.cache
 def kquant_kernel() -> KQuantKernel | None:
-    """The kernel and its packer, built once per machine, or None where the CPU lacks their features
-    or a build fails (then K-quant matrices take the generic packed format)."""
-    if not cpu_has(FEATURES):
+    """The kernel and its packer, built once per machine for the first of BUILDS this CPU has, or
+    None where it has none of them or a build fails (then K-quant matrices take the generic packed
+    format)."""
+    isa, flags = next(((name, flags) for name, flags, features in BUILDS if cpu_has(features)), (None, ()))
+    if isa is None:
         return None
     try:
-        return KQuantKernel(*(ctypes.CDLL(str(build_library(source, FLAGS))) for source in (SOURCE, PACK_SOURCE)))
+        library, packer = (ctypes.CDLL(str(build_library(source, (*COMMON_FLAGS, *flags))))
+                           for source in (SOURCE, PACK_SOURCE))
+        return KQuantKernel(library, packer, isa)
     except OSError as e:
         log.warning("K-quant kernel unavailable (%s); K-quant matrices use the generic packed format", e)
         return None

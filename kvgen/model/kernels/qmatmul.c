@@ -117,9 +117,20 @@ ALWAYS_INLINE int32_t x4(const int8_t *q, int g) {
 
 /* a[r] += sum over g in [g0, g1) of codes c[g] by row r's 4 bytes g of x (row r's span at
  * xq + 32 r), the rows' chains of dependent vpdpbusd interleaved to hide its latency (at R <= 2,
- * two chains a row). Integer sums: the same whatever the order. */
+ * two chains a row). AVX2 adds 4-bit codes' products in int16 a run at a time (dot4_run): 8 vectors
+ * of codes up to 15, or 4 of the codebook's up to 24, stay below 32,768. Integer sums: the same
+ * whatever the order. */
 ALWAYS_INLINE void dots(const vi *c, const int8_t *xq, const int g0, const int g1, const int R, vi *a,
-                        const int bits) {
+                        const int bits, const int book) {
+#ifndef __AVX512F__
+    if (bits == 4) {
+        const int run = book ? 4 : 8;
+        UNROLL for (int g = g0; g < g1; g += run)
+            UNROLL for (int r = 0; r < R; r++)
+                a[r] = dot4_run(a[r], c + g, (const int32_t *)(xq + 32 * r) + g, run);
+        return;
+    }
+#endif
     if (R <= 2) {
         vi b[2];
         UNROLL for (int r = 0; r < R; r++)
@@ -180,7 +191,7 @@ ALWAYS_INLINE void panel(const struct xq *x, int64_t r0, const int R, int64_t K,
             vi a[XPASS];
             UNROLL for (int r = 0; r < R; r++)
                 a[r] = vi_set1_i32(x->init[g * x->rows + r0 + r]);
-            dots(c, xq, 8 / per_span * h, 8 / per_span * (h + 1), R, a, bits);
+            dots(c, xq, 8 / per_span * h, 8 / per_span * (h + 1), R, a, bits, book);
             const vf mw = min ? load_values(min, at, PANEL, f16) : vf_zero();
             UNROLL for (int r = 0; r < R; r++) {
                 const vf qsum = vf_set1(x->qsum[g * x->rows + r0 + r]);

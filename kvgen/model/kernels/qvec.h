@@ -1,5 +1,6 @@
-/* The vectors qmatmul.c computes on: 16 fp32 lanes (vf) and 64 bytes / 16 int32 lanes (vi), as one
- * zmm register with AVX-512 VNNI, or as two ymm registers (lo: lanes 0-7, hi: 8-15) with AVX2.
+/* The vectors qmatmul.c and kquant.c compute on: 16 fp32 lanes (vf) and 64 bytes / 16 int32 lanes
+ * (vi), as one zmm register with AVX-512 VNNI, or as two ymm registers (lo: lanes 0-7, hi: 8-15)
+ * with AVX2.
  *
  * Both give the kernel the same bits: the integer dot products are exact either way, and every
  * fp32 operation is per lane, so it runs in the same order in both. AVX2
@@ -76,6 +77,14 @@ ALWAYS_INLINE void vf_store_first(float *p, vf v, int n) { _mm512_mask_storeu_ps
 
 ALWAYS_INLINE vi vi_set1_i32(int32_t v) { return _mm512_set1_epi32(v); }
 ALWAYS_INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+ALWAYS_INLINE vi vi_loadu(const void *p) { return _mm512_loadu_si512(p); }
+ALWAYS_INLINE vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
+ALWAYS_INLINE vi vi_set1_i8(char v) { return _mm512_set1_epi8(v); }
+ALWAYS_INLINE vi vi_srli16(vi v, const int n) { return _mm512_srli_epi16(v, n); }
+ALWAYS_INLINE vi vi_slli32(vi v, const int n) { return _mm512_slli_epi32(v, n); }
+ALWAYS_INLINE vi vi_srli32(vi v, const int n) { return _mm512_srli_epi32(v, n); }
+/* a | (b & mask), in one instruction. */
+ALWAYS_INLINE vi vi_or_and(vi a, vi b, vi mask) { return _mm512_ternarylogic_epi32(a, b, mask, 0xF8); }
 
 /* Two vectors of codes, a byte each: the low and high nibbles of one 64-byte load for 4-bit codes,
  * two loads for 8-bit. */
@@ -99,6 +108,15 @@ ALWAYS_INLINE void load_codes(const uint8_t *p, const int bits, const int book, 
 ALWAYS_INLINE vi dot4(vi acc, vi codes, vi x, const int bits) {
     (void)bits;
     return _mm512_dpbusd_epi32(acc, codes, x);
+}
+
+/* acc + sum over i < n of dot4(codes[i], x[i] broadcast) for codes below 128 whose products' pair
+ * sums, added n at a time, stay within int16 (n * 2 * largest code * 127 <= 32,767: AVX2 adds them
+ * there before widening). */
+ALWAYS_INLINE vi dot4_run(vi acc, const vi *codes, const int32_t *x, const int n) {
+    for (int i = 0; i < n; i++)
+        acc = _mm512_dpbusd_epi32(acc, codes[i], _mm512_set1_epi32(x[i]));
+    return acc;
 }
 
 /* Quarter i (bytes 16i .. 16i + 15) of a vector. */
@@ -208,6 +226,18 @@ ALWAYS_INLINE void vf_store_first(float *p, vf v, int n) {
 
 ALWAYS_INLINE vi vi_set1_i32(int32_t v) { return (vi){_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
 ALWAYS_INLINE vi vi_add(vi a, vi b) { return (vi){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+ALWAYS_INLINE vi vi_loadu(const void *p) {
+    return (vi){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1)};
+}
+ALWAYS_INLINE vi vi_and(vi a, vi b) { return (vi){_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
+ALWAYS_INLINE vi vi_set1_i8(char v) { return (vi){_mm256_set1_epi8(v), _mm256_set1_epi8(v)}; }
+ALWAYS_INLINE vi vi_srli16(vi v, const int n) { return (vi){_mm256_srli_epi16(v.lo, n), _mm256_srli_epi16(v.hi, n)}; }
+ALWAYS_INLINE vi vi_slli32(vi v, const int n) { return (vi){_mm256_slli_epi32(v.lo, n), _mm256_slli_epi32(v.hi, n)}; }
+ALWAYS_INLINE vi vi_srli32(vi v, const int n) { return (vi){_mm256_srli_epi32(v.lo, n), _mm256_srli_epi32(v.hi, n)}; }
+ALWAYS_INLINE vi vi_or_and(vi a, vi b, vi mask) {
+    return (vi){_mm256_or_si256(a.lo, _mm256_and_si256(b.lo, mask.lo)),
+                _mm256_or_si256(a.hi, _mm256_and_si256(b.hi, mask.hi))};
+}
 
 ALWAYS_INLINE void load_codes(const uint8_t *p, const int bits, const int book, vi *a, vi *b) {
     const __m256i lo = _mm256_loadu_si256((const __m256i *)p), hi = _mm256_loadu_si256((const __m256i *)(p + 32));
@@ -239,6 +269,18 @@ ALWAYS_INLINE __m256i dot4_half(__m256i acc, __m256i codes, __m256i x, const int
 }
 ALWAYS_INLINE vi dot4(vi acc, vi codes, vi x, const int bits) {
     return (vi){dot4_half(acc.lo, codes.lo, x.lo, bits), dot4_half(acc.hi, codes.hi, x.hi, bits)};
+}
+
+ALWAYS_INLINE vi dot4_run(vi acc, const vi *codes, const int32_t *x, const int n) {
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int i = 0; i < n; i++) {
+        const __m256i xi = _mm256_set1_epi32(x[i]);
+        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(codes[i].lo, xi));
+        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(codes[i].hi, xi));
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    return (vi){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(lo, ones)),
+                _mm256_add_epi32(acc.hi, _mm256_madd_epi16(hi, ones))};
 }
 
 ALWAYS_INLINE __m128i row_codes(vi v, const int i) {
