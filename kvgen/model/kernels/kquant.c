@@ -49,13 +49,11 @@
 #define META 320
 #define LOW 2048
 #define XCHUNK 64
-/* Rows of x per pass over a panel: their sums and outputs stay in registers (32 zmm; AVX2 has 16
- * ymm, two to a vector). */
-#ifdef __AVX512F__
+/* Rows of x per pass over a panel. AVX2's 16 ymm registers (two to a vector) cannot hold 8 rows'
+ * sums, yet its spills cost less than the unpacking more passes take: 64 rows through a 8,192 x
+ * 2,048 Q4_K / Q6_K matrix on one core of an AMD EPYC without AVX-512 took 18.0 / 20.9 ms at 8 a
+ * pass, 18.8 / 23.4 at 4, 18.4 / 21.9 at 16. */
 #define XPASS 8
-#else
-#define XPASS 4
-#endif
 /* Software prefetch into L2 (as qmatmul.c, which says why) this far ahead in the first pass over a
  * panel, a few lines with each sub-block rather than a block's 37-53 at once: with both, 1-row
  * Q4_K streamed 16 -> 21 GB/s on the Intel AMX host (docs/performance-notes.md). */
