@@ -210,16 +210,16 @@ def _prefix_hits(url) -> float:
 
 
 def test_claude_code_style_conversation_hits_the_prefix_cache(claude, url):
-    """A scripted multi-turn Messages conversation as a coding agent sends it: a system prompt of 2,000+
-    tokens, tools, tool_use / tool_result turns. From the second turn on, the prompt's earlier part comes
-    from the prefix cache."""
-    rules = " ".join(f"Rule {i}: keep answers short, cite files by path, never invent tool results." for i in range(120))
+    """A scripted multi-turn Messages conversation as a coding agent sends it: a system prompt of 1,000+
+    tokens (a real agent's runs to several thousand: the same blocks, more prefill), tools, tool_use /
+    tool_result turns. From the second turn on, the prompt's earlier part comes from the prefix cache."""
+    rules = " ".join(f"Rule {i}: keep answers short, cite files by path, never invent tool results." for i in range(55))
     system = [{"type": "text", "text": f"You are a coding agent working in a repository. {rules}",
                "cache_control": {"type": "ephemeral"}}]
     tools = A_TOOLS + [{"name": "read_file", "description": "Read a file", "input_schema": {
         "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
     assert claude.messages.count_tokens(model=MODEL, system=system, messages=[{"role": "user", "content": "hi"}],
-                                        tools=tools).input_tokens > 2000
+                                        tools=tools).input_tokens > 1000
     messages = [{"role": "user", "content": "Read the file README.md."}]
     turns = [{"type": "tool_result", "content": "# kvgen\nAn inference engine."},
              {"type": "text", "text": "Now tell me what the project is, in one sentence."}]
@@ -243,7 +243,7 @@ def test_claude_code_style_conversation_hits_the_prefix_cache(claude, url):
                                                          for u in used] + [nxt]})
         else:
             messages.append({"role": "user", "content": [nxt]})
-    assert hits[2] - hits[1] > 2000 and hits[3] - hits[2] > 2000, hits
+    assert hits[2] - hits[1] > 1000 and hits[3] - hits[2] > 1000, hits
 
 
 @pytest.mark.slow
