@@ -133,8 +133,16 @@ def kquant_kernel() -> KQuantKernel | None:
     """The kernel and its packer, built once per machine for the first of BUILDS this CPU has, or
     None where it has none of them or a build fails (then K-quant matrices take the generic packed
     format)."""
-    isa, flags = next(((name, flags) for name, flags, features in BUILDS if cpu_has(features)), (None, ()))
-    if isa is None:
+    isa = next((name for name, _, features in BUILDS if cpu_has(features)), None)
+    return None if isa is None else kquant_build(isa)
+
+
+@functools.cache
+def kquant_build(isa: str) -> KQuantKernel | None:
+    """The kernel and its packer as BUILDS' `isa` build (the tests hold the builds this CPU runs to
+    the same bits), or None where the CPU lacks its features or the build fails."""
+    flags, features = next((flags, features) for name, flags, features in BUILDS if name == isa)
+    if not cpu_has(features):
         return None
     try:
         library, packer = (ctypes.CDLL(str(build_library(source, (*COMMON_FLAGS, *flags))))

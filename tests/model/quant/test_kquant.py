@@ -20,7 +20,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from kvgen.model.formats.gguf_blocks import k_fields
 from kvgen.model.formats.kquant import KPacked, dequantize, dequantize_rows
-from kvgen.model.kernels.kquant import kquant_kernel
+from kvgen.model.kernels.kquant import kquant_build, kquant_kernel
+from kvgen.model.kernels.qmatmul import BUILDS
 from kvgen.model import linear, quant_linear
 from kvgen.model.kernels.bf16 import Bf16Tiles
 from kvgen.model.linear import ONEDNN_FROM_ROWS
@@ -33,7 +34,8 @@ from tests.support.torch_threads import torch_threads
 Q = GGMLQuantizationType
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 U = 2.0 ** -24
-needs_kernel = pytest.mark.skipif(kquant_kernel() is None, reason="CPU without AVX-512 VNNI: no K-quant kernel")
+needs_kernel = pytest.mark.skipif(kquant_kernel() is None,
+                                  reason="CPU with neither AVX-512 VNNI nor AVX2: no K-quant kernel")
 
 
 def packed(ggml_type: Q, out: int = 37, cols: int = 512, seed: int = 0) -> tuple[KPacked, np.ndarray]:
@@ -103,6 +105,23 @@ def test_threads_share_chunks_of_rows_without_changing_a_bit(ggml_type):
         alone = bound.run(x)
     with torch_threads(2):
         assert torch.equal(bound.run(x), alone)
+
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
+def test_every_build_this_cpu_runs_gives_the_same_bits(ggml_type, parts):
+    """AVX-512 VNNI and AVX2 run the same integer sums and the same fp32 steps in the same order, so
+    a CPU with both gets one answer from either, packing included, at 1, few and many rows."""
+    builds = [kernel for kernel in (kquant_build(isa) for isa, _, _ in BUILDS) if kernel is not None]
+    if len(builds) < 2:
+        pytest.skip(f"this CPU runs {len(builds)} of the builds ({', '.join(b.isa for b in builds) or 'none'})")
+    raw = raw_matrix(ggml_type, 37, 512, seed=4)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(4))
+    first, *others = [kernel.pack(ggml_type, [raw]) for kernel in builds]
+    assert all(torch.equal(first.data, other.data) for other in others)
+    for rows in (1, 3, 13, 70):
+        want = builds[0].bind(first, parts).run(x[:rows])
+        assert all(torch.equal(kernel.bind(first, parts).run(x[:rows]), want) for kernel in builds[1:])
+
 
 @needs_kernel
 def test_layer_runs_one_part_from_many_rows_and_its_call_matches():
