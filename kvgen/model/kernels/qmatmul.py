@@ -167,8 +167,16 @@ class BoundKernel:
 def qmatmul_kernel() -> QMatmulKernel | None:
     """The kernel, built once per machine for the first of BUILDS this CPU has, or None where it has
     none of them or the build fails (then the layers use torch)."""
-    isa, flags = next(((name, flags) for name, flags, features in BUILDS if cpu_has(features)), (None, ()))
-    if isa is None:
+    isa = next((name for name, _, features in BUILDS if cpu_has(features)), None)
+    return None if isa is None else qmatmul_build(isa)
+
+
+@functools.cache
+def qmatmul_build(isa: str) -> QMatmulKernel | None:
+    """BUILDS' `isa` build (the tests hold the builds this CPU runs to the same bits), or None where
+    the CPU lacks its features or the build fails."""
+    flags, features = next((flags, features) for name, flags, features in BUILDS if name == isa)
+    if not cpu_has(features):
         return None
     try:
         return QMatmulKernel(ctypes.CDLL(str(build_library(SOURCE, (*COMMON_FLAGS, *flags)))), isa)

@@ -9,7 +9,7 @@ from kvgen.model.formats.float_weights import quantize_int4, quantize_int8
 from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
 from kvgen.model.formats.packed import PackedWeight, dequantize
 from kvgen.model.formats.gguf_blocks import convert
-from kvgen.model.kernels.qmatmul import qmatmul_kernel
+from kvgen.model.kernels.qmatmul import BUILDS, qmatmul_build, qmatmul_kernel
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.f32 import pack as pack_f32
 from kvgen.model.kernels.many_rows_choice import INTEGER_BELOW_ROWS, integer_beats, many_rows_dtype
@@ -39,6 +39,21 @@ def gguf_weight(ggml_type, out=12, cols=512) -> PackedWeight:
 def test_kernel_equals_dequantized_matmul(ggml_type, rows, activations):
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     check(gguf_weight(ggml_type), x, activations)
+
+
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+@pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
+def test_every_build_this_cpu_runs_gives_the_same_bits(ggml_type, activations):
+    """qvec.h's two builds (AVX-512 VNNI, AVX2) run the same integer sums and fp32 steps in the same
+    order: a CPU with both gets one answer from either, at 1, few and many rows."""
+    builds = [kernel for kernel in (qmatmul_build(isa) for isa, _, _ in BUILDS) if kernel is not None]
+    if len(builds) < 2:
+        pytest.skip(f"this CPU runs {len(builds)} of the builds ({', '.join(b.isa for b in builds) or 'none'})")
+    w = gguf_weight(ggml_type, out=37)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(6))
+    for rows in (1, 3, 13, 70):
+        want = builds[0].bind(w, activations)(x[:rows])
+        assert all(torch.equal(kernel.bind(w, activations)(x[:rows]), want) for kernel in builds[1:])
 
 
 def test_two_parts_are_some_hundred_times_closer_to_x():
