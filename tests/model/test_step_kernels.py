@@ -1,5 +1,5 @@
-"""The step kernels (kvgen/model/kernels/step.c): the gated activations and the scale against torch's ops, in both
-builds (AVX-512 and the portable loop other CPUs run)."""
+"""The step kernels (kvgen/model/kernels/step.c): the gated activations and the scale against torch's ops, in each
+build (AVX-512, AVX2 with FMA, and the portable loop other CPUs run)."""
 
 import ctypes
 import functools
@@ -18,14 +18,19 @@ CPU = torch.device("cpu")
 # 1 ulp, then the same three): the two differ by at most ~6 ulp, 2^-21 relative at most.
 F32_RTOL = 2.0**-20
 BF16_RTOL = 2.0**-7  # one bf16 rounding step (8 bits) where the fp32 results straddle a rounding boundary
+# gelu_tanh(g) * up = g/2 (1 + t) up with |t| <= 1: ours takes t = 1 - 2 / (1 + e^2u) (e within 2 ulp, three
+# roundings: t within ~4 ulp of 1), torch's tanh is Sleef's (1 ulp); then 1 + t, the halved product and the
+# product round once each. So both lie within a few ulp of |g up|, and apart by at most ~8: 2^-20 |g| |up|.
+GELU_ATOL_PER_GU = 2.0**-20
 
 
 @functools.cache
-def portable_step_kernels() -> StepKernels:
-    return StepKernels(ctypes.CDLL(str(build_library(SOURCE, (*FLAGS, "-mno-avx512f")))))
+def built_without(*flags: str) -> StepKernels:
+    return StepKernels(ctypes.CDLL(str(build_library(SOURCE, (*FLAGS, *flags)))))
 
 
-KERNELS = {"native": step_kernels, "portable": portable_step_kernels}
+KERNELS = {"native": step_kernels, "avx2": functools.partial(built_without, "-mno-avx512f"),
+           "portable": functools.partial(built_without, "-mno-avx512f", "-mno-avx2", "-mno-fma")}
 
 
 def gate_up(rows: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -42,6 +47,15 @@ def test_silu_mul_matches_torch_in_fp32(build, rows, n):
     got = KERNELS[build]().silu_mul(x)
     want = F.silu(x[:, :n]) * x[:, n:]
     torch.testing.assert_close(got, want, rtol=F32_RTOL, atol=1e-37)
+
+
+@pytest.mark.parametrize("build", KERNELS)
+@pytest.mark.parametrize("rows, n", [(1, 1536), (17, 37), (64, 1000)])
+def test_gelu_mul_matches_torch_in_fp32(build, rows, n):
+    x = gate_up(rows, n, torch.float32)
+    got = KERNELS[build]().gate_mul("gelu_tanh", x)
+    want = F.gelu(x[:, :n], approximate="tanh") * x[:, n:]
+    assert ((got - want).abs() <= GELU_ATOL_PER_GU * x[:, :n].abs() * x[:, n:].abs() + 1e-37).all()
 
 
 @pytest.mark.parametrize("build", KERNELS)
