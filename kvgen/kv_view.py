@@ -3,7 +3,9 @@
 One cell per block (or per bin of blocks, when the pool is larger than the terminal can show),
 coloured as on the web page: free, cached prefix, in use (a colour per sequence), shared, released
 by a cache policy. Refreshed at most `max_rate` times a second between the engine's steps, so a
-person can watch prefill fill blocks, decode append, a window slide and sinks stay.
+person can watch prefill fill blocks, decode append, a window slide and sinks stay. The picture that
+stays is the run's last with a sequence in it (its blocks, its policy), not the pool emptied after:
+which of the two was drawn last used to depend on how fast the last steps ran.
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ class KVView:
         if not force and time.monotonic() - self._shown_at < self.min_interval:
             return
         snap = take_snapshot(self.engine, released_since=self._shown_step)
+        if not snap.sequences and self._shown_at > float("-inf") and not force:
+            return  # keep the last picture of the run
         width = max(self.console.width - 1, 8)
         self._live.update(render(snap, width), refresh=True)
         self._shown_at, self._shown_step = time.monotonic(), snap.step

@@ -59,6 +59,20 @@ def test_the_view_redraws_at_a_bounded_rate(running_engine):
     assert len(drawn) == 1  # 50 calls within half a second: drawn once
 
 
+def test_the_picture_that_stays_is_the_runs_last_with_its_sequences():
+    """Drawn at every step to the end, the view keeps the last picture with the sequence in it (its
+    policy shown), not the pool emptied after the request finished."""
+    engine = LLM(num_kv_blocks=32, block_size=4).engine
+    engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=12, kv_policy="sinks:4,8"))
+    console = Console(file=io.StringIO(), width=80, color_system=None)  # not a terminal: the last picture only
+    view = KVView(engine, console=console, max_rate=1e9)
+    while engine.has_unfinished():
+        engine.step()
+        view.update()
+    view.close()
+    assert "sinks:4,8" in console.file.getvalue()
+
+
 def test_generate_show_kv_prints_the_pool_and_the_same_text(capsys):
     args = ["--prompt", "Once upon a time", "--max-tokens", "40", "--num-kv-blocks", "32", "--block-size", "4",
             "--kv-policy", "sinks:4,16"]
