@@ -4,8 +4,8 @@ One cell per block (or per bin of blocks, when the pool is larger than the termi
 coloured as on the web page: free, cached prefix, in use (a colour per sequence), shared, released
 by a cache policy. Refreshed at most `max_rate` times a second between the engine's steps, so a
 person can watch prefill fill blocks, decode append, a window slide and sinks stay. The picture that
-stays is the run's last with a sequence in it (its blocks, its policy), not the pool emptied after:
-which of the two was drawn last used to depend on how fast the last steps ran.
+stays is the run's last with a sequence in it (its blocks, its policy), never the pool emptied after
+it, whose drawing would hang on whether the last step came a redraw interval after the one before.
 """
 
 from __future__ import annotations
