@@ -9,16 +9,21 @@
  * (e^r is in [0.7, 1.5]) and the second rounded once, as vscalefps rounds. */
 #include <immintrin.h>
 
+/* The steps' constants, shared by both widths so that they stay one computation. */
+#define EXP_LOWEST (-104.f)                 /* e^-104 rounds to 0 in fp32 */
+#define EXP_HIGHEST 89.f                    /* e^89 overflows: 2^128 scales to +inf */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693145751953125f       /* ln2 in two parts: n * hi is exact */
+#define EXP_LN2_LO 1.428606765330187045e-06f
 #define EXP_TAYLOR {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}
 
 #ifdef __AVX512F__
 static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f)); /* e^-104 rounds to 0 in fp32 */
-    x = _mm512_min_ps(x, _mm512_set1_ps(89.f));   /* e^89 overflows: 2^128 scales to +inf */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LOWEST)), _mm512_set1_ps(EXP_HIGHEST));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
     static const float taylor[] = EXP_TAYLOR;
     __m512 p = _mm512_set1_ps(taylor[0]);
     for (int k = 1; k < 8; k++)
@@ -34,12 +39,11 @@ static inline __attribute__((always_inline)) __m256 pow2_8(__m256i k) {
 }
 
 static inline __attribute__((always_inline)) __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-104.f));
-    x = _mm256_min_ps(x, _mm256_set1_ps(89.f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LOWEST)), _mm256_set1_ps(EXP_HIGHEST));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
     static const float taylor[] = EXP_TAYLOR;
     __m256 p = _mm256_set1_ps(taylor[0]);
     for (int k = 1; k < 8; k++)

@@ -258,7 +258,7 @@ ALWAYS_INLINE void panel_rows(const uint8_t *w, int64_t K, const struct kx *x, i
     int64_t r = r0;
     for (; r + XPASS <= r1; r += XPASS)
         panel(wp, K, x, r, XPASS, out, N, ldo, PANEL * p, kind, r == r0);
-    if (XPASS > 4 && r + 4 <= r1) {
+    if (r + 4 <= r1) {
         panel(wp, K, x, r, 4, out, N, ldo, PANEL * p, kind, r == r0);
         r += 4;
     }
