@@ -6,8 +6,9 @@
 
 Norms multiply by (1 + w) (HF stores w, GGUF 1 + w) but the delta-net's gated norm (w in both). A HF
 `Qwen3_5ForConditionalGeneration` holds the text model under `model.language_model.` beside a vision
-tower and MTP layers, which kvgen leaves. A GGUF keeps llama.cpp's delta-net layout (tiled value heads,
-the decay rate itself: spec.GatedDeltaNetSpec); its MTP layers (`nextn_predict_layers`) count apart.
+tower, which kvgen leaves. A GGUF keeps llama.cpp's delta-net layout (tiled value heads, the decay rate
+itself: spec.GatedDeltaNetSpec). The MTP layers (`mtp_num_hidden_layers`; a GGUF's `nextn_predict_layers`,
+counted in its block_count) are kept beside the model for speculation (kvgen.model.mtp).
 """
 
 from typing import Any
@@ -31,6 +32,7 @@ def hf_fields(cfg: dict[str, Any], config: Any) -> dict[str, Any]:
     if set(kinds or ()) - {"linear_attention", "full_attention"}:
         raise ValueError(f"Qwen3.5 layer types {sorted(set(kinds))} are not supported")
     return dict(rotary_dim=int(config.head_dim * float(rope.get("partial_rotary_factor", 1.0))),
+                mtp_layers=int(cfg.get("mtp_num_hidden_layers", 0)),
                 recurrent=RecurrentShape(*(int(cfg[f"linear_{n}"]) for n in (
                     "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel_dim"))),
                 recurrent_layers=recurrent_layers(config.num_layers, kinds and [k == "full_attention" for k in kinds],

@@ -44,6 +44,9 @@ GLOBAL_NAMES = {
     "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
     "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
 }
+# The nextn tensors of llama.cpp's MTP layer by HF's names (transformers' Qwen3.5 `mtp.*`).
+NEXTN_NAMES = {"nextn.eh_proj.weight": "mtp.fc.weight", "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+               "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "mtp.norm.weight"}
 ROPE_FREQS = "rope_freqs.weight"  # read into the config (`_rope_scaling`), not a weight
 UNROTATED = 1e20  # a rope_freqs factor at least this large stops its pair (llama.cpp's converter writes 1e30)
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")
@@ -70,7 +73,7 @@ def load_gguf(
     config = _config(path, arch, meta, tensors)
     if tokenizer is None:  # before the weights: a bad vocabulary is reported without dequantizing first
         tokenizer = gguf_tokenizer(path, meta, arch.name)
-    mtp = {name: read_tensor(tensors.pop(name), name) for name in _mtp_names(tensors, config)}
+    mtp = _mtp_tensors(path, arch, {name: tensors.pop(name) for name in _mtp_names(tensors, config)}, config)
     raw = _read_tensors(path, arch, tensors)
     names = check_weights({name: w.shape for name, w in raw.items()}, config, path)
     raw = {name: raw[name] for name in names}
@@ -81,14 +84,36 @@ def load_gguf(
         raw = {name: plan.take(name, w) for name, w in raw.items()}
     quantized = {n: w for n, w in raw.items() if keep_quantized and _is_quantized_matrix(w)}
     weights = {n: _dequantize(path, w).to(device=device, dtype=dtype) for n, w in raw.items() if n not in quantized}
+    mtp = {n: w if keep_quantized and _is_quantized_matrix(w) else _dequantize(path, w).to(device=device, dtype=dtype)
+           for n, w in mtp.items()} if plan is None else {}
     return LoadedModel(config, weights, tokenizer, str(path), quantized, shard=plan, mtp=mtp)
 
 
 def _mtp_names(tensors: dict[str, ReaderTensor], config: ModelConfig) -> list[str]:
     """The tensors of the multi-token-prediction layers after the decoder's (blk.N with N >= its layers,
-    `nextn.*` among them): kept raw beside the model for speculation, not part of it."""
+    `nextn.*` among them): kept beside the model for speculation (kvgen.model.mtp), not part of it."""
     return [name for name in tensors if config.mtp_layers and (m := re.match(r"blk\.(\d+)\.", name))
             and int(m.group(1)) >= config.num_layers]
+
+
+def _mtp_tensors(path: Path, arch: Architecture, tensors: dict[str, ReaderTensor],
+                 config: ModelConfig) -> dict[str, GGUFWeight]:
+    """The MTP layers' tensors, raw, under HF's names: blk.(layers + j).X as `mtp.layers.j.` + X's name
+    in a decoder layer, and the nextn tensors as `mtp.` + NEXTN_NAMES' (a name kvgen does not know
+    stays as it is, for the head to report)."""
+    out = {}
+    for name, tensor in tensors.items():
+        layer, _, rest = name.removeprefix("blk.").partition(".")
+        j = int(layer) - config.num_layers
+        if rest.startswith("nextn."):
+            hf = NEXTN_NAMES.get(rest, name) if j == 0 else name
+        else:
+            hf = _hf_name(path, arch, name).replace(f"model.layers.{layer}.", f"mtp.layers.{j}.", 1)
+        out[hf] = tensor
+    try:
+        return {hf: read_tensor(t, hf) for hf, t in out.items()}
+    except (UnsupportedTensorType, ValueError) as e:
+        raise ModelLoadError(path, f"MTP layers: {e}") from None
 
 
 def _open(path: Path) -> GGUFFile:

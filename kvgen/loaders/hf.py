@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 MULTIMODAL_TEXT_PREFIX = "model.language_model."  # the text model in transformers' ...ForConditionalGeneration
+MTP_PREFIX = "mtp."  # multi-token-prediction layers beside the model (Qwen3.5's): kvgen.model.mtp
 
 
 def load_hf(
@@ -61,8 +62,11 @@ def load_hf(
         plain = config.arch.plain_norms
         weights = {name: w.float() + 1.0 if is_norm_weight(name) and not name.endswith(plain) else w
                    for name, w in weights.items()}
+    mtp = {name: weights.pop(name) for name in [n for n in weights if n.startswith(MTP_PREFIX)]}
+    shapes = {name: shape for name, shape in shapes.items() if name not in mtp}
     weights = finalize_weights(weights, config, path, device, dtype, origins=origins, shapes=shapes)
-    return LoadedModel(config, weights, tokenizer, str(path), shard=plan)
+    mtp = {name: w.to(device=device, dtype=dtype) for name, w in mtp.items()} if plan is None else {}
+    return LoadedModel(config, weights, tokenizer, str(path), shard=plan, mtp=mtp)
 
 
 def load_hf_tokenizer(
@@ -143,10 +147,11 @@ def _read_safetensors(path: Path, plan: ShardPlan | None = None, text_only: bool
 
 def _text_name(name: str) -> str | None:
     """A multimodal checkpoint's tensor under the text model's name (`model.language_model.X` ->
-    `model.X`, the LM head as it is), or None for the vision and audio towers and their projections."""
+    `model.X`, the LM head and MTP layers as they are), or None for the vision and audio towers and
+    their projections."""
     if name.startswith(MULTIMODAL_TEXT_PREFIX):
         return "model." + name[len(MULTIMODAL_TEXT_PREFIX):]
-    return name if name.startswith("lm_head.") else None
+    return name if name.startswith(("lm_head.", MTP_PREFIX)) else None
 
 
 def _read_part(tensor_slice, part: Slice | None) -> torch.Tensor:

@@ -42,7 +42,9 @@ class LoadedModel:
     source: str
     quantized: dict[str, GGUFWeight] = field(default_factory=dict)
     shard: ShardPlan | None = None
-    mtp: dict[str, GGUFWeight] = field(default_factory=dict)  # a GGUF's MTP layers, by GGUF name (unused yet)
+    # The multi-token-prediction layers a checkpoint carries (Qwen3.5's), by HF name (`mtp.*`): float
+    # tensors, or raw block-quantized matrices where `quantized` keeps them; for kvgen.model.mtp.
+    mtp: dict[str, torch.Tensor | GGUFWeight] = field(default_factory=dict)
     reload: Callable[..., LoadedModel] | None = None
 
 
@@ -64,8 +66,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def is_norm_weight(name: str) -> bool:
-    """An RMSNorm weight, by its HF name (the layers' norms, QK-norm and the final norm)."""
-    return name.endswith(("norm.weight", "layernorm.weight"))
+    """An RMSNorm weight, by its HF name (the layers' norms, QK-norm, the final norm and an MTP layer's
+    norms of its two inputs, `mtp.pre_fc_norm_embedding` / `_hidden`)."""
+    return name.endswith(("norm.weight", "layernorm.weight")) or name.startswith("mtp.pre_fc_norm_")
 
 
 def finalize_weights(

@@ -478,6 +478,55 @@ def _build_mxfp4(arch: str, out: Path) -> None:
     (out / "DONE").write_text("{}")
 
 
+def mtp_checkpoint(arch: str = "qwen35") -> ArchCheckpoint:
+    """`arch`'s fixture with one multi-token-prediction layer, as Qwen3.5 checkpoints carry: HF's
+    `mtp.*` tensors (`fc` over [embedding | hidden], the two pre-fc norms, a full-attention decoder
+    layer and a final norm), seeded random like the rest, `mtp_num_hidden_layers` 1 in config.json,
+    and the F32 GGUF the converter writes of it with its `blk.N.nextn.*` layer (no `--no-mtp`).
+    transformers reads the directory and ignores `mtp.*`."""
+    root = cache_root() / f"{arch}-mtp-v{FIXTURE_VERSION}"
+    if not (root / "DONE").is_file():
+        with llama_tools.file_lock(cache_root() / f".{arch}-mtp.lock"):
+            if not (root / "DONE").is_file():
+                tmp = Path(tempfile.mkdtemp(dir=cache_root(), prefix=f".{arch}-mtp-"))
+                try:
+                    _build_mtp(arch, tmp)
+                    tmp.chmod(0o755)
+                    shutil.rmtree(root, ignore_errors=True)
+                    tmp.rename(root)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    return ArchCheckpoint(arch, root / "hf", root / f"{arch}-mtp-f32.gguf", None,
+                          json.loads((root / "hf" / "config.json").read_text()))
+
+
+def _build_mtp(arch: str, out: Path) -> None:
+    """The directory and GGUF of `mtp_checkpoint` in `out`: the MTP layer is a copy of the names of
+    the base's first full-attention layer, with fresh N(0, init_range) matrices and norms off 0."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    base, spec = arch_checkpoint(arch), SPECS[arch]
+    weights = load_file(base.hf_dir / "model.safetensors")
+    full = base.config["layer_types"].index("full_attention")
+    hidden = base.config["hidden_size"]
+    generator = torch.Generator().manual_seed(1)
+    layer = f"model.layers.{full}."
+    shapes = {"mtp.layers.0." + n.removeprefix(layer): w.shape for n, w in weights.items() if n.startswith(layer)} | {
+        "mtp.fc.weight": (hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": (hidden,),
+        "mtp.pre_fc_norm_hidden.weight": (hidden,), "mtp.norm.weight": (hidden,)}
+    for name, shape in shapes.items():  # norms are stored as w (the norm multiplies by 1 + w)
+        scale = 0.1 if "norm" in name else spec.init_range
+        weights[name] = torch.randn(shape, generator=generator) * scale
+    shutil.copytree(base.hf_dir, out / "hf", ignore=shutil.ignore_patterns("model.safetensors"))
+    save_file(weights, out / "hf" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((base.hf_dir / "config.json").read_text()) | {"mtp_num_hidden_layers": 1}
+    (out / "hf" / "config.json").write_text(json.dumps(config, indent=2))
+    llama_tools.convert(out / "hf", out / f"{arch}-mtp-f32.gguf", "f32", cache_root(),
+                        tuple(f for f in spec.convert_flags if f != "--no-mtp"))
+    (out / "DONE").write_text("{}")
+
+
 def build_timing(arch: str) -> dict:
     return json.loads((fixture_dir(arch) / "DONE").read_text())
 

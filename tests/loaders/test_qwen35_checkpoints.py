@@ -1,7 +1,7 @@
 """Qwen3.5 checkpoints beyond the fixture's two files: a GGUF that carries multi-token-prediction layers
 (llama.cpp's converter writes them as blocks after the decoder's, `blk.N.nextn.*` among them, counted
-by `nextn_predict_layers` and in `block_count`) loads, the MTP tensors kept beside the model and
-decoding the model's own; and a `Qwen3_5ForConditionalGeneration` directory (the text model under
+by `nextn_predict_layers` and in `block_count`) loads, the MTP tensors kept beside the model under
+HF's names (kvgen.model.mtp) and decoding the model's own; and a `Qwen3_5ForConditionalGeneration` directory (the text model under
 `model.language_model.`, a vision tower and MTP weights beside it, the text config nested) runs its
 text part, as does Qwen3.5-MoE's."""
 
@@ -38,7 +38,7 @@ def test_mtp_layers_are_kept_beside_the_model_and_decoding_is_unchanged(tmp_path
     mtp = LLM(str(with_mtp_layer(plain, tmp_path / "mtp.gguf")), quantization=quantization)
     prompt = list(range(10, 50))
     assert mtp.engine.model_config.num_layers == 4 and mtp.engine.model_config.mtp_layers == 1
-    assert {"blk.4.nextn.eh_proj.weight", "blk.4.attn_q.weight"} <= set(mtp.engine.model.mtp)
+    assert {"mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= set(mtp.engine.model.mtp)
     expected = LLM(str(plain), quantization=quantization).generate([prompt], GREEDY)[0].outputs[0].token_ids
     assert mtp.generate([prompt], GREEDY)[0].outputs[0].token_ids == expected
 
