@@ -52,7 +52,7 @@ class ModelConfig:
     recurrent: RecurrentShape | None = None
     recurrent_layers: tuple[int, ...] = ()
     recurrent_layout: str = "hf"
-    mtp_layers: int = 0  # multi-token-prediction layers a GGUF carries after the decoder's (kept, unused)
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint carries beside the decoder's (kvgen.model.mtp)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     # Gemma 4: per layer, its head size and KV heads (window and global layers differ; empty: head_dim
     # and num_kv_heads everywhere) and the layer whose K/V it attends over (itself, or for a layer
@@ -218,8 +218,10 @@ KV_OFFLOAD_DTYPES = ("auto", "int8")  # auto: the tiers hold the pool's own byte
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 # Speculative decoding (kvgen.engine.speculative): "ngram" looks the next tokens up in the prompt and output
 # so far, "draft" asks a smaller model sharing the tokenizer, "suffix" follows a suffix tree over the prompt,
-# the output so far and recent requests' outputs; up to K tokens are verified per target pass.
-SPECULATIVE_METHODS = ("ngram", "draft", "suffix")
+# the output so far and recent requests' outputs, "mtp" runs the MTP layer the checkpoint carries (Qwen3.5's);
+# up to K tokens are verified per target pass.
+SPECULATIVE_METHODS = ("ngram", "draft", "suffix", "mtp")
+ONE_PROCESS_METHODS = ("draft", "mtp")  # proposers with a model of their own, not split across ranks
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -315,9 +317,9 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
         if self.speculative_method == "draft" and self.draft_model is None:
             raise ValueError("speculative_method 'draft' needs a draft_model (a checkpoint sharing the tokenizer)")
-        if self.speculative_method == "draft" and self.tensor_parallel_size > 1:
-            raise ValueError("speculative_method 'draft' runs in one process; with tensor_parallel_size > 1 use "
-                             "'ngram' or 'suffix'")
+        if self.speculative_method in ONE_PROCESS_METHODS and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_method '{self.speculative_method}' runs in one process; with "
+                             "tensor_parallel_size > 1 use 'ngram' or 'suffix'")
         if self.draft_quantization not in QUANTIZATION_MODES:
             raise ValueError(f"draft_quantization must be one of {QUANTIZATION_MODES}, got {self.draft_quantization!r}")
         if not 0.0 <= self.draft_p_min <= 1.0:

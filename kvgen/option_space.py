@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgen.config import (
-    ACTIVATION_MODES, ATTENTION_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_MODES, QUANTIZATION_MODES, SPECULATIVE_METHODS,
+    ACTIVATION_MODES, ATTENTION_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_MODES, ONE_PROCESS_METHODS, QUANTIZATION_MODES,
+    SPECULATIVE_METHODS,
 )
 from kvgen.cache.policies import FORMS as KV_POLICY_FORMS, KINDS as KV_POLICY_KINDS
 from kvgen.errors import InvalidRequestError
@@ -99,8 +100,8 @@ REFUSED: tuple[Refusal, ...] = (
             "needs the paged KV cache", "request"),
     Refusal(("speculative_method", SPECULATIVE_METHODS), ("kv_policy", ("sinks", "h2o")), InvalidRequestError,
             "does not compose with speculative decoding", "request"),
-    Refusal(("speculative_method", ("draft",)), ("tensor_parallel_size", ("> 1",)), ValueError,
-            "'draft' runs in one process", "engine"),
+    Refusal(("speculative_method", ONE_PROCESS_METHODS), ("tensor_parallel_size", ("> 1",)), ValueError,
+            "runs in one process", "engine"),
     Refusal(("tensor_parallel_size", ("> 1",)), ("kv_policy", ("h2o",)), InvalidRequestError,
             "kv_policy h2o is not supported with tensor parallelism", "request"),
     Refusal(("dtype", ("float16",)), ("attention_backend", ("native",)), ValueError,

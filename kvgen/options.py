@@ -76,7 +76,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     s.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
                    help="ngram: prompt lookup; draft: a smaller model sharing the tokenizer (--draft-model); suffix: a "
-                        "suffix tree over the prompt, the output and recent outputs (variable length, up to K)")
+                        "suffix tree over the prompt, the output and recent outputs (variable length, up to K); mtp: "
+                        "the checkpoint's own MTP layer (Qwen3.5)")
     s.add_argument("--num-speculative-tokens", type=int, default=4,
                    help=f"tokens proposed and verified per step, 1..{MAX_SPECULATIVE_TOKENS} (default: 4)")
     s.add_argument("--draft-model", help="the draft checkpoint (the target's own file for self-speculation)")

@@ -68,7 +68,7 @@ class LLMEngine(Engine):
         self.runner = self.executor.runner
         if config.kv_tiers:
             attach_pools(self.kv, [kind.cache for kind in self.runner.kinds], config.kv_offload_dtype)
-        self.speculator: Speculator | None = build_speculator(config, loaded.config, self.kv, draft)
+        self.speculator: Speculator | None = build_speculator(config, loaded.config, self.kv, draft, self.runner)
         state_slots, self.recurrent = self._state_pool(loaded, config)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv,
                                    self.speculator.lookahead if self.speculator is not None else None, state_slots)
@@ -177,6 +177,8 @@ class LLMEngine(Engine):
             tokens = self._propose(schedule)
             logits = self._run(schedule)
             outputs = self._postprocess(schedule, logits, released)
+            if self.speculator is not None:
+                self.speculator.observe(schedule.chunks)
         except Exception as error:  # noqa: BLE001 - a fault fails the step's requests, not the engine
             if self.recurrent is not None:
                 self.recurrent.abandon(schedule.chunks)

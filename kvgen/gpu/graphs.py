@@ -81,7 +81,7 @@ class GraphDecoder:
 
     def _plain_decode(self, inputs) -> bool:
         cache = self.runner.cache
-        return (len(self.runner.kinds) == 1 and not cache.quantized and not inputs.score_targets
+        return (len(self.runner.kinds) == 1 and not cache.quantized and not inputs.score_targets and not inputs.kept
                 and all(g.mask.shape[2] == 1 and g.key_rotation is None and g.score_rows is None
                         and g.kv_blocks.shape[1] <= self.width for g in inputs.meta.groups))
 

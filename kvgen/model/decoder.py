@@ -34,6 +34,8 @@ class DecoderModel:
     `activations` is how packed layers quantize x (kvgen.model.linear_choice.ACTIVATIONS by default).
     `fused_decode` lets decode steps run as one list of C kernel calls (kvgen.model.fused)."""
 
+    reads_hidden = False  # its input is token ids only (an MTP head also reads hidden states: kvgen.model.mtp)
+
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight],
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  quantization: str = "none", fused_decode: bool = True, activations: str = ACTIVATIONS) -> None:
@@ -66,8 +68,8 @@ class DecoderModel:
                                       config.max_position_embeddings, self.device, dtype) for theta, dim in ropes]
         self.rope = self.ropes[0]
         self.decode_programs = DecodePrograms(self, fused_decode)
-        # The multi-token-prediction layers a checkpoint may carry (GGUF names -> raw tensors): kept for
-        # speculation, which does not use them yet; decoding never does.
+        # The multi-token-prediction layers a checkpoint may carry (HF names): for speculation
+        # (kvgen.model.mtp); decoding never reads them.
         self.mtp: Mapping[str, Weight] = {}
 
     def kernels(self) -> dict[str, tuple[str, int]]:

@@ -20,6 +20,7 @@ once here and shared by every layer.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -58,6 +59,9 @@ class StepInputs:
     score_targets: list[ScoreTarget]
     more_metas: list[PagedMetadata] = field(default_factory=list)  # the other kinds' (ModelRunner.kinds[1:])
     states: StepStates | None = None  # the recurrent layers' slots (a model with a state pool)
+    hidden: torch.Tensor | None = None  # [T, hidden] each row's input hidden state, for a model that reads one
+    # (seq_id, first position, first row, rows) of each chunk whose output hidden states the step keeps
+    kept: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +104,10 @@ class ModelRunner:
                             for i, d in enumerate(map(config.kv_donor, range(config.num_layers)))]
         self._maps_layers = len(self.kinds) > 1 or len(config.kv_holders) < config.num_layers
         self.state_pool: StatePool | None = None  # a recurrent model's, set by the engine (kvgen.engine.recurrent)
+        # Whether a step keeps a chunk's output hidden states, and those of the last step: seq_id ->
+        # (first position, [rows, hidden]); an MTP head reads the target's (kvgen.engine.speculative.mtp).
+        self.keep_hidden: Callable[[ScheduledChunk], bool] | None = None
+        self.kept_hidden: dict[int, tuple[int, torch.Tensor]] = {}
 
     def copy_blocks(self, copies: list[tuple[int, int]] | list[list[tuple[int, int]]]) -> None:
         """Copy-on-write copies before the step: a list per kind where there are several kinds."""
@@ -119,9 +127,12 @@ class ModelRunner:
         attention = self.attention_type(self.cache, inputs.meta, self.decode_kernel,
                                    [(kind.cache, meta) for kind, meta in zip(self.kinds[1:], inputs.more_metas)],
                                    self.layer_kinds if self._maps_layers else ())
+        reads = {} if inputs.hidden is None else {"hidden": inputs.hidden}
         with blas_owns_the_cores(self.model.device, self.model.dtype, gemv_only=len(inputs.token_ids) == 1):
-            hidden = self.model.forward(inputs.token_ids, inputs.positions, attention, states=inputs.states)
+            hidden = self.model.forward(inputs.token_ids, inputs.positions, attention, states=inputs.states, **reads)
             self.policy_tensors.collect_scores(inputs.score_targets)
+            self.kept_hidden = {seq_id: (start, hidden[row : row + rows].clone())
+                                for seq_id, start, row, rows in inputs.kept}
             return self.model.logits(hidden[inputs.logit_rows])
 
     def prepare(self, chunks: list[ScheduledChunk], all_logits: set[int] = frozenset()) -> StepInputs:
@@ -138,6 +149,7 @@ class ModelRunner:
         meta, positions, score_targets = self._metadata(self.kinds[0], chunk_groups, ordered, reads)
         more_metas = [self._metadata(kind, chunk_groups, ordered)[0] for kind in self.kinds[1:]]
         token_ids = [t for c in ordered for t in c.token_ids]
+        first_rows = list(itertools.accumulate((c.num_tokens for c in ordered), initial=0))
         return StepInputs(
             token_ids=torch.tensor(token_ids, device=self.device),
             positions=positions,
@@ -147,6 +159,9 @@ class ModelRunner:
             more_metas=more_metas,
             states=(None if self.state_pool is None else
                     step_states(self.state_pool, self.model.config.recurrent_layers, ordered)),
+            hidden=torch.cat([c.hidden for c in ordered]) if self.model.reads_hidden else None,
+            kept=[(c.seq.seq_id, c.start, row, c.num_tokens) for c, row in zip(ordered, first_rows)
+                  if self.keep_hidden is not None and self.keep_hidden(c)],
         )
 
     def _metadata(self, kind: KVKind, chunk_groups: list[list[ScheduledChunk]], ordered: list[ScheduledChunk],

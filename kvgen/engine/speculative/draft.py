@@ -75,6 +75,21 @@ def token_probabilities(logits: torch.Tensor, tokens: list[int], q: list[torch.T
             for row, token in enumerate(tokens)]
 
 
+def sample_drafts(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None] | None]:
+    """logits [B, vocab] -> a draft token per row: the argmax for a greedy request, else a draw from
+    the proposer's distribution under the request's temperature / top-k / top-p / min-p (its q)."""
+    tokens = logits.argmax(dim=-1).tolist()
+    sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    if not sampled:
+        return tokens, None
+    q: list[torch.Tensor | None] = [None] * len(seqs)
+    rows = filtered_probs(logits[torch.tensor(sampled)], [seqs[i].params for i in sampled]).cpu()
+    for row, i in zip(rows, sampled):
+        tokens[i] = int(torch.multinomial(row, 1, generator=seqs[i].generator))
+        q[i] = row
+    return tokens, q
+
+
 def check_vocabulary(draft: ModelConfig, target: ModelConfig, path: object) -> None:
     if draft.vocab_size != target.vocab_size:
         raise ModelLoadError(path, f"the draft model's vocabulary has {draft.vocab_size} tokens, the target's "
@@ -106,7 +121,7 @@ class DraftProposer(Proposer):
         passes = [(i, self._catch_up(c.seq)) for i, c in enumerate(chunks)]
         while passes:
             logits = self.runner.execute([p for _, p in passes])  # [len(passes), vocab]
-            tokens, q = self._sample(logits, [p.seq for _, p in passes])
+            tokens, q = sample_drafts(logits, [p.seq for _, p in passes])
             sure = token_probabilities(logits, tokens, q)
             following = []
             for row, (i, p) in enumerate(passes):
@@ -138,21 +153,6 @@ class DraftProposer(Proposer):
         live = self.kv.live_blocks(seq.seq_id)
         first_live = live[0][0] * self.kv.block_size if live else 0
         return max(self.computed.get(seq.seq_id, 0), first_live)
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None] | None]:
-        """logits [B, vocab] -> a draft token per row: the argmax for a greedy request, else a draw from
-        the draft's distribution under the request's temperature / top-k / top-p / min-p (its q)."""
-        tokens = logits.argmax(dim=-1).tolist()
-        sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
-        if not sampled:
-            return tokens, None
-        q: list[torch.Tensor | None] = [None] * len(seqs)
-        rows = filtered_probs(logits[torch.tensor(sampled)], [seqs[i].params for i in sampled]).cpu()
-        for row, i in zip(rows, sampled):
-            tokens[i] = int(torch.multinomial(row, 1, generator=seqs[i].generator))
-            q[i] = row
-        return tokens, q
 
     def rollback(self, seq: Sequence) -> None:
         if seq.seq_id in self.computed:

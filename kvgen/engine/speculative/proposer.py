@@ -38,6 +38,10 @@ class Proposer(ABC):
         """The target computes these prompt chunks this step; a proposer with its own cache computes
         them too (so that its first proposal does not wait on a whole prompt)."""
 
+    def observe(self, chunks: list[ScheduledChunk]) -> None:
+        """The target has run these chunks and the engine has advanced their sequences; a proposer that
+        reads the target's hidden states (the MTP head) takes them now."""
+
     def rollback(self, seq: Sequence) -> None:
         """`seq` has been verified: its computed tokens now end at `seq.num_computed_tokens`."""
 

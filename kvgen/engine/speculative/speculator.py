@@ -17,10 +17,12 @@ from kvgen.cache.kv_manager import KVCacheManager
 from kvgen.config import EngineConfig, ModelConfig
 from kvgen.engine.speculative.adaptive import AdaptiveSwitch
 from kvgen.engine.speculative.draft import DraftProposer
+from kvgen.engine.speculative.mtp import MTPProposer
 from kvgen.engine.speculative.ngram import NgramProposer
 from kvgen.engine.speculative.proposer import Proposer
 from kvgen.engine.speculative.suffix import SuffixProposer
 from kvgen.loaders import LoadedModel
+from kvgen.runner.model_runner import ModelRunner
 from kvgen.sample.rejection import Verdict, verify
 from kvgen.scheduling.output import ScheduledChunk
 from kvgen.scheduling.sequence import Sequence
@@ -128,6 +130,10 @@ class Speculator:
         elif self.switch is not None and self._batch_size == 1:
             self.switch.new_request()
 
+    def observe(self, chunks: list[ScheduledChunk]) -> None:
+        """After the step: the chunks of sequences that may speculate, shown to the proposer."""
+        self.proposer.observe([c for c in chunks if self.eligible(c.seq)])
+
     def rollback(self, seq: Sequence) -> None:
         self.proposer.rollback(seq)
 
@@ -142,15 +148,18 @@ class Speculator:
 
 
 def build_speculator(config: EngineConfig, target: ModelConfig, kv: KVCacheManager,
-                     draft: LoadedModel | None) -> Speculator | None:
+                     draft: LoadedModel | None, target_runner: ModelRunner) -> Speculator | None:
     """The engine's speculator under `config` (None without speculative_method); `draft` is the
-    loaded draft model of method 'draft'."""
+    loaded draft model of method 'draft'; method 'mtp' runs the MTP layer of the target's checkpoint
+    (`target_runner.model.mtp`) on the target's hidden states."""
     if config.speculative_method is None:
         return None
     if config.speculative_method == "ngram":
         proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     elif config.speculative_method == "suffix":
         proposer = SuffixProposer()
+    elif config.speculative_method == "mtp":
+        proposer = MTPProposer(target_runner, target_runner.model.mtp, config, kv)
     elif draft is None:
         raise ValueError("speculative_method 'draft' needs its draft model loaded (kvgen.llm.build_engine does)")
     else:
