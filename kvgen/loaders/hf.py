@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,11 +63,22 @@ def load_hf(
         plain = config.arch.plain_norms
         weights = {name: w.float() + 1.0 if is_norm_weight(name) and not name.endswith(plain) else w
                    for name, w in weights.items()}
-    mtp = {name: weights.pop(name) for name in [n for n in weights if n.startswith(MTP_PREFIX)]}
-    shapes = {name: shape for name, shape in shapes.items() if name not in mtp}
+    mtp = _split_mtp(weights, config, path)
+    shapes = {name: shape for name, shape in shapes.items() if not name.startswith(MTP_PREFIX)}
     weights = finalize_weights(weights, config, path, device, dtype, origins=origins, shapes=shapes)
     mtp = {name: w.to(device=device, dtype=dtype) for name, w in mtp.items()} if plan is None else {}
     return LoadedModel(config, weights, tokenizer, str(path), shard=plan, mtp=mtp)
+
+
+def _split_mtp(weights: dict[str, torch.Tensor], config: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+    """Takes the MTP layers' tensors (`mtp.*`) out of `weights`; a mixture's experts among them stacked
+    as the model's are (kvgen.loaders.experts)."""
+    mtp = {name: weights.pop(name) for name in [n for n in weights if n.startswith(MTP_PREFIX)]}
+    if not config.is_moe:
+        return mtp
+    as_model = {re.sub(r"^mtp\.layers\.(\d+)\.", r"model.layers.\1.", name): w for name, w in mtp.items()}
+    return {re.sub(r"^model\.layers\.(\d+)\.", r"mtp.layers.\1.", name): w
+            for name, w in stack_experts(as_model, config, path).items()}
 
 
 def load_hf_tokenizer(

@@ -26,8 +26,8 @@ from kvgen.model.decoder import DecoderModel
 from kvgen.model.linear import RowKernels
 from kvgen.model.linear_choice import LayerBuilder, Weight
 
-# The architectures whose MTP layer is one more of their full-attention layers with a dense MLP.
-MTP_ARCHITECTURES = ("qwen35",)
+# The architectures whose MTP layer is one more of their full-attention layers (a mixture's with its experts).
+MTP_ARCHITECTURES = ("qwen35", "qwen35moe")
 INPUT_NORMS = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
 LAYER_PREFIX = "mtp.layers.0."
 

@@ -261,10 +261,10 @@ def converter_dir() -> Path:
         raise FixtureError(str(e)) from None
 
 
-def convert(arch: str, hf_dir: Path, out: Path, outtype: str) -> Path:
-    """Runs convert_hf_to_gguf.py with the spec's flags on `hf_dir` or, where the spec edits the config the
-    converter reads (`convert_config`), on a sibling folder of links to its files beside the edited
-    config.json; raises FixtureError with its output on failure."""
+def convert(arch: str, hf_dir: Path, out: Path, outtype: str, flags: tuple[str, ...] | None = None) -> Path:
+    """Runs convert_hf_to_gguf.py with `flags` (the spec's by default) on `hf_dir` or, where the spec edits
+    the config the converter reads (`convert_config`), on a sibling folder of links to its files beside the
+    edited config.json; raises FixtureError with its output on failure."""
     spec, source = SPECS[arch], out.parent / f".{out.stem}-source"
     shutil.rmtree(source, ignore_errors=True)
     try:
@@ -273,7 +273,7 @@ def convert(arch: str, hf_dir: Path, out: Path, outtype: str) -> Path:
             config = json.loads((hf_dir / "config.json").read_text()) | spec.convert_config
             (source / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
         return llama_tools.convert(source if source.exists() else hf_dir, out, outtype, cache_root(),
-                                   spec.convert_flags)
+                                   spec.convert_flags if flags is None else flags)
     except llama_tools.ToolError as e:
         raise FixtureError(str(e)) from None
     finally:
@@ -522,8 +522,7 @@ def _build_mtp(arch: str, out: Path) -> None:
     save_file(weights, out / "hf" / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((base.hf_dir / "config.json").read_text()) | {"mtp_num_hidden_layers": 1}
     (out / "hf" / "config.json").write_text(json.dumps(config, indent=2))
-    llama_tools.convert(out / "hf", out / f"{arch}-mtp-f32.gguf", "f32", cache_root(),
-                        tuple(f for f in spec.convert_flags if f != "--no-mtp"))
+    convert(arch, out / "hf", out / f"{arch}-mtp-f32.gguf", "f32", tuple(f for f in spec.convert_flags if f != "--no-mtp"))
     (out / "DONE").write_text("{}")
 
 

@@ -1,4 +1,5 @@
-"""The checkpoint's own MTP layer proposes (Qwen3.5's multi-token prediction; kvgen.model.mtp).
+"""The checkpoint's own MTP layer proposes (Qwen3.5's and Qwen3.5-MoE's multi-token prediction;
+kvgen.model.mtp).
 
 The head reads the target's hidden states, so it follows the target a step behind. Its one layer
 keeps K/V in a pool of its own under the target's block ids (as the draft model's: kvgen.engine.

@@ -1,5 +1,5 @@
-"""Speculation by the checkpoint's MTP layer (kvgen.engine.speculative.mtp) on the Qwen3.5 fixture with
-one MTP layer (tests/loaders/arch_fixtures.mtp_checkpoint), fp32: greedy output equals plain decoding
+"""Speculation by the checkpoint's MTP layer (kvgen.engine.speculative.mtp) on the Qwen3.5 and Qwen3.5-MoE
+fixtures with one MTP layer (tests/loaders/arch_fixtures.mtp_checkpoint), fp32: greedy output equals plain decoding
 alone, in a ragged batch with chunked prefill, with n = 2, under preemption and after a prefix-cache
 hit; and the head's state at each step is the one transformers' modules give over the tokens so far,
 chained guesses and rejected tokens notwithstanding. Random weights guess the target's tokens almost
@@ -20,10 +20,11 @@ from tests.support.tolerances import fp32_gap, model_reduction_length
 PROMPTS = [[(7 * i + 3) % 500 + 10 for i in range(n)] for n in (10, 200, 41)]
 
 
-@pytest.fixture(scope="module", params=["hf", "gguf"])
+@pytest.fixture(scope="module", params=[("qwen35", "hf"), ("qwen35", "gguf"), ("qwen35moe", "gguf")], ids="-".join)
 def loaded(request):
-    checkpoint = mtp_checkpoint()
-    return load_model(str(checkpoint.hf_dir if request.param == "hf" else checkpoint.gguf))
+    arch, source = request.param
+    checkpoint = mtp_checkpoint(arch)
+    return load_model(str(checkpoint.hf_dir if source == "hf" else checkpoint.gguf))
 
 
 def engine(loaded, **options) -> LLMEngine:
@@ -84,7 +85,7 @@ def head_gap(eng: LLMEngine) -> tuple[float, float]:
     position, state = proposer.last[seq.seq_id]
     assert position == seq.num_tokens - 2  # the state that guesses the next verify step's first token
     got = proposer.head.logits(state[None])[0]
-    want = reference_head_logits(seq.token_ids)[position]
+    want = reference_head_logits(seq.token_ids, eng.model_config.architecture)[position]
     assert torch.equal(got.argmax(), want.argmax())
     config = proposer.head.config
     bound = fp32_gap(model_reduction_length(config, seq.num_tokens) + 2 * config.hidden_size, want.abs().max().item())
