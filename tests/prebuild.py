@@ -27,16 +27,18 @@ MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 
 def steps() -> list[tuple[str, Callable[[], object]]]:
     from tests.loaders.arch_fixtures import arch_checkpoint, with_context
-    from tests.support.cached_files import fetch_model, transformers_saved
+    from tests.support.cached_files import fetch_model, gguf_reading, transformers_saved
 
     def gemma_reading() -> None:
-        transformers_saved(fetch_model(MODELS / "gemma-3-270m" / "fetch.sh", "Gemma 3 270M"))
+        gemma = fetch_model(MODELS / "gemma-3-270m" / "fetch.sh", "Gemma 3 270M")
+        gguf_reading(gemma)
+        transformers_saved(gemma)
 
     smollm = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return [*((arch, lambda arch=arch: arch_checkpoint(arch)) for arch in ARCHS[:2]),
             ("gemma4 at 1024 positions", lambda: with_context("gemma4", 1024)),
             *((arch, lambda arch=arch: arch_checkpoint(arch)) for arch in ARCHS[2:]),
-            ("gemma 3 270M, read by transformers", gemma_reading),
+            ("gemma 3 270M, read by gguf and transformers", gemma_reading),
             ("SmolLM2, read by transformers", lambda: transformers_saved(smollm)),
             ("Qwen2.5-Coder-0.5B", lambda: fetch_model(MODELS / "qwen2.5-coder-0.5b-instruct" / "fetch.sh", "0.5B"))]
 

@@ -1,10 +1,12 @@
 """Files the tests fetch or convert once and keep in the test-model cache ($KVGEN_TEST_MODELS, default
-~/.cache/kvgen-test-models): real GGUFs that shared/models/*/fetch.sh assembles, and transformers'
-readings of GGUFs. Each is made under a lock of its own, so two processes (a run and tests/prebuild.py
+~/.cache/kvgen-test-models): real GGUFs that shared/models/*/fetch.sh assembles, and transformers' and
+gguf's readings of GGUFs. Each is made under a lock of its own, so two processes (a run and tests/prebuild.py
 beside it) make it once: the second waits, then finds it there."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
@@ -55,3 +57,25 @@ def transformers_saved(gguf: Path) -> Path:
             except OSError:  # saved meanwhile by a run that took no lock
                 shutil.rmtree(partial, ignore_errors=True)
     return saved
+
+
+def gguf_reading(path: Path) -> dict:
+    """gguf's `GGUFReader` reading of `path`: {"metadata": key -> contents(), "tensors": [[name, shape,
+    type, data offset, bytes], ...]}. Parsing Gemma 3's 262,144-token vocabulary takes that reader ~15 s,
+    so the first reading is saved as JSON under the cache, keyed by the file's size and time and by
+    gguf's version (JSON keeps Python's int, float, bool and str apart, which the comparison checks)."""
+    import gguf
+
+    stat = path.stat()
+    version = importlib.metadata.version("gguf")
+    saved = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-gguf-{version}.json"
+    with file_lock(cache_root() / f".{saved.name}.lock"):
+        if not saved.is_file():
+            reader = gguf.GGUFReader(path)
+            reading = {"metadata": {key: field.contents() for key, field in reader.fields.items()},
+                       "tensors": [[t.name, [int(d) for d in t.shape], int(t.tensor_type), int(t.data_offset),
+                                    int(t.n_bytes)] for t in reader.tensors]}
+            partial = saved.with_name(saved.name + f".partial-{os.getpid()}")
+            partial.write_text(json.dumps(reading))
+            partial.rename(saved)
+    return json.loads(saved.read_text())
