@@ -10,6 +10,8 @@
     qwen35-0.8b    Qwen3.5-0.8B's and -2B's text shapes (24 layers, three Gated DeltaNet layers of 16 key
     qwen35-2b      and 16 value heads of 128 to one gated attention layer of 8 heads over 2 KV heads of
                    256; hidden 1024 / 2048, MLP 3584 / 6144, vocabulary 248320, tied embeddings)
+    qwen35-0.8b-mtp  the 0.8B shape with the MTP layer its checkpoint carries (random, as the rest: it
+                   guesses nothing right, so what `--speculative-method mtp` costs is what it measures)
     qwen3-30b-a3b  Qwen3-30B-A3B's layer at full width (hidden 2048, 128 experts of 768, top-8, 32 heads
                    over 4 KV heads of 128, vocabulary 151936) with 8 of its 48 layers, which fit this
                    machine beside llama.cpp's copy
@@ -89,6 +91,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                      num_attention_heads=24, num_key_value_heads=8, head_dim=128),
     "qwen35-0.8b": dict(_QWEN35, hidden_size=1024, intermediate_size=3584),
     "qwen35-2b": dict(_QWEN35, hidden_size=2048, intermediate_size=6144),
+    "qwen35-0.8b-mtp": dict(_QWEN35, family=Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "qwen2", mtp_layers=1),
+                            hidden_size=1024, intermediate_size=3584),
     "gemma4-e2b": _GEMMA4_E2B,
     "qwen3-30b-a3b": dict(
         family=Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen2"), hidden_size=2048, num_hidden_layers=8,

@@ -66,12 +66,14 @@ def build_atomically(path: Path, build: Callable[[Path], None], directory: bool 
 class Family:
     """The transformers classes of a generated architecture, the vocabulary llama.cpp's converter is
     given for it ("placeholder" SentencePiece, "placeholder-json" a BPE one as a tokenizer.json, or
-    "qwen2" BPE) and the converter's extra flags."""
+    "qwen2" BPE), the converter's extra flags, and the multi-token-prediction layers its checkpoints carry
+    (`mtp.*` as Qwen3.5's: a copy of the first full-attention layer's tensors, `fc` and three norms)."""
 
     config_class: str = "LlamaConfig"
     model_class: str = "LlamaForCausalLM"
     vocabulary: str = "placeholder"
     convert_flags: tuple[str, ...] = ()
+    mtp_layers: int = 0
 
 
 LLAMA = Family()
@@ -109,6 +111,8 @@ def build_random_model(architecture: dict[str, Any], seed: int, path: Path) -> N
         (path / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     config.dtype, config.architectures = dtype, [family.model_class]  # the converter picks its model by the latter
+    if family.mtp_layers:
+        config.mtp_num_hidden_layers = family.mtp_layers
     config.save_pretrained(path)
     save_placeholder_tokenizer(config.vocab_size, path)
 
@@ -121,7 +125,22 @@ def weight_shapes(config, family: Family = LLAMA) -> dict[str, tuple[int, ...]]:
         state = getattr(transformers, family.model_class)(config).state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    return {name: tuple(t.shape) for name, t in state.items()}
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    return shapes | mtp_shapes(config, shapes, family.mtp_layers)
+
+
+def mtp_shapes(config, shapes: dict[str, tuple[int, ...]], layers: int) -> dict[str, tuple[int, ...]]:
+    """The `mtp.*` tensors of `layers` MTP layers, each shaped as the model's first full-attention layer."""
+    if not layers:
+        return {}
+    full = f"model.layers.{config.layer_types.index('full_attention')}."
+    hidden = config.hidden_size
+    out = {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.norm.weight": (hidden,),
+           "mtp.pre_fc_norm_embedding.weight": (hidden,), "mtp.pre_fc_norm_hidden.weight": (hidden,)}
+    for j in range(layers):
+        out |= {f"mtp.layers.{j}." + name.removeprefix(full): shape for name, shape in shapes.items()
+                if name.startswith(full)}
+    return out
 
 
 def _random_tensors(config, family: Family, dtype: torch.dtype, seed: int) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,13 +5,14 @@ The head reads the target's hidden states, so it follows the target a step behin
 keeps K/V in a pool of its own under the target's block ids (as the draft model's: kvgen.engine.
 speculative.draft), written at position i from the target's state at i and the token at i + 1:
 
-    observe     after each target step, the states it computed at positions whose next token is
-                known (the verified ones of a verify chunk) run through the head: its K/V there, and
-                h'[N - 2], its state at the sequence's last such position (N tokens, N - 1 uncomputed)
-    propose     d_1 = argmax lm_head(h'[N - 2]) guesses token N (the one the verify step's first row
+    observe     after each target step, the states it computed at verified positions (whose next
+                token is known) are kept for the head (FLUSH_ROWS below)
+    propose     first the head runs over the kept states in one pass: its K/V there, and h'[N - 2],
+                its state at the sequence's last verified position (N tokens, N - 1 uncomputed);
+                d_1 = argmax lm_head(h'[N - 2]) guesses token N (the one the verify step's first row
                 decides); each further guess chains: the head at position N - 2 + j reads d_j and
-                h'[N - 3 + j] -> d_(j+1). Those K/V are rewritten from the target's states by the next
-                observe, before anything reads them.
+                h'[N - 3 + j] -> d_(j+1). Those K/V are rewritten from the target's states by the
+                next pass, before anything reads them.
 
 A position the target did not compute (a prefix-cache hit) keeps what the head wrote there for the
 sequence that computed it; a sequence whose last state the head has not seen (just forked, or
@@ -37,6 +38,14 @@ from kvgen.model.linear_choice import LayerBuilder, Weight
 from kvgen.model.mtp import MTPHead
 from kvgen.runner.model_runner import ModelRunner
 from kvgen.scheduling.output import ScheduledChunk
+from kvgen.scheduling.sequence import Sequence
+
+
+# The target's states a sequence holds before the head runs them. The head runs as late as a proposal
+# needs it: while the adaptive switch decodes plainly it would cost a layer and a pass a step for
+# nothing (on a Qwen3.5-0.8B shape, AVX2, plain decoding at 34 tok/s fell to 27); a prompt's chunks
+# are run as they come, since they hold this many rows.
+FLUSH_ROWS = 256
 
 
 @dataclass
@@ -66,19 +75,38 @@ class MTPProposer(Proposer):
         self.p_min = config.draft_p_min  # as the draft's: stop after a guess the head gives less
         self.bytes_per_token = kv_bytes_per_token_of(1, cfg.num_kv_heads, cfg.head_dim, config.kv_dtype)
         self.last: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (position i, h'[i] [hidden])
+        # seq_id -> (first position, [rows, hidden] tensors): the target's states the head has not run yet
+        self.pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
 
     def observe(self, chunks: list[ScheduledChunk]) -> None:
-        """Runs the head over the target's new states of these chunks' sequences (after the step)."""
-        passes = []
+        """Keeps the target's states of these chunks' verified positions (after the step) for the head;
+        a sequence holding FLUSH_ROWS of them runs them through it now."""
+        full = []
         for chunk in chunks:
             seq, kept = chunk.seq, self.target.kept_hidden.get(chunk.seq.seq_id)
             if kept is None or seq.is_finished:
                 continue
             start, rows = kept
-            end = min(start + len(rows), seq.num_computed_tokens, seq.num_tokens - 1)  # verified, next token known
-            if end > start:
-                passes.append(HeadChunk(seq, start, seq.token_ids[start + 1 : end + 1], completes_sequence=False,
-                                        hidden=rows[: end - start]))
+            rows = rows[: max(0, min(len(rows), seq.num_computed_tokens - start))]  # verified only
+            first, held = self.pending.get(seq.seq_id, (start, []))
+            if first + sum(len(r) for r in held) != start:  # not where the held ones end: start over there
+                first, held = start, []
+            self.pending[seq.seq_id] = (first, [*held, rows])
+            if sum(len(r) for r in held) + len(rows) >= FLUSH_ROWS:
+                full.append(seq)
+        self.catch_up(full)
+
+    def catch_up(self, seqs: list[Sequence]) -> None:
+        """Runs the head over the states each sequence holds, in one pass; its last output is kept. Every
+        block they lie in is still the sequence's: models with MTP layers have recurrent ones, which
+        refuse the policies that drop blocks (kvgen.engine.recurrent)."""
+        passes = []
+        for seq in seqs:
+            first, held = self.pending.pop(seq.seq_id, (0, []))
+            hidden = torch.cat(held) if held else None
+            if hidden is not None and len(hidden):
+                passes.append(HeadChunk(seq, first, seq.token_ids[first + 1 : first + 1 + len(hidden)],
+                                        completes_sequence=False, hidden=hidden))
         if not passes:
             return
         self.runner.execute(passes)
@@ -86,6 +114,7 @@ class MTPProposer(Proposer):
             self.last[p.seq.seq_id] = (p.start + p.num_tokens - 1, self.runner.kept_hidden[p.seq.seq_id][1][-1])
 
     def propose(self, chunks: list[ScheduledChunk]) -> list[Proposal]:
+        self.catch_up([c.seq for c in chunks if c.seq.seq_id in self.pending])
         drafts: list[list[int]] = [[] for _ in chunks]
         probs: list[list[torch.Tensor]] = [[] for _ in chunks]
         ready = [(i, self.last[c.seq.seq_id][1]) for i, c in enumerate(chunks)
@@ -112,6 +141,7 @@ class MTPProposer(Proposer):
 
     def forget(self, seq_id: int) -> None:
         self.last.pop(seq_id, None)
+        self.pending.pop(seq_id, None)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.cache.copy_blocks(copies)

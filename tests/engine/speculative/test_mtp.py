@@ -33,8 +33,8 @@ def engine(loaded, **options) -> LLMEngine:
 
 def mtp(k: int, **options) -> dict:
     """MTP speculation that always proposes K (no adaptive switch, no confidence cut)."""
-    return dict(speculative_method="mtp", num_speculative_tokens=k, adaptive_speculation=False, draft_p_min=0.0,
-                **options)
+    return dict(speculative_method="mtp", num_speculative_tokens=k, draft_p_min=0.0,
+                **{"adaptive_speculation": False, **options})
 
 
 def greedy(max_tokens: int = 32, **extra) -> SamplingParams:
@@ -44,7 +44,7 @@ def greedy(max_tokens: int = 32, **extra) -> SamplingParams:
 def assert_clean(eng: LLMEngine) -> None:
     eng.kv.check_invariants()
     assert eng.kv.num_used_blocks == 0
-    assert not eng.speculator.proposer.last
+    assert not eng.speculator.proposer.last and not eng.speculator.proposer.pending
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -82,6 +82,7 @@ def head_gap(eng: LLMEngine) -> tuple[float, float]:
     last verified position and transformers' modules over that sequence's tokens."""
     proposer = eng.speculator.proposer
     (seq,) = eng.scheduler.running
+    proposer.catch_up([seq])  # as the next proposal would
     position, state = proposer.last[seq.seq_id]
     assert position == seq.num_tokens - 2  # the state that guesses the next verify step's first token
     got = proposer.head.logits(state[None])[0]
@@ -108,6 +109,28 @@ def test_the_heads_state_is_transformers_after_chained_guesses_and_rejections(lo
     assert eng.speculator.counters.verify_steps >= 10
     gap, bound = head_gap(eng)
     assert gap <= bound
+
+
+def test_states_kept_through_plain_steps_run_when_speculation_comes_back(loaded):
+    """While the adaptive switch decodes plainly the head does not run; the states wait, and the first
+    speculative step runs them all (a 300-token prompt's in a pass of its own: FLUSH_ROWS)."""
+    eng = engine(loaded, **mtp(3, adaptive_speculation=True))
+    steps = []
+    eng.speculator.switch.decide = lambda batch_size: len(steps) >= 8  # plain for 8 steps, then speculate
+    prompt = [(5 * i + 1) % 480 + 10 for i in range(300)]
+    eng.add_request("r", prompt, greedy(40))
+    for _ in range(8):
+        steps.append(eng.step())
+    proposer = eng.speculator.proposer
+    assert eng.speculator.counters.verify_steps == 0 and len(proposer.pending[eng.scheduler.running[0].seq_id][1]) == 7
+    for _ in range(4):
+        steps.append(eng.step())
+    assert eng.speculator.counters.verify_steps >= 3
+    gap, bound = head_gap(eng)
+    assert gap <= bound
+    while eng.has_unfinished():
+        eng.step()
+    assert_clean(eng)
 
 
 def test_a_model_without_mtp_layers_is_refused_in_one_line():
