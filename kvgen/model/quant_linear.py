@@ -37,10 +37,14 @@ from kvgen.model.linear import ONEDNN_FROM_ROWS, Linear, RowKernels, has_onednn_
 # measures faster) a packed layer runs on its weight dequantized per call, in bf16 or fp32
 # (KernelQuantLinear). bf16: 1.3-1.9x faster than x int8x2 at 16 rows on some VMs (BENCHMARKS.md).
 BF16_FROM_ROWS = 16
-# fp32, by the integer kernel's build: a 3,072 x 576 int4 matrix at 64 / 128 / 512 rows took 9.8 / 20.5 / 81.9
-# ms on the AVX2 integer kernel (x int8x2), 10.1 / 11.4 / 16.1 ms dequantized, packed and multiplied (2 threads,
-# Zen 3); on an AVX-512 VM 0.51 / 0.91 / 1.92 ms at 16 / 32 / 64 rows against 0.88 / 0.93 / 1.35 (BENCHMARKS.md).
-FP32_FROM_ROWS = {"avx512-vnni": 32, "avx2": 128}
+# fp32, by the integer kernel's build and the codes' bits: on an AVX-512 VM an int4 matrix took 0.51 / 0.91 /
+# 1.92 ms at 16 / 32 / 64 rows against 0.88 / 0.93 / 1.35 dequantized, packed and multiplied (BENCHMARKS.md).
+# On an AMD EPYC without AVX-512 (2 threads), since the AVX2 build's int16 sums stay in registers
+# (qvec.h's dot4_rows), x int8x2 through 4-bit codes is ahead up to a 512-row prefill chunk: 3,072 x 576 /
+# 8,960 x 1,536 took 2.9 / 22.7 ms at 128 rows and 12.7 / 112 at 512 against 5.0 / 45.9 and 12.6 / 117
+# dequantized; 8-bit codes, which AVX2 widens a product at a time, are behind from 128 rows (6.1 / 37.6
+# against 3.5 / 47.9, and 20.4 / 170 against 12.4 / 114 at 512).
+FP32_FROM_ROWS = {("avx512-vnni", 4): 32, ("avx512-vnni", 8): 32, ("avx2", 4): 512, ("avx2", 8): 128}
 # From this many rows of x on, one int8 part (KQuantLinear); fused decode steps run below 16 rows
 # (kvgen.model.fused), so decode and verify chunks keep the layer's activations.
 MANY_ROWS = 16
@@ -86,7 +90,7 @@ class KernelQuantLinear(QuantLinear):
         self._f32 = f32_kernel() if dtype == torch.float32 else None
         self._tiles = many_rows.tiles if dtype is not None else None
         self._from_rows = (None if dtype is None else BF16_FROM_ROWS if dtype == torch.bfloat16
-                           else FP32_FROM_ROWS[kernel.isa])
+                           else FP32_FROM_ROWS[kernel.isa, weight.bits])
         self._from_rows = self._from_rows and max(self._from_rows, INTEGER_BELOW_ROWS * integer_beats(dtype))
         path = "bf16_matmul" if self._bf16 is not None else "f32_matmul"
         self._onednn = (dtype is not None and many_rows.onednn and has_onednn_bf16()

@@ -49,11 +49,14 @@
 #define META 320
 #define LOW 2048
 #define XCHUNK 64
-/* Rows of x per pass over a panel. AVX2's 16 ymm registers (two to a vector) cannot hold 8 rows'
- * sums, yet its spills cost less than the unpacking more passes take: 64 rows through a 8,192 x
- * 2,048 Q4_K / Q6_K matrix on one core of an AMD EPYC without AVX-512 took 18.0 / 20.9 ms at 8 a
- * pass, 18.8 / 23.4 at 4, 18.4 / 21.9 at 16. */
+/* Rows of x per pass over a panel: AVX2's 16 ymm hold 4 rows' int16 sums (qvec.h's dot4_rows). */
+#ifndef XPASS
+#ifdef __AVX512F__
 #define XPASS 8
+#else
+#define XPASS DOT4_ROWS
+#endif
+#endif
 /* Software prefetch into L2 (as qmatmul.c, which says why) this far ahead in the first pass over a
  * panel, a few lines with each sub-block rather than a block's 37-53 at once: with both, 1-row
  * Q4_K streamed 16 -> 21 GB/s on the Intel AMX host (docs/performance-notes.md). */
@@ -156,7 +159,7 @@ ALWAYS_INLINE vf f16x16(const uint8_t *p) { return load_values(p, 0, 16, 1); }
 ALWAYS_INLINE vf u8x16(const uint8_t *p) { return u8x16_minus_to_vf(_mm_loadu_si128((const __m128i *)p), 0); }
 ALWAYS_INLINE vf i8x16(const uint8_t *p) { return i8x16_to_vf(_mm_loadu_si128((const __m128i *)p)); }
 
-/* How many codes vectors dot4_run takes at a time (qvec.h): AVX2 adds their products in int16, so
+/* How many codes vectors dot4_rows takes at a time (qvec.h): AVX2 adds their products in int16, so
  * 2 * (largest code) * 127 * RUN <= 32,767; vpdpbusd needs no such runs. */
 #ifdef __AVX512F__
 #define RUN(kind) 1
@@ -184,9 +187,12 @@ ALWAYS_INLINE void dots(const vi *c, const int32_t *const *xq, const int g0, con
         return;
     }
 #endif
-    UNROLL for (int g = g0; g < g1; g += RUN(kind))
+    UNROLL for (int g = g0; g < g1; g += RUN(kind)) {
+        const int32_t *x[XPASS];
         UNROLL for (int r = 0; r < R; r++)
-            a[r] = dot4_run(a[r], c + g, xq[r] + g, RUN(kind));
+            x[r] = xq[r] + g;
+        dot4_rows(a, c + g, x, RUN(kind), R);
+    }
 }
 
 /* out[rows r0 .. r0+R-1, panel's 16 columns] for one panel (`w`: its first block) and R rows of x;

@@ -35,7 +35,15 @@
 #include "qvec.h"
 
 #define PANEL 16  /* weight rows per panel: the int32 lanes of a vector */
-#define XPASS 8   /* rows of x per pass over a panel */
+/* Rows of x per pass over a panel: AVX2's 16 ymm hold 4 rows' sums (qvec.h's dot4_rows); 8 a pass
+ * there took 12-15% longer at 4 to 64 rows. */
+#ifndef XPASS
+#ifdef __AVX512F__
+#define XPASS 8
+#else
+#define XPASS DOT4_ROWS
+#endif
+#endif
 #define XCHUNK 64 /* rows of x per chunk */
 #define UNROLL _Pragma("GCC unroll 8")
 /* The tunables below were chosen by A/B microbenchmarks (BENCHMARKS.md); -D overrides them. */
@@ -117,7 +125,7 @@ ALWAYS_INLINE int32_t x4(const int8_t *q, int g) {
 
 /* a[r] += sum over g in [g0, g1) of codes c[g] by row r's 4 bytes g of x (row r's span at
  * xq + 32 r), the rows' chains of dependent vpdpbusd interleaved to hide its latency (at R <= 2,
- * two chains a row). AVX2 adds 4-bit codes' products in int16 a run at a time (dot4_run): 8 vectors
+ * two chains a row). AVX2 adds 4-bit codes' products in int16 a run at a time (dot4_rows): 8 vectors
  * of codes up to 15, or 4 of the codebook's up to 24, stay below 32,768. Integer sums: the same
  * whatever the order. */
 ALWAYS_INLINE void dots(const vi *c, const int8_t *xq, const int g0, const int g1, const int R, vi *a,
@@ -125,9 +133,15 @@ ALWAYS_INLINE void dots(const vi *c, const int8_t *xq, const int g0, const int g
 #ifndef __AVX512F__
     if (bits == 4) {
         const int run = book ? 4 : 8;
-        UNROLL for (int g = g0; g < g1; g += run)
+        const int32_t *rows[XPASS];
+        UNROLL for (int r = 0; r < R; r++)
+            rows[r] = (const int32_t *)(xq + 32 * r);
+        UNROLL for (int g = g0; g < g1; g += run) {
+            const int32_t *x[XPASS];
             UNROLL for (int r = 0; r < R; r++)
-                a[r] = dot4_run(a[r], c + g, (const int32_t *)(xq + 32 * r) + g, run);
+                x[r] = rows[r] + g;
+            dot4_rows(a, c + g, x, run, R);
+        }
         return;
     }
 #endif

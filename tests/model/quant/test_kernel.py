@@ -201,7 +201,7 @@ def test_many_rows_run_in_fp32_within_its_rounding(ggml_type):
     if f32_kernel() is None:
         pytest.skip("this CPU has no fp32 kernel (neither AVX-512 nor AVX2)")
     w = gguf_weight(ggml_type, out=13)
-    first = from_rows(torch.float32, FP32_FROM_ROWS[qmatmul_kernel().isa])
+    first = from_rows(torch.float32, FP32_FROM_ROWS[qmatmul_kernel().isa, w.bits])
     x = torch.randn(first + 5, 512, generator=torch.Generator().manual_seed(3))
     layer = KernelQuantLinear(w, None, "int8x2", ManyRows(Bf16Tiles(), torch.float32))
     assert torch.equal(qmatmul_kernel().bind(w).dequantize_f32(), pack_f32(dequantize(w)))  # exact panels
