@@ -104,9 +104,9 @@ class ModelRunner:
                             for i, d in enumerate(map(config.kv_donor, range(config.num_layers)))]
         self._maps_layers = len(self.kinds) > 1 or len(config.kv_holders) < config.num_layers
         self.state_pool: StatePool | None = None  # a recurrent model's, set by the engine (kvgen.engine.recurrent)
-        # Whether a step keeps a chunk's output hidden states, and those of the last step: seq_id ->
+        # Whether steps keep their chunks' output hidden states, and those of the last step: seq_id ->
         # (first position, [rows, hidden]); an MTP head reads the target's (kvgen.engine.speculative.mtp).
-        self.keep_hidden: Callable[[ScheduledChunk], bool] | None = None
+        self.keeps_hidden = False
         self.kept_hidden: dict[int, tuple[int, torch.Tensor]] = {}
 
     def copy_blocks(self, copies: list[tuple[int, int]] | list[list[tuple[int, int]]]) -> None:
@@ -161,7 +161,7 @@ class ModelRunner:
                     step_states(self.state_pool, self.model.config.recurrent_layers, ordered)),
             hidden=torch.cat([c.hidden for c in ordered]) if self.model.reads_hidden else None,
             kept=[(c.seq.seq_id, c.start, row, c.num_tokens) for c, row in zip(ordered, first_rows)
-                  if self.keep_hidden is not None and self.keep_hidden(c)],
+                  if self.keeps_hidden],
         )
 
     def _metadata(self, kind: KVKind, chunk_groups: list[list[ScheduledChunk]], ordered: list[ScheduledChunk],

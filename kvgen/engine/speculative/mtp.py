@@ -68,9 +68,9 @@ class MTPProposer(Proposer):
                                   pool_dtype, compute_dtype=model.dtype)
         kernel = paged_decode_for(config.attention_backend, model.device, model.dtype, pool_dtype)
         self.runner = ModelRunner(self.head, self.cache, kv, kernel)
-        self.runner.keep_hidden = lambda chunk: True
+        self.runner.keeps_hidden = True
         self.target = target
-        target.keep_hidden = lambda chunk: True
+        target.keeps_hidden = True
         self.kv = kv
         self.p_min = config.draft_p_min  # as the draft's: stop after a guess the head gives less
         self.bytes_per_token = kv_bytes_per_token_of(1, cfg.num_kv_heads, cfg.head_dim, config.kv_dtype)
