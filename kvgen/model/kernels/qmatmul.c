@@ -35,15 +35,9 @@
 #include "qvec.h"
 
 #define PANEL 16  /* weight rows per panel: the int32 lanes of a vector */
-/* Rows of x per pass over a panel: AVX2's 16 ymm hold 4 rows' sums (qvec.h's dot4_rows); 8 a pass
- * there took 12-15% longer at 4 to 64 rows. */
-#ifndef XPASS
-#ifdef __AVX512F__
-#define XPASS 8
-#else
+/* Rows of x per pass over a panel: as many as qvec.h's dot4_rows takes at once (8; on AVX2, whose 16
+ * ymm hold 4 rows' sums, 4: 8 a pass there, in two calls, took 12-30% longer at 4 to 64 rows). */
 #define XPASS DOT4_ROWS
-#endif
-#endif
 #define XCHUNK 64 /* rows of x per chunk */
 #define UNROLL _Pragma("GCC unroll 8")
 /* The tunables below were chosen by A/B microbenchmarks (BENCHMARKS.md); -D overrides them. */
@@ -133,13 +127,10 @@ ALWAYS_INLINE void dots(const vi *c, const int8_t *xq, const int g0, const int g
 #ifndef __AVX512F__
     if (bits == 4) {
         const int run = book ? 4 : 8;
-        const int32_t *rows[XPASS];
-        UNROLL for (int r = 0; r < R; r++)
-            rows[r] = (const int32_t *)(xq + 32 * r);
         UNROLL for (int g = g0; g < g1; g += run) {
             const int32_t *x[XPASS];
             UNROLL for (int r = 0; r < R; r++)
-                x[r] = rows[r] + g;
+                x[r] = (const int32_t *)(xq + 32 * r) + g;
             dot4_rows(a, c + g, x, run, R);
         }
         return;

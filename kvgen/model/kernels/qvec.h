@@ -110,6 +110,7 @@ ALWAYS_INLINE vi dot4(vi acc, vi codes, vi x, const int bits) {
     return _mm512_dpbusd_epi32(acc, codes, x);
 }
 
+#define DOT4_ROWS 8 /* rows dot4_rows takes at a time */
 /* a[r] += sum over i < n of dot4(codes[i], x[r][i] broadcast) for rows r < R, for codes below 128 whose
  * products' pair sums, added n at a time, stay within int16 (n * 2 * largest code * 127 <= 32,767:
  * AVX2 adds them there before widening). */
