@@ -34,7 +34,7 @@
  * among the threads, each thread getting the same panels in every chunk so that it goes on to the
  * next chunk without waiting for the others (one barrier a call, not one a chunk: OpenMP's spinning
  * was 5.7% of a Qwen3.5-2B prefill's samples on a 2-core AMD EPYC with eight). Each panel meets
- * the chunk's rows XPASS_OF(kind) at a time (then 4, 2, 1), so the codes unpacked once serve that many rows of x. A
+ * the chunk's rows XPASS at a time (then 4, 2, 1), so the codes unpacked once serve XPASS rows of x. A
  * row's result does not depend on the rows beside it.
  */
 #include <immintrin.h>
@@ -49,16 +49,9 @@
 #define META 320
 #define LOW 2048
 #define XCHUNK 64
-/* Rows of x per pass over a panel, at most: unpacking a panel's codes once for 8 rows pays. AVX2's
- * 16 ymm hold 4 rows' int16 sums (qvec.h's dot4_rows), so 8 rows take two calls of 4; Q5_K, whose
- * runs are 4 code vectors, keeps 4 rows a pass there. 8,960 x 1,536 at 8 to 64 rows, 2 threads, AMD
- * EPYC without AVX-512, 8 rows a pass against 4: Q4_K level, Q6_K 1.06-1.14x faster, Q5_K 0.90-0.92x. */
+/* Rows of x per pass over a panel: unpacking a panel's codes once for 8 rows pays. On AVX2, qvec.h's
+ * dot4_rows takes Q4_K's runs 4 rows at a time (two calls a pass). */
 #define XPASS 8
-#ifdef __AVX512F__
-#define XPASS_OF(kind) XPASS
-#else
-#define XPASS_OF(kind) ((kind) == 5 ? DOT4_ROWS : XPASS)
-#endif
 /* Software prefetch into L2 (as qmatmul.c, which says why) this far ahead in the first pass over a
  * panel, a few lines with each sub-block rather than a block's 37-53 at once: with both, 1-row
  * Q4_K streamed 16 -> 21 GB/s on the Intel AMX host (docs/performance-notes.md). */
@@ -260,13 +253,13 @@ ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_
         vf_store_first(out + (r0 + r) * ldo + n0, y[r], N - n0 >= PANEL ? PANEL : (int)(N - n0));
 }
 
-/* Panel p against rows r0 .. r1-1 of x: XPASS_OF(kind) at a time, then 4, 2, 1; the first pass prefetches. */
+/* Panel p against rows r0 .. r1-1 of x: XPASS at a time, then 4, 2, 1; the first pass prefetches. */
 ALWAYS_INLINE void panel_rows(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, int64_t r1, float *out,
                               int64_t N, int64_t ldo, int64_t p, const int kind) {
     const uint8_t *wp = w + p * (K / QK) * BLOCK_BYTES(kind);
     int64_t r = r0;
-    for (; r + XPASS_OF(kind) <= r1; r += XPASS_OF(kind))
-        panel(wp, K, x, r, XPASS_OF(kind), out, N, ldo, PANEL * p, kind, r == r0);
+    for (; r + XPASS <= r1; r += XPASS)
+        panel(wp, K, x, r, XPASS, out, N, ldo, PANEL * p, kind, r == r0);
     if (r + 4 <= r1) {
         panel(wp, K, x, r, 4, out, N, ldo, PANEL * p, kind, r == r0);
         r += 4;

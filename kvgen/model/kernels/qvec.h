@@ -272,12 +272,28 @@ ALWAYS_INLINE vi dot4(vi acc, vi codes, vi x, const int bits) {
     return (vi){dot4_half(acc.lo, codes.lo, x.lo, bits), dot4_half(acc.hi, codes.hi, x.hi, bits)};
 }
 
-/* Each code vector meets the R rows in turn, each row's int16 sums one chain (the empty asm keeps GCC
- * from reassociating it into a tree of all n products, which with R rows spilled most of them to the
- * stack): 16 rows through an 8,960 x 1,536 int4 matrix took 4.4 ms -> 2.5 (and one 0.29 -> 0.20)
- * on an AMD EPYC without AVX-512. R <= DOT4_ROWS keeps the 2R sums, a code vector and x in the 16 ymm. */
+/* Runs of 8 code vectors (4-bit codes): each vector meets the R rows in turn, each row's int16 sums
+ * one chain (the empty asm keeps GCC from reassociating it into a tree of all 8 products, which with
+ * R rows spilled most of them to the stack): 16 rows through an 8,960 x 1,536 int4 matrix took 4.4
+ * ms -> 2.5 (and one 0.29 -> 0.20) on an AMD EPYC without AVX-512; R <= DOT4_ROWS keeps the 2R sums,
+ * a code vector and x in the 16 ymm. Shorter runs (Q5_K's 4, Q6_K's 2) go a row at a time: their
+ * few products fit, and the chains made them 4-12% slower. */
 #define DOT4_ROWS 4
 ALWAYS_INLINE void dot4_rows(vi *a, const vi *codes, const int32_t *const *x, const int n, const int R) {
+    if (n < 8) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+            __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+            _Pragma("GCC unroll 4") for (int i = 0; i < n; i++) {
+                const __m256i xi = _mm256_set1_epi32(x[r][i]);
+                lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(codes[i].lo, xi));
+                hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(codes[i].hi, xi));
+            }
+            const __m256i ones = _mm256_set1_epi16(1);
+            a[r] = (vi){_mm256_add_epi32(a[r].lo, _mm256_madd_epi16(lo, ones)),
+                        _mm256_add_epi32(a[r].hi, _mm256_madd_epi16(hi, ones))};
+        }
+        return;
+    }
     __m256i lo[DOT4_ROWS], hi[DOT4_ROWS];
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
         lo[r] = hi[r] = _mm256_setzero_si256();
