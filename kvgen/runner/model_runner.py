@@ -160,8 +160,8 @@ class ModelRunner:
             states=(None if self.state_pool is None else
                     step_states(self.state_pool, self.model.config.recurrent_layers, ordered)),
             hidden=torch.cat([c.hidden for c in ordered]) if self.model.reads_hidden else None,
-            kept=[(c.seq.seq_id, c.start, row, c.num_tokens) for c, row in zip(ordered, first_rows)
-                  if self.keeps_hidden],
+            kept=([(c.seq.seq_id, c.start, row, c.num_tokens) for c, row in zip(ordered, first_rows)]
+                  if self.keeps_hidden else []),
         )
 
     def _metadata(self, kind: KVKind, chunk_groups: list[list[ScheduledChunk]], ordered: list[ScheduledChunk],
