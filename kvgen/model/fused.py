@@ -15,7 +15,7 @@ there are fewer rows than the norm kernel serves.
 A recurrent block (Qwen3.5's Gated DeltaNet) reads and writes its state pool's slots in place from
 the calls where every row of the step is a decode: the program copies each row's slot in per step.
 A layer whose block has no fused form (a kind of block the program does not know, a recurrent block
-in a step with a verify chunk), or whose projections have no kernel call (a bias, a torch layer),
+in a step with a verify chunk), or whose projections have no kernel call (a torch layer),
 runs layer by layer between two call lists of the same step (DecoderLayer.forward on the program's
 residual buffer); a step where no layer has calls runs layer by layer throughout (DecoderModel.forward).
 

@@ -62,6 +62,7 @@ from kvgen.model.kernels.build import KernelCall
 from kvgen.model.kernels.coded import CodedBf16Matmul, CodedF32Matmul
 from kvgen.model.kernels.f32 import F32Matmul, f32_kernel
 from kvgen.model.kernels.many_rows_choice import fp32_beats
+from kvgen.model.kernels.step import step_kernels
 from kvgen.threads import WORKERS_SLEEP
 
 # From this many rows of x on (prefill), a bf16 layer unpacks its weight to row-major and runs
@@ -130,7 +131,18 @@ class Linear(ABC):
 
     def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
         """out = self(x) as a C kernel call over those buffers (kvgen.model.fused), or None where the
-        layer has none."""
+        layer has none: the matmul's call, then the bias added to each row, the same sums as `self(x)`'s
+        `out.add_(bias)` (Qwen2's q/k/v, whose decode steps ran layer by layer without it)."""
+        matmul = self.matmul_call(x, out)
+        if matmul is None or self.bias is None:
+            return matmul
+        step = step_kernels()
+        if step is None or self.bias.dtype != out.dtype:
+            return None
+        return step.calls_as_one([matmul, *(step.add_call(row, self.bias) for row in out)])
+
+    def matmul_call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        """out = x @ weight^T as a C kernel call over those buffers, or None where the kernel has none."""
         return None
 
     @property
@@ -172,8 +184,8 @@ class F32Linear(Linear):
         out = self._matmul(x.contiguous(), self.packed, self.out_features)
         return out if self.bias is None else out.add_(self.bias)
 
-    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
-        return self._matmul.call(x, self.packed, out) if self.bias is None else None
+    def matmul_call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        return self._matmul.call(x, self.packed, out)
 
     @property
     def weight_bytes(self) -> int:
@@ -220,8 +232,8 @@ class Bf16Linear(Linear):
         out = self._matmul(x.contiguous(), self.packed, self.out_features)
         return out if self.bias is None else out.add_(self.bias)
 
-    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
-        return self._matmul.call(x, self.packed, out) if self.bias is None else None
+    def matmul_call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+        return self._matmul.call(x, self.packed, out)
 
     @property
     def weight_bytes(self) -> int:

@@ -111,10 +111,10 @@ class KernelQuantLinear(QuantLinear):
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if self.bias is None else out.add_(self.bias)
 
-    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+    def matmul_call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
         """The integer kernel's call, which is what `self(x)` runs for fp32 x below the many-rows
         threshold."""
-        if self.bias is not None or x.dtype != torch.float32 or self._many_rows(x):
+        if x.dtype != torch.float32 or self._many_rows(x):
             return None
         return self._matmul.call(x, out)
 
@@ -170,9 +170,9 @@ class KQuantLinear(QuantLinear):
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if self.bias is None else out.add_(self.bias)
 
-    def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
+    def matmul_call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
         """The kernel's call, which is what `self(x)` runs for fp32 x below MANY_ROWS rows."""
-        if self.bias is not None or x.dtype != torch.float32 or x.shape[0] >= MANY_ROWS:
+        if x.dtype != torch.float32 or x.shape[0] >= MANY_ROWS:
             return None
         return self._few.call(x, out)
 
