@@ -49,8 +49,8 @@
 #define META 320
 #define LOW 2048
 #define XCHUNK 64
-/* Rows of x per pass over a panel: unpacking a panel's codes once for 8 rows pays. On AVX2, qvec.h's
- * dot4_rows takes Q4_K's runs 4 rows at a time (two calls a pass). */
+/* Rows of x per pass over a panel: unpacking a panel's codes once for 8 rows pays. On AVX2, a Q4_K
+ * sub-block meets them 4 at a time (q4k_dots), and Q5_K's and Q6_K's runs go through qvec.h's dot4_rows. */
 #define XPASS 8
 /* Software prefetch into L2 (as qmatmul.c, which says why) this far ahead in the first pass over a
  * panel, a few lines with each sub-block rather than a block's 37-53 at once: with both, 1-row
@@ -191,6 +191,37 @@ ALWAYS_INLINE void dots(const vi *c, const int32_t *const *xq, const int g0, con
     }
 }
 
+#ifndef __AVX512F__
+/* AVX2's dots for a Q4_K sub-block (lo: its 4 vectors of low nibbles, in L1 once a pass has read
+ * them): a[r] = sum over its 8 code vectors of codes by row r's x, for R <= 4 rows. The 8 products
+ * of a row stay below 32,768 in int16 (codes below 16), so 4 rows' int16 sums, a code vector and x
+ * fill the 16 ymm; each code vector is unpacked again for each 4 rows of a pass. Holding the
+ * sub-block's 8 vectors (16 ymm) for a pass's 8 rows, as `dots` does, spilled them and the sums to
+ * the stack: 16 rows of x through an 8,960 x 1,536 matrix on one core of an AMD EPYC without
+ * AVX-512 ran at 137 GOP/s, and run so at 162. Q5_K's and Q6_K's shorter runs need int32 sums beside
+ * the int16 ones, and unpacking their high bits for every 4 rows cost more than it saved (Q6_K 100 ->
+ * 57 GOP/s). */
+ALWAYS_INLINE void q4k_dots(const uint8_t *lo, const int32_t *const *xq, const int R, vi *a) {
+    const vi nibble = vi_set1_i8(0x0F);
+    __m256i s_lo[4], s_hi[4];
+    UNROLL for (int r = 0; r < R; r++)
+        s_lo[r] = s_hi[r] = _mm256_setzero_si256();
+    UNROLL for (int g = 0; g < 8; g++) {
+        const vi bytes = vi_loadu(lo + 64 * (g >> 1));
+        const vi c = vi_and(g & 1 ? vi_srli16(bytes, 4) : bytes, nibble);
+        UNROLL for (int r = 0; r < R; r++) {
+            const __m256i xi = _mm256_set1_epi32(xq[r][g]);
+            s_lo[r] = _mm256_add_epi16(s_lo[r], _mm256_maddubs_epi16(c.lo, xi));
+            s_hi[r] = _mm256_add_epi16(s_hi[r], _mm256_maddubs_epi16(c.hi, xi));
+            __asm__("" : "+x"(s_lo[r]), "+x"(s_hi[r])); /* one chain a row, not a tree of spilled products */
+        }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    UNROLL for (int r = 0; r < R; r++)
+        a[r] = (vi){_mm256_madd_epi16(s_lo[r], ones), _mm256_madd_epi16(s_hi[r], ones)};
+}
+#endif
+
 /* out[rows r0 .. r0+R-1, panel's 16 columns] for one panel (`w`: its first block) and R rows of x;
  * `prefetch`: this pass is the panel's first, which streams it from memory. */
 ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, const int R, float *out,
@@ -239,9 +270,17 @@ ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_
             } else {
                 const vf sc = vf_mul(d, u8x16(meta + 16 * s));
                 const vf mn = vf_mul(neg_dmin, u8x16(meta + 128 + 16 * s));
-                UNROLL for (int r = 0; r < R; r++)
-                    a[r] = vi_set1_i32(0);
-                dots(c, xq, 0, 8, R, a, kind);
+#ifndef __AVX512F__
+                if (kind == 4 && R >= 4) { /* below 4 rows the sub-block's 8 code vectors fit beside the sums */
+                    UNROLL for (int r = 0; r < R; r += 4)
+                        q4k_dots(lo + 256 * s, xq + r, R - r < 4 ? R - r : 4, a + r);
+                } else
+#endif
+                {
+                    UNROLL for (int r = 0; r < R; r++)
+                        a[r] = vi_set1_i32(0);
+                    dots(c, xq, 0, 8, R, a, kind);
+                }
                 UNROLL for (int r = 0; r < R; r++) {
                     y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), sx[r]), sc, y[r]);
                     y[r] = vf_fmadd(mn, vf_set1(x->xsum[(r0 + r) * spans + at]), y[r]);
