@@ -132,7 +132,7 @@ class Linear(ABC):
     def call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
         """out = self(x) as a C kernel call over those buffers (kvgen.model.fused), or None where the
         layer has none: the matmul's call, then the bias added to each row, the same sums as `self(x)`'s
-        `out.add_(bias)` (Qwen2's q/k/v, whose decode steps ran layer by layer without it)."""
+        `out.add_(bias)` (Qwen2's q/k/v)."""
         matmul = self.matmul_call(x, out)
         if matmul is None or self.bias is None:
             return matmul
