@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from kvgen import LLM, SamplingParams
-from kvgen.eval.ppl import read_text, text_token_ids
+from kvgen.eval.ppl import bundled_text, read_text, text_token_ids
 from kvgen.llm import DEFAULT_MODEL
 from kvgen.loaders import load_model
 from kvgen.model.linear_choice import make_linear
@@ -150,6 +150,25 @@ def test_packed_requantized_real_model_keeps_top1(smollm_requantized, mix):
     ids = text_token_ids(loaded.tokenizer, read_text(None))[:512]
     with torch.no_grad():
         agreement = top1_agreement(all_logits(dense, ids), all_logits(packed_model(path), ids))
+    assert agreement >= 0.98, agreement
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("activations", ["int8x2", "int8"])
+def test_real_1_5b_keeps_top1_on_its_decode_kernels(qwen_coder_15b_gguf, monkeypatch, activations):
+    """Issue 44's bar on the real Qwen2.5-Coder-1.5B Q4_K_M: teacher-forced over 600 tokens of the
+    bundled code, with every packed layer on the kernel a decode or verify step runs (the few-row
+    binding at every row count, no oneDNN), top-1 agrees with the dequantized fp32 model at >= 98%
+    of positions in either activation mode. Measured: int8x2 100%, int8 98.67%."""
+    monkeypatch.setattr(quant_linear, "MANY_ROWS", 1 << 30)
+    monkeypatch.setattr(quant_linear, "onednn_beats", lambda rival: False)
+    loaded = load_model(qwen_coder_15b_gguf, keep_quantized=True)
+    ids = text_token_ids(loaded.tokenizer, bundled_text("python-textwrap.txt"))[:600]
+    packed = DecoderModel(*_parts(loaded), quantization="auto", activations=activations)
+    kernels = [kernel for kernel, _ in packed.kernels().values()]
+    assert all(f"(x {activations}" in kernel for kernel in kernels if "kq_matmul" in kernel)
+    with torch.no_grad():
+        agreement = top1_agreement(all_logits(DecoderModel(*_parts(loaded)), ids), all_logits(packed, ids))
     assert agreement >= 0.98, agreement
 
 
