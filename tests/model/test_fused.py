@@ -174,14 +174,17 @@ def test_fused_steps_give_the_layered_bits_on_the_real_gemma3_file(gemma_gguf):
     assert_same_bits(fused, layered)
 
 
-@pytest.mark.parametrize("quantization", ["auto", "int8"])
-def test_fused_steps_give_the_layered_bits_on_the_real_qwen2_file(qwen_coder_gguf, quantization):
+@pytest.mark.parametrize("options", [
+    pytest.param(dict(quantization="auto"), id="auto"), pytest.param(dict(quantization="int8"), id="int8"),
+    *(pytest.param(dict(quantization="none", dtype=dtype), id=dtype, marks=pytest.mark.slow)  # ~40 s each
+      for dtype in ("float32", "bfloat16"))])
+def test_fused_steps_give_the_layered_bits_on_the_real_qwen2_file(qwen_coder_gguf, options):
     """Qwen2.5-Coder-0.5B Q4_K_M: q/k/v with biases (a random checkpoint's are zeros), on the file's
-    K-quant layers (v in Q6_K beside Q4_K q/k in some layers, each side's bias added to its columns)
-    and requantized to int8."""
+    K-quant layers (v in Q6_K beside Q4_K q/k in some layers, each side's bias added to its columns),
+    requantized to int8, and dequantized to the fp32 and bf16 kernels."""
     prompts = [list(range(1000, 1040)), list(range(2000, 2005))]
-    fused, steps = generate(qwen_coder_gguf, prompts, max_tokens=8, quantization=quantization)
-    layered, _ = generate(qwen_coder_gguf, prompts, max_tokens=8, quantization=quantization, fused_decode=False)
+    fused, steps = generate(qwen_coder_gguf, prompts, max_tokens=8, **options)
+    layered, _ = generate(qwen_coder_gguf, prompts, max_tokens=8, **options, fused_decode=False)
     assert steps >= 7
     assert_same_bits(fused, layered)
 
