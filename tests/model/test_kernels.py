@@ -210,10 +210,13 @@ def test_every_finite_fp16_value_widens_exactly(build):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("queries", [2, 9])
 @pytest.mark.parametrize("build", KERNELS)
-def test_a_verify_chunk_attends_each_query_as_the_decode_of_its_token(dtype, queries, build):
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_verify_chunk_attends_each_query_as_the_decode_of_its_token(dtype, queries, build, window):
     """Q queries per sequence (a speculative verify chunk: query i sees the keys up to its own
     position) give the bits that decoding each of those tokens alone gives, over a block table cut
-    to the blocks it needs (as a plain decode's is). So speculation changes no attention output."""
+    to the blocks it needs (as a plain decode's is). So speculation changes no attention output.
+    A chunk's rows are scored and summed together where each row's keys are a first part of the
+    last row's (causal), and one at a time where a sliding window drops keys at the front."""
     float_cache, _, block_ids, _ = ragged_batch(torch.float32, 3, 3, 4, window=None, head_dim=64, long=600)
     cache = PagedKVCache(1, float_cache.num_blocks, 4, 3, 64, CPU, dtype, compute_dtype=torch.float32)
     stored = dtype if dtype.is_floating_point else torch.float32  # int8 pools quantize what they are given
@@ -225,7 +228,10 @@ def test_a_verify_chunk_attends_each_query_as_the_decode_of_its_token(dtype, que
     batch = len(lengths)
     positions = torch.arange(block_ids.shape[1] * 4)
     last = lengths[:, None] - queries + torch.arange(queries)[None, :]  # [B, Q]: each query's position
-    mask = (positions[None, None, :] <= last[:, :, None]).view(batch * queries, -1)
+    mask = positions[None, None, :] <= last[:, :, None]
+    if window is not None:
+        mask &= positions[None, None, :] > last[:, :, None] - window
+    mask = mask.view(batch * queries, -1)
     q = torch.randn(batch * queries, 9, 64, generator=torch.Generator().manual_seed(1))
     kernel = KERNELS[build]()
     got = kernel(q, cache.k[0], cache.v[0], block_ids, 4, mask, scales)

@@ -6,10 +6,11 @@
  * would be, through the same spans in the same order: the same bits, so speculating changes no
  * attention output. Only the mask says which keys a row reads.
  * Built by kvgen/model/kernels/build.py with the system's C compiler (-O3 -march=native -fopenmp)
- * and called through ctypes. One work item is one (query row, KV head, span of SPLIT_KEYS key
- * positions): the `group` query heads that share the KV head, over the span's keys,
+ * and called through ctypes. One work item is one (sequence, KV head, span of SPLIT_KEYS key
+ * positions): the `group` query heads of each of the sequence's query rows that share the KV head,
+ * over the span's keys,
  *
- *     scores_j = scale * q . k_j     for each key j the mask allows     (one pass over K)
+ *     scores_j = scale * q . k_j     for each key j the row's mask allows     (one pass over K)
  *     m = max_j scores_j,  l = sum_j e^(scores_j - m),  acc = sum_j e^(scores_j - m) v_j
  *
  * then each query head's spans are merged (flash-decoding's split softmax): with M the largest m,
@@ -27,7 +28,11 @@
  * heads of a KV head in tiles of up to 8 that read and widen each key and value row once for the tile
  * (attend_heads), the softmax's maxima and exponentials 16 at a time (exp16); 2.2x faster than the
  * portable loops at 192 keys, 2.1x at 2,048 (BENCHMARKS.md), and the tiles 1.5x (head size 256) to
- * 2.2x (512) faster than one head at a time with Gemma 4's 8 heads per KV head. */
+ * 2.2x (512) faster than one head at a time with Gemma 4's 8 heads per KV head. There the keys are
+ * scored 16 at a time for all of an item's head-rows (score_keys): a verify chunk's rows share
+ * each widened key, and lane_sums16 reduces 16 dot products at once in reduce_add's own order. A
+ * 16-row verify at SmolLM2's shape (3 KV heads x 3, head size 64, 1,800 keys, bf16) takes half the
+ * time of 16 decodes, the same bits (docs/performance-notes.md). */
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -119,9 +124,9 @@ static inline __attribute__((always_inline)) float row_scale(const float *scales
 #define SPLIT_KEYS 256
 #endif
 
-/* One work item: query row b (of sequence b / queries), KV head h, key positions [first, last). */
+/* One work item: sequence `seq` (its `queries` rows), KV head h, key positions [first, last). */
 struct span {
-    int64_t b, h, first, last;
+    int64_t seq, h, first, last;
 };
 
 static inline __attribute__((always_inline)) struct span span_of(const struct paged_decode_args *a, int64_t item,
@@ -131,12 +136,13 @@ static inline __attribute__((always_inline)) struct span span_of(const struct pa
     return (struct span){bh / a->kv_heads, bh % a->kv_heads, s * SPLIT_KEYS, last};
 }
 
-/* Where each key of the span that the mask allows starts in the pool (element index), in order; how many. */
+/* Where each key of the span that query row b's mask allows starts in the pool (element index), in
+ * order; how many. */
 static inline __attribute__((always_inline)) int64_t allowed_rows(const struct paged_decode_args *a, struct span w,
-                                                                  int64_t dim, int64_t *restrict rows) {
+                                                                  int64_t b, int64_t dim, int64_t *restrict rows) {
     const int64_t block_size = a->block_size, head_first_slot = w.h * a->num_slots;
-    const int64_t *restrict blocks = a->block_ids + w.b / a->queries * a->blocks_per_seq;
-    const uint8_t *restrict mask = a->mask + w.b * a->blocks_per_seq * block_size;
+    const int64_t *restrict blocks = a->block_ids + w.seq * a->blocks_per_seq;
+    const uint8_t *restrict mask = a->mask + b * a->blocks_per_seq * block_size;
     int64_t count = 0;
     for (int64_t n = w.first / block_size, p = w.first; p < w.last; n++) {
         const int64_t block_first_row = head_first_slot + blocks[n] * block_size - n * block_size;
@@ -147,22 +153,22 @@ static inline __attribute__((always_inline)) int64_t allowed_rows(const struct p
     return count;
 }
 
-/* Attends the query heads of one work item into `partial` [group, 2 + dim]: per head m, l, acc.
+/* Attends the query heads of query row b of a work item into `partial` [group, 2 + dim]: per head m, l, acc.
  * `scratch` holds SPLIT_KEYS pool rows then group * SPLIT_KEYS floats. Every field, and each
  * key's row, is read into a local first: stores through the float pointers could otherwise alias
  * them and force a reload in the inner loops (twice as slow). */
 static inline __attribute__((always_inline)) void attend(const struct paged_decode_args *a, struct span w,
-                                                         void *scratch, float *restrict partial,
+                                                         int64_t b, void *scratch, float *restrict partial,
                                                          const enum element kind, const int64_t dim) {
     const int64_t group = a->group;
     const float scale = a->scale;
     const void *k_pool = a->k_pool, *v_pool = a->v_pool;
-    const float *restrict q = a->q + w.b * a->q_stride + w.h * group * dim;
+    const float *restrict q = a->q + b * a->q_stride + w.h * group * dim;
     int64_t *restrict rows = scratch;                      /* [count]: where each allowed key's row starts */
     float *restrict weights = (float *)(rows + SPLIT_KEYS); /* [group, count] */
     float max_score[group], total[group];
 
-    const int64_t count = allowed_rows(a, w, dim, rows);
+    const int64_t count = allowed_rows(a, w, b, dim, rows);
     for (int64_t g = 0; g < group; g++)
         max_score[g] = -INFINITY, total[g] = 0.f;
     const int64_t key_groups = kind == INT8 || kind == FP8 ? a->key_groups : 1, per_scale = dim / key_groups;
@@ -205,141 +211,29 @@ static inline __attribute__((always_inline)) void attend(const struct paged_deco
         partial[g * (2 + dim)] = max_score[g], partial[g * (2 + dim) + 1] = total[g];
 }
 
-#ifdef __AVX512F__
-/* 16 consecutive elements of a pool row from element i, widened to fp32. */
-static inline __attribute__((always_inline)) __m512 load16(const void *pool, int64_t i, const enum element kind) {
-    if (kind == F32)
-        return _mm512_loadu_ps((const float *)pool + i);
-    if (kind == BF16)
-        return widen_bf16x16((const uint16_t *)pool + i);
-    if (kind == F16)
-        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)pool + i)));
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)pool + i));
-    if (kind == INT8)
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), fp8_values, 4);
-}
-
-/* 16 lanes of a pre-scaled query from lane 16 * c, times the key scale that covers them (quantized pools). */
-static inline __attribute__((always_inline)) __m512 scaled_query(const float *query, int64_t c, const float *key_scales,
-                                                                int64_t per_scale, const enum element kind) {
-    const __m512 lanes = _mm512_loadu_ps(query + 16 * c);
-    return kind == INT8 || kind == FP8 ? _mm512_mul_ps(lanes, _mm512_set1_ps(key_scales[c / per_scale])) : lanes;
-}
-
-/* Query heads g0 .. g0 + T - 1 (T a compile-time 1, 2, 4 or 8) of a work item, for head sizes a
- * multiple of 32 (compile-time, at most 512), into their rows of `partial`. Each key row is read and
- * widened once for the T heads, and each value row once per 32 dimensions: the heads' dot products
- * and sums run side by side in registers. Per head the arithmetic is that of one head alone (the
- * query pre-scaled, a key's dot product summed over its 16-lane vectors in order, then across lanes;
- * each value dimension summed over the keys in order), so a head's result does not depend on T. */
-static inline __attribute__((always_inline)) void attend_heads(const struct paged_decode_args *a, const int64_t *rows,
-                                                              int64_t count, float *restrict weights, int64_t g0,
-                                                              const int T, float *restrict partial,
+/* A work item row by row into `partial` [queries, group, 2 + dim] (`attend`). */
+static inline __attribute__((always_inline)) void attend_item(const struct paged_decode_args *a, struct span w,
+                                                              void *scratch, float *restrict partial,
                                                               const enum element kind, const int64_t dim) {
-    const int64_t vectors = dim / 16;
-    /* scales per key row, and 16-lane vectors per scale (the caller keeps dim / key_groups a multiple of 16) */
-    const int64_t key_groups = kind == INT8 || kind == FP8 ? a->key_groups : 1, per_scale = vectors / key_groups;
-    const void *k_pool = a->k_pool, *v_pool = a->v_pool;
-    const float *restrict q = a->q + g0 * dim;
-    float query[T * dim]; /* the heads' queries, pre-scaled */
-    for (int64_t j = 0; j < T * vectors; j++)
-        _mm512_storeu_ps(query + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(q + 16 * j), _mm512_set1_ps(a->scale)));
-    for (int64_t i = 0; i < count; i++) {
-        const float *key_scales = kind == INT8 || kind == FP8 ? a->k_scale + rows[i] / dim * key_groups : NULL;
-        __m512 dot[T];
-        const __m512 key = load16(k_pool, rows[i], kind);
-#pragma GCC unroll 8
-        for (int g = 0; g < T; g++) /* with key scales, each 16-lane load meets one of them */
-            dot[g] = _mm512_mul_ps(scaled_query(query + g * dim, 0, key_scales, per_scale, kind), key);
-        for (int64_t c = 1; c < vectors; c++) {
-            const __m512 key = load16(k_pool, rows[i] + 16 * c, kind);
-#pragma GCC unroll 8
-            for (int g = 0; g < T; g++)
-                dot[g] = _mm512_fmadd_ps(scaled_query(query + g * dim, c, key_scales, per_scale, kind), key, dot[g]);
-        }
-#pragma GCC unroll 8
-        for (int g = 0; g < T; g++)
-            weights[g * count + i] = _mm512_reduce_add_ps(dot[g]);
-    }
-    for (int g = 0; g < T; g++) { /* exponentials 16 at a time, then each value's scale folded in */
-        float *restrict w = weights + g * count;
-        __m512 tops = _mm512_set1_ps(-INFINITY);
-        for (int64_t i = 0; i < count; i += 16) {
-            const __mmask16 lanes = count - i >= 16 ? 0xffff : (__mmask16)((1u << (count - i)) - 1);
-            tops = _mm512_mask_max_ps(tops, lanes, tops, _mm512_maskz_loadu_ps(lanes, w + i));
-        }
-        const float top = _mm512_reduce_max_ps(tops);
-        const __m512 shift = _mm512_set1_ps(top);
-        __m512 totals = _mm512_setzero_ps();
-        for (int64_t i = 0; i < count; i += 16) {
-            const __mmask16 lanes = count - i >= 16 ? 0xffff : (__mmask16)((1u << (count - i)) - 1);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, w + i), shift));
-            _mm512_mask_storeu_ps(w + i, lanes, e);
-            totals = _mm512_add_ps(totals, _mm512_maskz_mov_ps(lanes, e));
-        }
-        if (kind == INT8 || kind == FP8)
-            for (int64_t i = 0; i < count; i++)
-                w[i] *= row_scale(a->v_scale, rows[i], dim, kind);
-        partial[g * (2 + dim)] = top, partial[g * (2 + dim) + 1] = _mm512_reduce_add_ps(totals);
-    }
-    for (int64_t c = 0; c < vectors; c += 2) { /* 32 dimensions (a 64-byte line of bf16) at a time */
-        __m512 low[T], high[T];
-#pragma GCC unroll 8
-        for (int g = 0; g < T; g++)
-            low[g] = high[g] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < count; i++) {
-            const __m512 v0 = load16(v_pool, rows[i] + 16 * c, kind), v1 = load16(v_pool, rows[i] + 16 * c + 16, kind);
-#pragma GCC unroll 8
-            for (int g = 0; g < T; g++) {
-                const __m512 e = _mm512_set1_ps(weights[g * count + i]);
-                low[g] = _mm512_fmadd_ps(e, v0, low[g]);
-                high[g] = _mm512_fmadd_ps(e, v1, high[g]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int g = 0; g < T; g++) {
-            _mm512_storeu_ps(partial + g * (2 + dim) + 2 + 16 * c, low[g]);
-            _mm512_storeu_ps(partial + g * (2 + dim) + 18 + 16 * c, high[g]);
-        }
-    }
+    for (int64_t r = 0; r < a->queries; r++)
+        attend(a, w, w.seq * a->queries + r, scratch, partial + r * a->group * (2 + dim), kind, dim);
 }
 
-/* `attend` for head sizes a multiple of 32 (compile-time, at most 512): the group's query heads in
- * tiles of 8, then 4, 2 and 1 (attend_heads). */
-static inline __attribute__((always_inline)) void attend_avx512(const struct paged_decode_args *a, struct span w,
-                                                               void *scratch, float *restrict partial,
-                                                               const enum element kind, const int64_t dim) {
-    const int64_t group = a->group;
-    int64_t *restrict rows = scratch;                      /* [count] */
-    float *restrict weights = (float *)(rows + SPLIT_KEYS); /* [T, count] for the heads in hand */
-    const int64_t count = allowed_rows(a, w, dim, rows);
-    struct paged_decode_args item = *a;
-    item.q = a->q + w.b * a->q_stride + w.h * group * dim;
-    for (int64_t g0 = 0; g0 < group;) {
-        const int64_t left = group - g0;
-        float *heads = partial + g0 * (2 + dim);
-        if (left >= 8)
-            attend_heads(&item, rows, count, weights, g0, 8, heads, kind, dim), g0 += 8;
-        else if (left >= 4)
-            attend_heads(&item, rows, count, weights, g0, 4, heads, kind, dim), g0 += 4;
-        else if (left >= 2)
-            attend_heads(&item, rows, count, weights, g0, 2, heads, kind, dim), g0 += 2;
-        else
-            attend_heads(&item, rows, count, weights, g0, 1, heads, kind, dim), g0 += 1;
-    }
-}
+#ifdef __AVX512F__
+#include "paged_decode_avx512.h"
 #define ATTEND_FIXED attend_avx512
 #else
-#define ATTEND_FIXED attend
+#define ATTEND_FIXED attend_item
 #endif
 
-/* out for query head g of (sequence, KV head) bh, from its spans' partials [spans, group, 2 + dim]. */
-static void merge(const struct paged_decode_args *a, const float *partials, int64_t spans, int64_t bh, int64_t g) {
-    const int64_t group = a->group, dim = a->head_dim, stride = group * (2 + dim);
-    const float *first = partials + bh * spans * stride + g * (2 + dim);
-    float *restrict out = a->out + (bh * group + g) * dim;
-    const float sink = a->sinks ? a->sinks[bh % a->kv_heads * group + g] : -INFINITY; /* weight to no value */
+/* out for query head x (h * group + g) of query row b, from its spans' partials: item (sequence, h,
+ * span) holds [queries, group, 2 + dim]. */
+static void merge(const struct paged_decode_args *a, const float *partials, int64_t spans, int64_t b, int64_t x) {
+    const int64_t group = a->group, dim = a->head_dim, queries = a->queries, stride = queries * group * (2 + dim);
+    const int64_t item = (b / queries * a->kv_heads + x / group) * spans;
+    const float *first = partials + item * stride + (b % queries * group + x % group) * (2 + dim);
+    float *restrict out = a->out + (b * a->kv_heads * group + x) * dim;
+    const float sink = a->sinks ? a->sinks[x] : -INFINITY; /* weight to no value */
     float top = sink, total = 0.f;
     for (int64_t s = 0; s < spans; s++)
         top = first[s * stride] > top ? first[s * stride] : top;
@@ -368,15 +262,18 @@ static void merge(const struct paged_decode_args *a, const float *partials, int6
 /* Returns 0, or 1 if scratch space could not be allocated (then `out` is incomplete). */
 static int paged_decode(const struct paged_decode_args *a, const enum element kind) {
     const int64_t length = a->blocks_per_seq * a->block_size, spans = length > 0 ? (length - 1) / SPLIT_KEYS + 1 : 1;
-    const int64_t heads = a->batch * a->kv_heads, items = heads * spans;
+    const int64_t heads = a->batch * a->kv_heads, items = a->batch / a->queries * a->kv_heads * spans;
+    const int64_t item_floats = a->queries * a->group * (2 + a->head_dim);
     const int threads = heads * a->group * length * a->head_dim >= PARALLEL_WORK ? a->num_threads : 1;
-    float *partials = malloc(sizeof(float) * items * a->group * (2 + a->head_dim));
+    float *partials = malloc(sizeof(float) * items * item_floats);
     int failed = !partials;
     if (kind == FP8 && fp8_values[1] == 0.f) /* the smallest subnormal is nonzero once filled */
         fill_fp8_values();
 #pragma omp parallel num_threads(threads) if (partials)
     {
-        void *scratch = partials ? malloc(SPLIT_KEYS * (sizeof(int64_t) + a->group * sizeof(float))) : NULL;
+        /* key rows, 16 widened keys and the scores of an item's head-rows (attend_avx512), or of a row's (attend) */
+        const size_t bytes = SPLIT_KEYS * sizeof(int64_t) + sizeof(float) * (16 * a->head_dim + item_floats / (2 + a->head_dim) * SPLIT_KEYS);
+        void *scratch = partials ? aligned_alloc(64, (bytes + 63) / 64 * 64) : NULL;
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -388,13 +285,13 @@ static int paged_decode(const struct paged_decode_args *a, const enum element ki
 #define ATTEND_ALL(KIND)                                                                                  \
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < items; item++) if (scratch) {   \
         const struct span w = span_of(a, item, spans);                                                    \
-        float *partial = partials + item * a->group * (2 + a->head_dim);                                  \
+        float *partial = partials + item * item_floats;                                                   \
         switch (a->head_dim) {                                                                            \
         case 64: ATTEND_FIXED(a, w, scratch, partial, KIND, 64); break;                                   \
         case 128: ATTEND_FIXED(a, w, scratch, partial, KIND, 128); break;                                 \
         case 256: ATTEND_FIXED(a, w, scratch, partial, KIND, 256); break;                                 \
         case 512: ATTEND_FIXED(a, w, scratch, partial, KIND, 512); break;                                 \
-        default: attend(a, w, scratch, partial, KIND, a->head_dim); break;                                \
+        default: attend_item(a, w, scratch, partial, KIND, a->head_dim); break;                           \
         }                                                                                                 \
     }
         switch (kind) {
@@ -409,7 +306,7 @@ static int paged_decode(const struct paged_decode_args *a, const enum element ki
         if (!failed) {
 #pragma omp for
             for (int64_t x = 0; x < heads * a->group; x++)
-                merge(a, partials, spans, x / a->group, x % a->group);
+                merge(a, partials, spans, x / (a->kv_heads * a->group), x % (a->kv_heads * a->group));
         }
     }
     free(partials);
