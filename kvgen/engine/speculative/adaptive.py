@@ -22,6 +22,12 @@ proposer and the text, so it is measured rather than modelled:
               decode step (one verify step per request where speculation loses). A probe at
               batch 64 costs several plain steps, and with fixed probes a throughput run lost ~7%
               against plain decoding once plain steps had got faster.
+    guesses   while plain decoding is the choice, a model-free proposer (suffix, ngram) still names
+              the token it would propose first, at no cost; GUESS_STREAK plain steps in a row whose
+              tokens it named (every sequence's) probe speculation at the next step: an edit's
+              reply that returns to copying its input after the changed lines is noticed within a
+              few tokens, not after PROBE_EVERY steps or more. A streak's probe that loses doubles the
+              streak asked next time (up to MAX_GUESS_STREAK); one that wins resets it.
     cost      a probe of the losing arm costs what its step takes beyond what the winner would have
               taken for the same tokens; the gap between probes is at least that cost over
               PROBE_BUDGET of the winner's step time, so probing costs at most ~2% of the time. On
@@ -42,6 +48,8 @@ MAX_PROBE_EVERY = 8 * PROBE_EVERY
 WINDOW = 9  # rates an arm remembers
 PROBE_BUDGET = 0.02  # share of the winner's step time that probing the loser may cost
 MAX_BUDGET_PROBE_EVERY = 4 * MAX_PROBE_EVERY  # a change of text is still noticed within ~1,000 steps
+GUESS_STREAK = 3  # plain steps in a row whose tokens the proposer guessed, before a probe
+MAX_GUESS_STREAK = 48
 
 
 @dataclass
@@ -88,6 +96,9 @@ class _Bucket:
     choice: bool | None = None  # the faster arm at the last decision
     probe_every: int = PROBE_EVERY
     next_probe: int = PROBE_EVERY  # the decision that probes the other arm
+    guessed: int = 0  # plain steps in a row whose tokens the proposer guessed
+    streak: int = GUESS_STREAK  # how many of them probe speculation
+    streak_probe: bool = False  # the pending probe came from a streak
 
     def decide(self, best: bool) -> bool:
         """The arm for this step, given the faster one: `best`, or the other on a probe."""
@@ -106,6 +117,15 @@ class _Bucket:
         choice flips or a probe loses."""
         if won:
             self.probe_every, self.next_probe = PROBE_EVERY, self.decisions + 1
+        if self.streak_probe:
+            self.streak = GUESS_STREAK if won else min(2 * self.streak, MAX_GUESS_STREAK)
+            self.streak_probe = False
+
+    def guess_checked(self, hit: bool) -> None:
+        """A plain step's tokens were (hit) or were not all the proposer's guesses."""
+        self.guessed = self.guessed + 1 if hit and self.choice is False else 0
+        if self.guessed >= self.streak:
+            self.guessed, self.streak_probe, self.next_probe = 0, True, self.decisions + 1
 
 
 class AdaptiveSwitch:
@@ -129,6 +149,13 @@ class AdaptiveSwitch:
         bucket = self._buckets.get(1)
         if bucket is not None and bucket.choice is False:
             bucket.probe_every, bucket.next_probe = PROBE_EVERY, bucket.decisions + 1
+
+    def guess_checked(self, batch_size: int, hit: bool) -> None:
+        """A plain step of `batch_size` sequences emitted the tokens a model-free proposer guessed for
+        each of them (hit), or not."""
+        bucket = self._buckets.get(batch_size.bit_length())
+        if bucket is not None:
+            bucket.guess_checked(hit)
 
     def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step of `batch_size` sequences emitted `tokens` in `seconds`."""

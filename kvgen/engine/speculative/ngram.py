@@ -42,6 +42,10 @@ class NgramProposer(Proposer):
         self._found[seq.seq_id] = found
         return len(found)
 
+    def guess(self, seq: Sequence) -> int | None:
+        found = lookup(seq.token_ids, 1, self.min_n, self.max_n)
+        return found[0] if found else None
+
     def propose(self, chunks: list[ScheduledChunk]) -> list[Proposal]:
         found, self._found = self._found, {}  # a sequence preempted after reserving leaves nothing behind
         return [Proposal(found.get(c.seq.seq_id, [])[: c.num_lookahead]) for c in chunks]

@@ -30,6 +30,12 @@ class Proposer(ABC):
         their proposal before the step (prompt lookup) reserve only what they will propose."""
         return k
 
+    def guess(self, seq: Sequence) -> int | None:
+        """The first token this proposer would propose for `seq` now, where finding it costs next to
+        nothing (model-free proposers); None otherwise. Asked on plain steps, so that a text turning
+        predictable is noticed without paying for a verify (the adaptive switch's guess streaks)."""
+        return None
+
     @abstractmethod
     def propose(self, chunks: list[ScheduledChunk]) -> list[Proposal]:
         """One proposal per chunk, of at most `chunk.num_lookahead` tokens each."""

@@ -66,6 +66,7 @@ class Speculator:
         self.active = True  # this step speculates (the adaptive switch's choice)
         self._batch_size = 0
         self._probs: dict[int, torch.Tensor | None] = {}  # seq_id -> q of its draft this step
+        self._guesses: dict[int, int | None] = {}  # seq_id -> the proposer's guess of its token this plain step
 
     # -- scheduling -----------------------------------------------------------------------------
 
@@ -80,7 +81,11 @@ class Speculator:
         """Slots to reserve past `seq`'s last token this step (0: it decodes plainly). The first token
         is always sampled plainly, after the whole prompt (an n > 1 request forks there), even when
         chunked prefill leaves the last prompt token alone in a step."""
-        if not self.active or not seq.output_token_ids or not self.eligible(seq):
+        if not seq.output_token_ids or not self.eligible(seq):
+            return 0
+        if not self.active:
+            if self.switch is not None:
+                self._guesses[seq.seq_id] = self.proposer.guess(seq)
             return 0
         remaining = seq.params.max_tokens - len(seq.output_token_ids) - 1  # the bonus token is the last
         k = min(self.k, remaining)
@@ -131,8 +136,14 @@ class Speculator:
             self.switch.new_request()
 
     def observe(self, chunks: list[ScheduledChunk]) -> None:
-        """After the step: the chunks of sequences that may speculate, shown to the proposer."""
+        """After the step: the chunks of sequences that may speculate, shown to the proposer; on a
+        plain step, whether the proposer had guessed every decoded token (the switch's guess streak)."""
         self.proposer.observe([c for c in chunks if self.eligible(c.seq)])
+        guesses, self._guesses = self._guesses, {}
+        if self.switch is not None and guesses and not self.active:
+            emitted = {c.seq.seq_id: c.seq.output_token_ids[-1] for c in chunks if c.seq.output_token_ids}
+            hit = all(guess is not None and emitted.get(seq_id) == guess for seq_id, guess in guesses.items())
+            self.switch.guess_checked(self._batch_size, hit)
 
     def rollback(self, seq: Sequence) -> None:
         self.proposer.rollback(seq)

@@ -232,6 +232,10 @@ class SuffixProposer(Proposer):
                 best, best_score = tokens, score
         return best
 
+    def guess(self, seq: Sequence) -> int | None:
+        found = self.lookup(seq, 1)
+        return found[0] if found else None
+
     def propose(self, chunks: list[ScheduledChunk]) -> list[Proposal]:
         found, self._found = self._found, {}  # a sequence preempted after reserving leaves nothing behind
         return [Proposal(found.get(c.seq.seq_id, [])[: c.num_lookahead]) for c in chunks]

@@ -1,6 +1,8 @@
 """Prompt lookup: the latest earlier occurrence of the longest matching suffix."""
 
-from kvgen.engine.speculative.ngram import lookup
+from types import SimpleNamespace
+
+from kvgen.engine.speculative.ngram import NgramProposer, lookup
 
 
 def test_longest_suffix_first_then_shorter():
@@ -15,3 +17,9 @@ def test_latest_occurrence_wins_and_min_n_bounds_the_search():
     assert lookup([5, 1, 6, 1, 7, 1], 2, 2, 3) == []  # no earlier "7 1"
     assert lookup([4], 3, 1, 3) == []
     assert lookup([4, 4], 3, 1, 3) == [4]
+
+
+def test_the_proposer_guesses_the_first_token_it_would_propose():
+    seq = SimpleNamespace(token_ids=[1, 2, 3, 4, 5, 9, 3, 4, 7, 2, 3, 4])
+    assert NgramProposer(1, 3).guess(seq) == 5
+    assert NgramProposer(2, 3).guess(SimpleNamespace(token_ids=[5, 1, 6, 1, 7, 1])) is None

@@ -12,7 +12,8 @@ from scipy.stats import chi2_contingency
 from kvgen import LLM
 from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
-from kvgen.engine.speculative.adaptive import MAX_PROBE_EVERY, MIN_SAMPLES, PROBE_EVERY, AdaptiveSwitch
+from kvgen.engine.speculative.adaptive import (GUESS_STREAK, MAX_PROBE_EVERY, MIN_SAMPLES, PROBE_EVERY,
+                                              AdaptiveSwitch)
 from kvgen.errors import InvalidRequestError, ModelLoadError
 from kvgen.loaders import load_model
 from kvgen.model.kernels.paged_decode import paged_decode_for
@@ -380,6 +381,40 @@ def test_adaptive_switch_probes_speculation_when_a_request_starts_alone():
         choices.append(on)
         switch.record(1, on, 450 if on else 150, 1.0)
     assert choices[0] and all(choices[5:])
+
+
+def settle_on_plain(switch: AdaptiveSwitch) -> None:
+    """Speculation measured at a third of plain decoding's rate, past any probe that is due."""
+    for _ in range(4 * PROBE_EVERY):
+        on = switch.decide(1)
+        switch.record(1, on, 50 if on else 150, 1.0)
+    while switch.decide(1):
+        switch.record(1, True, 50, 1.0)
+    switch.record(1, False, 150, 1.0)
+
+
+def test_adaptive_switch_probes_speculation_after_a_streak_of_guessed_tokens():
+    """The edit task: past the changed lines the reply copies its input again, which a model-free
+    proposer's guesses show on the plain steps themselves. GUESS_STREAK guessed steps in a row probe
+    speculation at the next step; a miss starts the count over; a streak's probe that loses doubles
+    the streak asked next, and one that wins brings it back."""
+    switch = AdaptiveSwitch()
+    settle_on_plain(switch)
+
+    def plain_steps_until_a_probe(hits: list[bool]) -> int | None:
+        for step, hit in enumerate(hits):
+            if switch.decide(1):
+                return step
+            switch.record(1, False, 150, 1.0)
+            switch.guess_checked(1, hit)
+        return None
+
+    assert plain_steps_until_a_probe([True] * (GUESS_STREAK - 1) + [False] + [True] * (GUESS_STREAK - 1)) is None
+    assert plain_steps_until_a_probe([True] * 8) == 1  # the missing hit, then the probe
+    switch.record(1, True, 50, 1.0)  # the probe loses
+    assert plain_steps_until_a_probe([True] * (4 * GUESS_STREAK)) == 2 * GUESS_STREAK
+    switch.record(1, True, 1500, 1.0)  # this one wins: more probes follow at once
+    assert switch.decide(1)
 
 
 def test_adaptive_switch_leaves_out_a_stalled_step():

@@ -74,6 +74,14 @@ def test_proposes_the_continuation_of_the_longest_match_and_follows_new_tokens()
     assert proposer.lookup(FakeSeq(2, [7, 8, 9], [10]), 8) == []  # nothing to follow
 
 
+def test_guesses_the_first_token_it_would_propose():
+    proposer = SuffixProposer()
+    passage = list(range(100, 140))
+    seq = FakeSeq(1, [1, 2] + passage + [3], passage[:5])
+    assert proposer.guess(seq) == passage[5] == proposer.lookup(seq, 8)[0]
+    assert proposer.guess(FakeSeq(2, [7, 8, 9], [10])) is None
+
+
 def test_frequency_picks_the_most_common_continuation_and_stops_when_unlikely():
     proposer = SuffixProposer()
     # the longest match "0 5 6" is followed by 7 twice and 8 once: 7; "0 5 6 7" by 9 and 1 once each:
