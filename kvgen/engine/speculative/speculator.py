@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +23,20 @@ from kvgen.engine.speculative.ngram import NgramProposer
 from kvgen.engine.speculative.proposer import Proposer
 from kvgen.engine.speculative.suffix import SuffixProposer
 from kvgen.loaders import LoadedModel
+from kvgen.model.fused import FUSED_BELOW_ROWS
 from kvgen.runner.model_runner import ModelRunner
 from kvgen.sample.rejection import Verdict, verify
 from kvgen.scheduling.output import ScheduledChunk
 from kvgen.scheduling.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+# A verify chunk of K + 1 rows runs a decode's kernels (the few-row matmuls, the fused step, the
+# in-place attention) below FUSED_BELOW_ROWS rows. From there a step takes the prefill kernels
+# (weights dequantized for a GEMM, oneDNN), whose sums differ from decode's, and a greedy token could
+# then differ from plain decoding's (K = 15 on SmolLM2 Q4_1 verified 16 rows on its weights dequantized
+# to bf16). So a sequence verifies at most this many tokens a step, whatever K asks.
+MAX_EXACT_TOKENS = FUSED_BELOW_ROWS - 2
 
 # Sinks rotate keys by their rank in the cache and evict one token at a time; h2o scores every
 # token's attention. Tokens that are then rejected would have moved ranks or added scores, so
@@ -175,4 +186,9 @@ def build_speculator(config: EngineConfig, target: ModelConfig, kv: KVCacheManag
         raise ValueError("speculative_method 'draft' needs its draft model loaded (kvgen.llm.build_engine does)")
     else:
         proposer = DraftProposer(draft, target, config, kv)
-    return Speculator(proposer, config.num_speculative_tokens, config.adaptive_speculation)
+    k = config.num_speculative_tokens
+    if k > MAX_EXACT_TOKENS:
+        log.warning("num_speculative_tokens %d: a sequence verifies at most %d tokens a step (%d rows; from %d "
+                    "rows the prefill kernels run, whose sums differ from decoding's)", k, MAX_EXACT_TOKENS,
+                    MAX_EXACT_TOKENS + 1, FUSED_BELOW_ROWS)
+    return Speculator(proposer, min(k, MAX_EXACT_TOKENS), config.adaptive_speculation)

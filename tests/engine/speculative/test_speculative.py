@@ -14,8 +14,10 @@ from kvgen.config import EngineConfig
 from kvgen.engine.llm_engine import LLMEngine
 from kvgen.engine.speculative.adaptive import (GUESS_STREAK, MAX_PROBE_EVERY, MIN_SAMPLES, PROBE_EVERY,
                                               AdaptiveSwitch)
+from kvgen.engine.speculative.speculator import MAX_EXACT_TOKENS
 from kvgen.errors import InvalidRequestError, ModelLoadError
 from kvgen.loaders import load_model
+from kvgen.model.fused import FUSED_BELOW_ROWS
 from kvgen.model.kernels.paged_decode import paged_decode_for
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.qmatmul import qmatmul_kernel
@@ -287,6 +289,14 @@ def test_grammar_requests_are_not_speculated(loaded, stories_bin):
     params = SamplingParams(temperature=0, max_tokens=12, grammar=GrammarSpec.choice(["Lily", "Tom"]))
     assert run_all(eng, [(STORY, params)]) == run_all(engine(loaded), [(STORY, params)])
     assert eng.speculator.counters.proposed == 0
+
+
+def test_a_verify_chunk_stays_below_the_prefill_kernels_rows(loaded):
+    """From FUSED_BELOW_ROWS rows a step runs the prefill kernels, whose sums differ from decode's: a K
+    that asks for more is cut so that a sequence's verify chunk stays on the decode kernels."""
+    eng = engine(loaded, speculative_method="ngram", num_speculative_tokens=20)
+    assert eng.speculator.k == MAX_EXACT_TOKENS and MAX_EXACT_TOKENS + 1 < FUSED_BELOW_ROWS
+    assert engine(loaded, speculative_method="ngram", num_speculative_tokens=4).speculator.k == 4
 
 
 # -- the adaptive switch --------------------------------------------------------------------------
