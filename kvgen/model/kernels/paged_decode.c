@@ -24,15 +24,16 @@
  * the whole row), and one per value (KV head, slot). A key's scales multiply the partial dot
  * products of their groups, a value's scale its weight once, so quantized rows are dequantized in
  * registers. Queries, scores and outputs are fp32. With AVX-512 and a head size of 64, 128, 256 (Gemma 3)
- * or 512 (Gemma 4's global layers), `attend_avx512` runs instead of the portable `attend`: the query
- * heads of a KV head in tiles of up to 8 that read and widen each key and value row once for the tile
+ * or 512 (Gemma 4's global layers), `attend_avx512` runs instead of the portable `attend`: an item's
+ * keys are scored 16 at a time for all its head-rows (score_keys: each key widened once, and 16 dot
+ * products summed across lanes at once by lane_sums16 in _mm512_reduce_add_ps's own order), then
+ * the values summed in tiles of up to 8 heads that read and widen each value row once for the tile
  * (attend_heads), the softmax's maxima and exponentials 16 at a time (exp16); 2.2x faster than the
  * portable loops at 192 keys, 2.1x at 2,048 (BENCHMARKS.md), and the tiles 1.5x (head size 256) to
- * 2.2x (512) faster than one head at a time with Gemma 4's 8 heads per KV head. There the keys are
- * scored 16 at a time for all of an item's head-rows (score_keys): a verify chunk's rows share
- * each widened key, and lane_sums16 reduces 16 dot products at once in reduce_add's own order. A
- * 16-row verify at SmolLM2's shape (3 KV heads x 3, head size 64, 1,800 keys, bf16) takes half the
- * time of 16 decodes, the same bits (docs/performance-notes.md). */
+ * 2.2x (512) faster than one head at a time with Gemma 4's 8 heads per KV head. A verify chunk's
+ * rows share the item, so each key is widened once for the chunk: 16 rows at SmolLM2's shape (3 KV
+ * heads x 3, head size 64, 1,800 keys, bf16) take 0.37x the time of 16 decodes, the same bits
+ * (docs/performance-notes.md). */
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
