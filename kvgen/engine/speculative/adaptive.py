@@ -23,11 +23,12 @@ proposer and the text, so it is measured rather than modelled:
               batch 64 costs several plain steps, and with fixed probes a throughput run lost ~7%
               against plain decoding once plain steps had got faster.
     guesses   while plain decoding is the choice, a model-free proposer (suffix, ngram) still names
-              the token it would propose first, at no cost; GUESS_STREAK plain steps in a row whose
-              tokens it named (every sequence's) probe speculation at the next step: an edit's
-              reply that returns to copying its input after the changed lines is noticed within a
-              few tokens, not after PROBE_EVERY steps or more. A streak's probe that loses doubles the
-              streak asked next time (up to MAX_GUESS_STREAK); one that wins resets it.
+              the token it would propose first, for the cost of a lookup (in steps of up to 4
+              sequences); GUESS_STREAK plain steps in a row whose tokens it named (every sequence's)
+              probe speculation at the next step: an edit's reply that returns to copying its input
+              after the changed lines is noticed within a few tokens, not after PROBE_EVERY steps or
+              more. A streak's probe that loses doubles the streak asked next time (up to
+              MAX_GUESS_STREAK); one that wins resets it.
     cost      a probe of the losing arm costs what its step takes beyond what the winner would have
               taken for the same tokens; the gap between probes is at least that cost over
               PROBE_BUDGET of the winner's step time, so probing costs at most ~2% of the time. On

@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 # to bf16). So a sequence verifies at most this many tokens a step, whatever K asks.
 MAX_EXACT_TOKENS = FUSED_BELOW_ROWS - 2
 
+# Plain steps of at most this many sequences ask the proposer for its guesses (the switch's guess
+# streaks, which need every sequence's token guessed: rare in a big batch, where the lookups, ~0.1-0.2 ms
+# a sequence in Python, would add up to a few percent of a small model's step).
+GUESS_MAX_BATCH = 4
+
 # Sinks rotate keys by their rank in the cache and evict one token at a time; h2o scores every
 # token's attention. Tokens that are then rejected would have moved ranks or added scores, so
 # neither composes with speculation. A window composes: rejected tokens are simply never kept.
@@ -95,7 +100,7 @@ class Speculator:
         if not seq.output_token_ids or not self.eligible(seq):
             return 0
         if not self.active:
-            if self.switch is not None:
+            if self.switch is not None and self._batch_size <= GUESS_MAX_BATCH:
                 self._guesses[seq.seq_id] = self.proposer.guess(seq)
             return 0
         remaining = seq.params.max_tokens - len(seq.output_token_ids) - 1  # the bonus token is the last
