@@ -17,7 +17,10 @@ from kvgen.engine.speculative.adaptive import (GUESS_STREAK, MAX_PROBE_EVERY, MI
 from kvgen.engine.speculative.speculator import MAX_EXACT_TOKENS
 from kvgen.errors import InvalidRequestError, ModelLoadError
 from kvgen.loaders import load_model
+from kvgen.model.attention import IN_PLACE_QUERIES
 from kvgen.model.fused import FUSED_BELOW_ROWS
+from kvgen.model.linear import DECODED_FROM_ROWS
+from kvgen.model.quant_linear import BF16_FROM_ROWS, FP32_FROM_ROWS, MANY_ROWS
 from kvgen.model.kernels.paged_decode import paged_decode_for
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.qmatmul import qmatmul_kernel
@@ -296,6 +299,8 @@ def test_a_verify_chunk_stays_below_the_prefill_kernels_rows(loaded):
     that asks for more is cut so that a sequence's verify chunk stays on the decode kernels."""
     eng = engine(loaded, speculative_method="ngram", num_speculative_tokens=20)
     assert eng.speculator.k == MAX_EXACT_TOKENS and MAX_EXACT_TOKENS + 1 < FUSED_BELOW_ROWS
+    # the cap is only as good as every row-count switch of the decode path sitting at or above it
+    assert min(IN_PLACE_QUERIES, MANY_ROWS, BF16_FROM_ROWS, DECODED_FROM_ROWS, *FP32_FROM_ROWS.values()) >= FUSED_BELOW_ROWS
     assert engine(loaded, speculative_method="ngram", num_speculative_tokens=4).speculator.k == 4
 
 
