@@ -300,7 +300,8 @@ def test_a_verify_chunk_stays_below_the_prefill_kernels_rows(loaded):
     eng = engine(loaded, speculative_method="ngram", num_speculative_tokens=20)
     assert eng.speculator.k == MAX_EXACT_TOKENS and MAX_EXACT_TOKENS + 1 < FUSED_BELOW_ROWS
     # the cap is only as good as every row-count switch of the decode path sitting at or above it
-    assert min(IN_PLACE_QUERIES, MANY_ROWS, BF16_FROM_ROWS, DECODED_FROM_ROWS, *FP32_FROM_ROWS.values()) >= FUSED_BELOW_ROWS
+    switches = (IN_PLACE_QUERIES, MANY_ROWS, BF16_FROM_ROWS, DECODED_FROM_ROWS, *FP32_FROM_ROWS.values())
+    assert min(switches) >= FUSED_BELOW_ROWS
     assert engine(loaded, speculative_method="ngram", num_speculative_tokens=4).speculator.k == 4
 
 
