@@ -27,6 +27,7 @@ from kvgen.bench.tasks import CODE_TASK_TOKENS, MIN_PASSAGE_TOKENS, TASKS
 from kvgen.cache.sizing import parse_bytes
 from kvgen.config import DTYPES
 from kvgen.llm import open_engine
+from kvgen.loaders.residency import freeze_live_objects
 from kvgen.options import add_engine_options, config_only, engine_config
 
 DEFAULT_BENCH_MODEL = "smollm2-135m"
@@ -240,6 +241,7 @@ def _setup(args: argparse.Namespace, **overrides) -> tuple[BenchModel, KvgenSyst
     model = resolve(args.model)
     config = dataclasses.replace(engine_config(args), **overrides)
     engine, stats = open_engine(model.path, config, args.tokenizer, args.gguf_file)
+    freeze_live_objects()
     print(stats.summary(), file=sys.stderr)
     if hasattr(engine, "capacity_report"):
         print(engine.capacity_report(), file=sys.stderr)

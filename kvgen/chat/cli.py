@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kvgen.chat.session import ChatSession, ReplyStats
 from kvgen.errors import InvalidRequestError, KVGenError
+from kvgen.loaders.residency import freeze_live_objects
 from kvgen.options import add_engine_options, add_sampling_options, build_engine_from_args, sampling_params
 
 COMMANDS = {
@@ -43,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # a bad parameter is reported before the model is loaded
     session = ChatSession(build_engine_from_args(args), params, args.system)
+    freeze_live_objects()
     told_of_drops = False
     try:
         for line in _lines(sys.stdin.isatty()):

@@ -78,10 +78,12 @@ def run_replica(index: int, address: str | tuple[str, int], authkey: bytes, thre
     from multiprocessing.connection import Client
 
     from kvgen.llm import open_engine
+    from kvgen.loaders.residency import freeze_live_objects
 
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING, format=f"replica {index}: %(levelname)s: %(message)s")
     engine = open_engine(model, config, tokenizer, gguf_file)[0]  # as a single process's, heap settings too
+    freeze_live_objects()
     conn = Client(address, authkey=authkey)
     channel = Channel(conn)
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvgen.cache.sizing import parse_bytes
 from kvgen.errors import KVGenError
+from kvgen.loaders.residency import freeze_live_objects
 from kvgen.options import add_engine_options, build_engine_from_args
 from kvgen.server.limits import DEFAULT_MAX_QUEUED_REQUESTS, RequestLimits
 
@@ -101,6 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise KVGenError("--threads-per-replica, --router and --ray-address need --data-parallel-size N with N > 1")
     else:
         engine = build_engine_from_args(args)  # prints the KV capacity
+        freeze_live_objects()
         logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     limits = RequestLimits(**{name: getattr(args, name) for name in LIMIT_HELP})
     app = create_app(engine, model_name=args.served_model_name or _model_name(args.model),
@@ -138,7 +140,9 @@ def _serve_several(args: argparse.Namespace, models: list[str]) -> int:
     limits = RequestLimits(**{name: getattr(args, name) for name in LIMIT_HELP})
 
     def build(path: str):  # noqa: ANN202 - an Engine
-        return open_engine(path, config, args.tokenizer, args.gguf_file)[0]
+        engine = open_engine(path, config, args.tokenizer, args.gguf_file)[0]
+        freeze_live_objects()
+        return engine
 
     responses = ResponseStore()  # one store for all models: it outlives a model's unloading
 

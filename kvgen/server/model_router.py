@@ -16,7 +16,6 @@ options ask for (--kv-cache-memory), and once loaded from its files and its KV p
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgen.async_llm import AsyncLLM
 from kvgen.engine.base import Engine
+from kvgen.loaders.residency import freeze_live_objects
 from kvgen.server import anthropic_messages, chat_completions, completions, openai_responses
 from kvgen.server.http import BodySizeLimit, add_error_handlers
 from kvgen.server.state import APIError, ServerState, check_api_key
@@ -142,7 +142,7 @@ class ModelRouter:
         state, entry.state = entry.state, None
         await state.llm.shutdown()
         del state
-        gc.collect()
+        freeze_live_objects()
         self.unloads += 1
 
     def _used(self) -> int:

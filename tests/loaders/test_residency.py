@@ -1,6 +1,7 @@
-"""Step buffers kept in the heap (kvgen.loaders.residency.keep_step_buffers): a block freed by one
-step is reused by the next without faulting its pages in again. Each case runs in a fresh
-interpreter, since the setting is the process's."""
+"""What a loaded process keeps (kvgen.loaders.residency): step buffers kept in the heap
+(keep_step_buffers), so that a block freed by one step is reused by the next without faulting its
+pages in again; live objects kept out of Python's collections (freeze_live_objects), an unloaded
+engine's still freed. Each case runs in a fresh interpreter, since the settings are the process's."""
 
 from __future__ import annotations
 
@@ -53,3 +54,29 @@ def test_without_it_the_block_faults_in_again():
     kept, faults = second_step({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
     assert not kept
     assert faults >= LEAST_FAULTS
+
+
+# An object in a reference cycle (as much of an engine is) alive at freeze_live_objects, then dropped:
+# prints whether anything was frozen, whether a plain collection left it, and whether the next
+# freeze_live_objects (after a model's unloading) freed it.
+FREEZE_PROGRAM = """
+import gc, weakref
+from kvgen.loaders.residency import freeze_live_objects
+class Node:
+    pass
+node = Node()
+node.itself = node
+ref = weakref.ref(node)
+freeze_live_objects()
+frozen = gc.get_freeze_count()
+del node
+gc.collect()
+kept = ref() is not None
+freeze_live_objects()
+print(frozen > 0, kept, ref() is None)
+"""
+
+
+def test_frozen_objects_are_skipped_by_collections_and_freed_by_the_next_freeze():
+    out = subprocess.run([sys.executable, "-c", FREEZE_PROGRAM], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "True"]
