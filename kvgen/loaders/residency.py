@@ -28,6 +28,7 @@ call is freed; that collection costs ~0.2 s, once per load.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import gc
@@ -88,10 +89,14 @@ def keep_step_buffers() -> bool:
 
 def freeze_live_objects() -> None:
     """Collects every object that is garbage now, those frozen before included, then exempts the
-    live ones from later collections (see the module docstring)."""
+    live ones from later collections (see the module docstring) until the interpreter exits: then
+    they are thawed, so that its last collection finalizes them (a library's objects left alive at
+    exit make it report leaks, as xgrammar's bindings do)."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
 
 
 def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

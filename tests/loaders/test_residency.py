@@ -56,16 +56,19 @@ def test_without_it_the_block_faults_in_again():
     assert faults >= LEAST_FAULTS
 
 
-# An object in a reference cycle (as much of an engine is) alive at freeze_live_objects, then dropped:
-# prints whether anything was frozen, whether a plain collection left it, and whether the next
-# freeze_live_objects (after a model's unloading) freed it.
+# Objects in reference cycles (as much of an engine is) alive at freeze_live_objects, then dropped:
+# prints whether anything was frozen, whether a plain collection left the first, and whether the next
+# freeze_live_objects (after a model's unloading) freed it; the second, frozen at exit, says when the
+# interpreter's last collection finalizes it.
 FREEZE_PROGRAM = """
 import gc, weakref
 from kvgen.loaders.residency import freeze_live_objects
 class Node:
-    pass
-node = Node()
-node.itself = node
+    def __init__(self, name):
+        self.name, self.itself = name, self
+    def __del__(self):
+        print(self.name, "finalized")
+node = Node("unloaded")
 ref = weakref.ref(node)
 freeze_live_objects()
 frozen = gc.get_freeze_count()
@@ -74,9 +77,12 @@ gc.collect()
 kept = ref() is not None
 freeze_live_objects()
 print(frozen > 0, kept, ref() is None)
+node = Node("alive")
+freeze_live_objects()
+del node
 """
 
 
-def test_frozen_objects_are_skipped_by_collections_and_freed_by_the_next_freeze():
+def test_frozen_objects_are_skipped_by_collections_and_freed_by_the_next_freeze_or_at_exit():
     out = subprocess.run([sys.executable, "-c", FREEZE_PROGRAM], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "True", "True"]
+    assert out.stdout.splitlines() == ["unloaded finalized", "True True True", "alive finalized"]
