@@ -2,10 +2,10 @@
 
 On a fresh machine the arch fixtures (tests/loaders/arch_fixtures.py: llama.cpp's converter run twice a
 model), the fetched real models and transformers' readings of GGUFs take ~4 minutes of one core, which
-the tests would spend waiting for them the first time they are asked for. The tests run one thread
-(tests/conftest.py), so a 2-core machine has a core for this: `pytest_collection_finish` starts
-`python -m tests.prebuild` at a lower priority when a run collects the whole suite, and ends it with the
-run. Each file is made under the lock of the code that makes it for a test, so whichever process comes
+the tests would spend waiting for them the first time they are asked for. So `pytest_collection_finish`
+(tests/conftest.py) of the first worker starts `python -m tests.prebuild` at a lower priority when a run
+collects the whole suite, and ends it with that worker's run: it takes the cores the workers leave
+idle. Each file is made under the lock of the code that makes it for a test, so whichever process comes
 first makes it and the other waits, then finds it. What fails here is left alone: the test that needs
 the file makes it again and reports why it could not.
 """
