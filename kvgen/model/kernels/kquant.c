@@ -34,8 +34,8 @@
  * among the threads, each thread getting the same panels in every chunk so that it goes on to the
  * next chunk without waiting for the others (one barrier a call, not one a chunk: OpenMP's spinning
  * was 5.7% of a Qwen3.5-2B prefill's samples on a 2-core AMD EPYC with eight). Each panel meets
- * the chunk's rows XPASS at a time (then 4, 2, 1), so the codes unpacked once serve XPASS rows of x. A
- * row's result does not depend on the rows beside it.
+ * the chunk's rows XPASS at a time and the rest in one pass, so the codes unpacked once serve up to
+ * XPASS rows of x. A row's result does not depend on the rows beside it.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -226,23 +226,25 @@ ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_
         vf_store_first(out + (r0 + r) * ldo + n0, y[r], N - n0 >= PANEL ? PANEL : (int)(N - n0));
 }
 
-/* Panel p against rows r0 .. r1-1 of x: XPASS at a time, then 4, 2, 1; the first pass prefetches. */
+/* Panel p against rows r0 .. r1-1 of x: XPASS at a time, then the rest in one pass (a K = 4 verify's
+ * 5 rows once, where passes of 4 and 1 unpacked the codes twice); the first pass prefetches. */
 ALWAYS_INLINE void panel_rows(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, int64_t r1, float *out,
                               int64_t N, int64_t ldo, int64_t p, const int kind) {
     const uint8_t *wp = w + p * (K / QK) * BLOCK_BYTES(kind);
     int64_t r = r0;
     for (; r + XPASS <= r1; r += XPASS)
         panel(wp, K, x, r, XPASS, out, N, ldo, PANEL * p, kind, r == r0);
-    if (r + 4 <= r1) {
-        panel(wp, K, x, r, 4, out, N, ldo, PANEL * p, kind, r == r0);
-        r += 4;
+    const int first = r == r0;
+    switch (r1 - r) { /* each a pass of constant rows, its sums in registers */
+    case 7: panel(wp, K, x, r, 7, out, N, ldo, PANEL * p, kind, first); break;
+    case 6: panel(wp, K, x, r, 6, out, N, ldo, PANEL * p, kind, first); break;
+    case 5: panel(wp, K, x, r, 5, out, N, ldo, PANEL * p, kind, first); break;
+    case 4: panel(wp, K, x, r, 4, out, N, ldo, PANEL * p, kind, first); break;
+    case 3: panel(wp, K, x, r, 3, out, N, ldo, PANEL * p, kind, first); break;
+    case 2: panel(wp, K, x, r, 2, out, N, ldo, PANEL * p, kind, first); break;
+    case 1: panel(wp, K, x, r, 1, out, N, ldo, PANEL * p, kind, first); break;
+    default: break;
     }
-    if (r + 2 <= r1) {
-        panel(wp, K, x, r, 2, out, N, ldo, PANEL * p, kind, r == r0);
-        r += 2;
-    }
-    if (r < r1)
-        panel(wp, K, x, r, 1, out, N, ldo, PANEL * p, kind, r == r0);
 }
 
 /* out[t] = y[2t] + y[2t+1] for rows of N (out's rows ldo apart). */

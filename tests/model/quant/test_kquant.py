@@ -72,10 +72,11 @@ def test_layout_holds_gguf_values_bit_for_bit(ggml_type):
 
 @needs_kernel
 @pytest.mark.parametrize("parts", [1, 2])
-@pytest.mark.parametrize("rows", [1, 3, 13, 70])
+@pytest.mark.parametrize("rows", [1, 3, 7, 13, 70])
 @pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
 def test_kernel_equals_dequantized_matmul(ggml_type, rows, parts):
-    """70 rows: 8-row passes, then 4 and 2, over two chunks of x's rows (64 + 6)."""
+    """A panel meets 8 rows of x a pass, then the rest in one: 7 rows are one pass, or 8 and 6 in two
+    parts; 13 are 8 and 5; 70 are two chunks of x's rows (64 + 6)."""
     w, raw = packed(ggml_type, seed=rows)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows)) * 2
     kernel = kquant_kernel()
