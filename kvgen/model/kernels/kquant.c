@@ -234,17 +234,12 @@ ALWAYS_INLINE void panel_rows(const uint8_t *w, int64_t K, const struct kx *x, i
     int64_t r = r0;
     for (; r + XPASS <= r1; r += XPASS)
         panel(wp, K, x, r, XPASS, out, N, ldo, PANEL * p, kind, r == r0);
-    const int first = r == r0;
-    switch (r1 - r) { /* each a pass of constant rows, its sums in registers */
-    case 7: panel(wp, K, x, r, 7, out, N, ldo, PANEL * p, kind, first); break;
-    case 6: panel(wp, K, x, r, 6, out, N, ldo, PANEL * p, kind, first); break;
-    case 5: panel(wp, K, x, r, 5, out, N, ldo, PANEL * p, kind, first); break;
-    case 4: panel(wp, K, x, r, 4, out, N, ldo, PANEL * p, kind, first); break;
-    case 3: panel(wp, K, x, r, 3, out, N, ldo, PANEL * p, kind, first); break;
-    case 2: panel(wp, K, x, r, 2, out, N, ldo, PANEL * p, kind, first); break;
-    case 1: panel(wp, K, x, r, 1, out, N, ldo, PANEL * p, kind, first); break;
+#define REST(n) case n: panel(wp, K, x, r, n, out, N, ldo, PANEL * p, kind, r == r0); break;
+    switch (r1 - r) { /* a pass of constant rows, its sums in registers */
+    REST(7) REST(6) REST(5) REST(4) REST(3) REST(2) REST(1)
     default: break;
     }
+#undef REST
 }
 
 /* out[t] = y[2t] + y[2t+1] for rows of N (out's rows ldo apart). */

@@ -23,10 +23,10 @@
  * read once.
  *
  * Work: rows of x in chunks of XCHUNK (their int8 copy stays in L2); per chunk, OpenMP over panels,
- * and each panel meets the chunk's rows 8 at a time (then 4, 2, 1), so the codes unpacked once
- * serve 8 rows of x: a verify chunk of 7 tokens (14 rows in two parts) costs little more than one
- * token's read of the weights. Every output goes through the same operations whatever the number
- * of rows, so a row's result does not depend on the rows beside it.
+ * and each panel meets the chunk's rows 8 at a time and the rest in one pass, so the codes unpacked
+ * once serve up to 8 rows of x: a verify chunk of 7 tokens (14 rows in two parts) costs little more
+ * than one token's read of the weights. Every output goes through the same operations whatever the
+ * number of rows, so a row's result does not depend on the rows beside it.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -212,23 +212,23 @@ ALWAYS_INLINE void panel(const struct xq *x, int64_t r0, const int R, int64_t K,
         vf_store_first(out + (r0 + r) * N + PANEL * p, y[r], rows);
 }
 
-/* Panel p against rows r0 .. r1-1 of x: XPASS at a time, then 4, 2, 1; the first pass prefetches. */
+/* Panel p against rows r0 .. r1-1 of x: XPASS at a time, then the rest in one pass of constant rows (as
+ * kquant.c: passes of 4, 2 and 1 unpacked the codes again); the first pass prefetches. */
 ALWAYS_INLINE void panel_rows(const struct xq *x, int64_t r0, int64_t r1, int64_t K, const uint8_t *codes,
                               const void *scale, const void *min, int64_t p, int64_t N, float *out,
                               const int bits, const int group, const int f16, const int book) {
     int64_t r = r0;
     for (; r + XPASS <= r1; r += XPASS)
         panel(x, r, XPASS, K, codes, scale, min, p, N, out, bits, group, f16, book, r == r0);
-    if (r + 4 <= r1) {
-        panel(x, r, 4, K, codes, scale, min, p, N, out, bits, group, f16, book, r == r0);
-        r += 4;
+#define REST(n) case n: panel(x, r, n, K, codes, scale, min, p, N, out, bits, group, f16, book, r == r0); break;
+    switch (r1 - r) {
+#if XPASS == 8
+    REST(7) REST(6) REST(5) REST(4)
+#endif
+    REST(3) REST(2) REST(1)
+    default: break;
     }
-    if (r + 2 <= r1) {
-        panel(x, r, 2, K, codes, scale, min, p, N, out, bits, group, f16, book, r == r0);
-        r += 2;
-    }
-    if (r < r1)
-        panel(x, r, 1, K, codes, scale, min, p, N, out, bits, group, f16, book, r == r0);
+#undef REST
 }
 
 /* r = x - s * q over one span: the rounding error of the first part, for the second. */

@@ -34,7 +34,7 @@ def gguf_weight(ggml_type, out=12, cols=512) -> PackedWeight:
 
 
 @pytest.mark.parametrize("activations", ["int8", "int8x2"])
-@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("rows", [1, 3, 7, 64])
 @pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
 def test_kernel_equals_dequantized_matmul(ggml_type, rows, activations):
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
