@@ -138,15 +138,16 @@ def kquant_kernel() -> KQuantKernel | None:
 
 
 @functools.cache
-def kquant_build(isa: str) -> KQuantKernel | None:
+def kquant_build(isa: str, source: Path = SOURCE) -> KQuantKernel | None:
     """The kernel and its packer as BUILDS' `isa` build (the tests hold the builds this CPU runs to
-    the same bits), or None where the CPU lacks its features or the build fails."""
+    the same bits), or None where the CPU lacks its features or the build fails. `source`: another
+    kquant.c of the same packed layout, beside the headers it includes (a benchmark's baseline)."""
     flags, features = next((flags, features) for name, flags, features in BUILDS if name == isa)
     if not cpu_has(features):
         return None
     try:
-        library, packer = (ctypes.CDLL(str(build_library(source, (*COMMON_FLAGS, *flags))))
-                           for source in (SOURCE, PACK_SOURCE))
+        library, packer = (ctypes.CDLL(str(build_library(path, (*COMMON_FLAGS, *flags))))
+                           for path in (source, PACK_SOURCE))
         return KQuantKernel(library, packer, isa)
     except OSError as e:
         log.warning("K-quant kernel unavailable (%s); K-quant matrices use the generic packed format", e)
