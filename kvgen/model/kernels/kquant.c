@@ -160,7 +160,7 @@ ALWAYS_INLINE vf i8x16(const uint8_t *p) { return i8x16_to_vf(_mm_loadu_si128((c
  * `prefetch`: this pass is the panel's first, which streams it from memory. */
 ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, const int R, float *out,
                          int64_t N, int64_t ldo, int64_t n0, const int kind, const int prefetch) {
-    const int64_t blocks = K / QK, spans = K / 32;
+    const int64_t blocks = K / QK;
     const int bytes = BLOCK_BYTES(kind), lines_per_sub = (bytes / 64 + 7) / 8;
     vf y[XPASS];
     UNROLL for (int r = 0; r < R; r++)
@@ -184,42 +184,7 @@ ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_
             }
             for (int g = 0; g < 8; g++)
                 c[g] = codes_at(low, high, g, kind);
-            const int64_t span = b * 8 + s, at = span;
-            const int32_t *xq[XPASS];
-            vf sx[XPASS];
-            vi a[XPASS];
-            UNROLL for (int r = 0; r < R; r++) {
-                xq[r] = (const int32_t *)(x->q + (r0 + r) * K + 32 * span);
-                sx[r] = vf_set1(x->sx[(r0 + r) * spans + at]);
-            }
-            if (kind == 6) { /* per 16 columns: dot - 32 sum q_x, scaled by d*sc */
-                for (int half = 0; half < 2; half++) {
-                    const vf sc = vf_mul(d, i8x16(meta + 32 * s + 16 * half));
-                    UNROLL for (int r = 0; r < R; r++)
-                        a[r] = vi_set1_i32(x->init[2 * ((r0 + r) * spans + at) + half]);
-                    dots(c, xq, 4 * half, 4 * half + 4, R, a, kind);
-                    UNROLL for (int r = 0; r < R; r++)
-                        y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), sx[r]), sc, y[r]);
-                }
-            } else {
-                const vf sc = vf_mul(d, u8x16(meta + 16 * s));
-                const vf mn = vf_mul(neg_dmin, u8x16(meta + 128 + 16 * s));
-#ifndef __AVX512F__
-                if (kind == 4 && R >= 4) { /* below 4 rows the sub-block's 8 code vectors fit beside the sums */
-                    UNROLL for (int r = 0; r < R; r += 4)
-                        q4k_dots(lo + 256 * s, xq + r, R - r < 4 ? R - r : 4, a + r);
-                } else
-#endif
-                {
-                    UNROLL for (int r = 0; r < R; r++)
-                        a[r] = vi_set1_i32(0);
-                    dots(c, xq, 0, 8, R, a, kind);
-                }
-                UNROLL for (int r = 0; r < R; r++) {
-                    y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), sx[r]), sc, y[r]);
-                    y[r] = vf_fmadd(mn, vf_set1(x->xsum[(r0 + r) * spans + at]), y[r]);
-                }
-            }
+            sub_block(c, lo + 256 * s, meta, d, neg_dmin, s, x, r0, R, K, b * 8 + s, y, kind);
         }
     }
     UNROLL for (int r = 0; r < R; r++)

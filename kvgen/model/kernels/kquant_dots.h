@@ -1,34 +1,65 @@
-/* The integer dot products of a K-quant sub-block's unpacked codes with rows of x, for kquant.c's
- * panel (see its header): included by kquant.c after its constants (XPASS, UNROLL) and qvec.h.
+/* A K-quant sub-block (32 columns of a panel) against rows of x, for kquant.c's panel (see its
+ * header): included by kquant.c after its constants (XPASS, UNROLL), qvec.h and its helpers. Both
+ * builds make the same fp32 operations in the same order (the same bits); integer sums are exact in
+ * any order. Per row r, with dot the sub-block's (Q6_K: each 16 columns') integer sums:
+ *     Q4_K/Q5_K  y[r] = fma(mn, xsum, fma(dot * sx, sc, y[r]))
+ *     Q6_K       y[r] = fma((dot - 32 sum q_x) * sx, sc, y[r])  per 16 columns
  */
-/* How many codes vectors dot4_rows takes at a time (qvec.h): AVX2 adds their products in int16, so
- * 2 * (largest code) * 127 * RUN <= 32,767; vpdpbusd needs no such runs. */
-#ifdef __AVX512F__
-#define RUN(kind) 1
-#else
-#define RUN(kind) ((kind) == 4 ? 8 : (kind) == 5 ? 4 : 2)
-#endif
 
-/* a[r] += sum over g in [g0, g1) of codes c[g] by row r's 4 bytes g of x. With AVX-512 the rows'
- * chains of dependent vpdpbusd are interleaved to hide its latency (at R <= 2, two chains a row).
- * Integer sums: the same whatever the order. */
-ALWAYS_INLINE void dots(const vi *c, const int32_t *const *xq, const int g0, const int g1, const int R, vi *a,
-                        const int kind) {
+/* Row `row` of x's int8 values over sub-block `span`, as 8 groups of 4 bytes. */
+ALWAYS_INLINE const int32_t *x_at(const struct kx *x, int64_t K, int64_t row, int64_t span) {
+    return (const int32_t *)(x->q + row * K + 32 * span);
+}
+
 #ifdef __AVX512F__
-    if (R <= 2) {
-        vi b[2];
-        UNROLL for (int r = 0; r < R; r++)
-            b[r] = vi_set1_i32(0);
-        UNROLL for (int g = g0; g < g1; g += 2)
-            UNROLL for (int r = 0; r < R; r++) {
-                a[r] = dot4(a[r], c[g], vi_set1_i32(xq[r][g]), 4);
-                b[r] = dot4(b[r], c[g + 1], vi_set1_i32(xq[r][g + 1]), 4);
+/* y[r] += sub-block `s` (codes c, scales from meta) times row r0 + r of x, for r < R. One row at a
+ * time: its 8 vpdpbusd in two independent chains (per Q6_K half), then its fp32 epilogue, so that
+ * only the code vectors and the rows' outputs stay live across rows. Holding every row's sums and
+ * scales for a pass, as the AVX2 build does, spilled code vectors to the stack: on an AMD EPYC
+ * (Zen 5, 2 threads) 512 rows of x through the llama-1b shape's 32 MLP matrices took 579-632 ms
+ * rather than 780-841 (Q6_K) and 549-610 rather than 635-698 (Q5_K_M's mix), with the same bits. */
+ALWAYS_INLINE void sub_block(const vi *c, const uint8_t *lo, const uint8_t *meta, vf d, vf neg_dmin, int s,
+                             const struct kx *x, int64_t r0, const int R, int64_t K, int64_t span, vf *y,
+                             const int kind) {
+    (void)lo;
+    const int64_t spans = K / 32;
+    if (kind == 6) { /* per 16 columns */
+        const vf sc[2] = {vf_mul(d, i8x16(meta + 32 * s)), vf_mul(d, i8x16(meta + 32 * s + 16))};
+        UNROLL for (int r = 0; r < R; r++) {
+            const int32_t *xr = x_at(x, K, r0 + r, span), *init = x->init + 2 * ((r0 + r) * spans + span);
+            const vf sx = vf_set1(x->sx[(r0 + r) * spans + span]);
+            UNROLL for (int half = 0; half < 2; half++) {
+                vi a = vi_set1_i32(init[half]), b = vi_set1_i32(0);
+                UNROLL for (int g = 4 * half; g < 4 * half + 4; g += 2) {
+                    a = dot4(a, c[g], vi_set1_i32(xr[g]), 4);
+                    b = dot4(b, c[g + 1], vi_set1_i32(xr[g + 1]), 4);
+                }
+                y[r] = vf_fmadd(vf_mul(vi_to_vf(vi_add(a, b)), sx), sc[half], y[r]);
             }
-        UNROLL for (int r = 0; r < R; r++)
-            a[r] = vi_add(a[r], b[r]);
+        }
         return;
     }
-#endif
+    const vf sc = vf_mul(d, u8x16(meta + 16 * s)), mn = vf_mul(neg_dmin, u8x16(meta + 128 + 16 * s));
+    UNROLL for (int r = 0; r < R; r++) {
+        const int32_t *xr = x_at(x, K, r0 + r, span);
+        vi a = vi_set1_i32(0), b = vi_set1_i32(0);
+        UNROLL for (int g = 0; g < 8; g += 2) {
+            a = dot4(a, c[g], vi_set1_i32(xr[g]), 4);
+            b = dot4(b, c[g + 1], vi_set1_i32(xr[g + 1]), 4);
+        }
+        const int64_t at = (r0 + r) * spans + span;
+        y[r] = vf_fmadd(vf_mul(vi_to_vf(vi_add(a, b)), vf_set1(x->sx[at])), sc, y[r]);
+        y[r] = vf_fmadd(mn, vf_set1(x->xsum[at]), y[r]);
+    }
+}
+#else
+/* How many codes vectors dot4_rows takes at a time (qvec.h): AVX2 adds their products in int16, so
+ * 2 * (largest code) * 127 * RUN <= 32,767. */
+#define RUN(kind) ((kind) == 4 ? 8 : (kind) == 5 ? 4 : 2)
+
+/* a[r] += sum over g in [g0, g1) of codes c[g] by row r's 4 bytes g of x. */
+ALWAYS_INLINE void dots(const vi *c, const int32_t *const *xq, const int g0, const int g1, const int R, vi *a,
+                        const int kind) {
     UNROLL for (int g = g0; g < g1; g += RUN(kind)) {
         const int32_t *x[XPASS];
         UNROLL for (int r = 0; r < R; r++)
@@ -38,7 +69,6 @@ ALWAYS_INLINE void dots(const vi *c, const int32_t *const *xq, const int g0, con
     }
 }
 
-#ifndef __AVX512F__
 /* AVX2's dots for a Q4_K sub-block (lo: its 4 vectors of low nibbles, in L1 once a pass has read
  * them): a[r] = sum over its 8 code vectors of codes by row r's x, for R <= 4 rows. The 8 products
  * of a row stay below 32,768 in int16 (codes below 16), so 4 rows' int16 sums, a code vector and x
@@ -66,5 +96,42 @@ ALWAYS_INLINE void q4k_dots(const uint8_t *lo, const int32_t *const *xq, const i
     const __m256i ones = _mm256_set1_epi16(1);
     UNROLL for (int r = 0; r < R; r++)
         a[r] = (vi){_mm256_madd_epi16(s_lo[r], ones), _mm256_madd_epi16(s_hi[r], ones)};
+}
+
+/* y[r] += sub-block `s` (codes c, low nibbles lo, scales from meta) times row r0 + r of x, for r < R:
+ * every row's integer sums first, then their fp32 epilogues. */
+ALWAYS_INLINE void sub_block(const vi *c, const uint8_t *lo, const uint8_t *meta, vf d, vf neg_dmin, int s,
+                             const struct kx *x, int64_t r0, const int R, int64_t K, int64_t span, vf *y,
+                             const int kind) {
+    const int64_t spans = K / 32;
+    const int32_t *xq[XPASS];
+    vi a[XPASS];
+    UNROLL for (int r = 0; r < R; r++)
+        xq[r] = x_at(x, K, r0 + r, span);
+    if (kind == 6) { /* per 16 columns: dot - 32 sum q_x, scaled by d*sc */
+        for (int half = 0; half < 2; half++) {
+            const vf sc = vf_mul(d, i8x16(meta + 32 * s + 16 * half));
+            UNROLL for (int r = 0; r < R; r++)
+                a[r] = vi_set1_i32(x->init[2 * ((r0 + r) * spans + span) + half]);
+            dots(c, xq, 4 * half, 4 * half + 4, R, a, kind);
+            UNROLL for (int r = 0; r < R; r++)
+                y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), vf_set1(x->sx[(r0 + r) * spans + span])), sc, y[r]);
+        }
+        return;
+    }
+    const vf sc = vf_mul(d, u8x16(meta + 16 * s)), mn = vf_mul(neg_dmin, u8x16(meta + 128 + 16 * s));
+    if (kind == 4 && R >= 4) { /* below 4 rows the sub-block's 8 code vectors fit beside the sums */
+        UNROLL for (int r = 0; r < R; r += 4)
+            q4k_dots(lo, xq + r, R - r < 4 ? R - r : 4, a + r);
+    } else {
+        UNROLL for (int r = 0; r < R; r++)
+            a[r] = vi_set1_i32(0);
+        dots(c, xq, 0, 8, R, a, kind);
+    }
+    UNROLL for (int r = 0; r < R; r++) {
+        const int64_t at = (r0 + r) * spans + span;
+        y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), vf_set1(x->sx[at])), sc, y[r]);
+        y[r] = vf_fmadd(mn, vf_set1(x->xsum[at]), y[r]);
+    }
 }
 #endif
