@@ -255,6 +255,7 @@ class EngineConfig:
     draft_model: str | None = None
     draft_quantization: str = "auto"
     draft_p_min: float = 0.75  # a draft stops proposing after a token it gives less (kvgen.engine.speculative.draft)
+    draft_vocab_size: int = 32768  # a draft's logits: these first ids + the text's own (speculative/draft_vocab); 0: all
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     adaptive_speculation: bool = True  # skip speculating a step where it measures slower (docs/speculative.md)
@@ -324,6 +325,10 @@ class EngineConfig:
             raise ValueError(f"draft_quantization must be one of {QUANTIZATION_MODES}, got {self.draft_quantization!r}")
         if not 0.0 <= self.draft_p_min <= 1.0:
             raise ValueError(f"draft_p_min must be a probability in [0, 1], got {self.draft_p_min!r}")
+        if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) \
+                or self.draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size must be a whole number >= 0 (0: the whole vocabulary), "
+                             f"got {self.draft_vocab_size!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min and prompt_lookup_max need 1 <= min <= max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

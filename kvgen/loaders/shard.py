@@ -184,6 +184,13 @@ def take_gguf(weight: GGUFWeight, part: Slice) -> GGUFWeight:
     return GGUFWeight(weight.name, weight.ggml_type, tuple(shape), np.ascontiguousarray(raw))
 
 
+def first_rows(weight: torch.Tensor | GGUFWeight, rows: int) -> torch.Tensor | GGUFWeight:
+    """Rows [0, rows) of a matrix (a draft's LM head over the first token ids), GGUF blocks kept packed."""
+    if isinstance(weight, GGUFWeight):
+        return take_gguf(weight, Slice(ROWS, Span(0, rows)))
+    return weight[:rows]
+
+
 def _even_span(total: int, parts: int, index: int) -> Span:
     """Part `index` of [0, total) cut into `parts` contiguous runs whose sizes differ by one at most."""
     base, extra = divmod(total, parts)

@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from kvgen.config import ModelConfig
+from kvgen.loaders.shard import first_rows
 from kvgen.model.attention import Attention
 from kvgen.model.blocks import BuildContext, StateBatch, StepContext
 from kvgen.model.blocks.embedding import embed, embedding_scale
@@ -27,26 +28,34 @@ from kvgen.model.linear import RowKernels
 from kvgen.model.linear_choice import ACTIVATIONS, Embedding, LayerBuilder, Weight, describe
 
 
+def head_weight(config: ModelConfig, weights: Mapping[str, Weight]) -> Weight:
+    """The LM head's matrix [vocab, hidden]: the embedding table where the model ties them."""
+    return weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+
+
 class DecoderModel:
     """Weights plus the forward pass. Built from Hugging Face-named weights (see `kvgen.loaders`):
     float tensors, or GGUF matrices kept packed (`LoadedModel.quantized`), which get quantized
     linear layers (kvgen.model.linear_choice). `quantization` "int8" / "int4" packs float matrices;
     `activations` is how packed layers quantize x (kvgen.model.linear_choice.ACTIVATIONS by default).
-    `fused_decode` lets decode steps run as one list of C kernel calls (kvgen.model.fused)."""
+    `fused_decode` lets decode steps run as one list of C kernel calls (kvgen.model.fused).
+    `head_rows`: the LM head covers token ids [0, head_rows) only, and logits have that many columns
+    (a draft's vocabulary, kvgen.engine.speculative.draft_vocab); None: the whole vocabulary."""
 
     reads_hidden = False  # its input is token ids only (an MTP head also reads hidden states: kvgen.model.mtp)
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight],
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 quantization: str = "none", fused_decode: bool = True, activations: str = ACTIVATIONS) -> None:
+                 quantization: str = "none", fused_decode: bool = True, activations: str = ACTIVATIONS,
+                 head_rows: int | None = None) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         build = LayerBuilder(self.device, dtype, quantization, activations)
-        head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
-        self.lm_head = build.linear([head], logits=True)
+        head = head_weight(config, weights)
+        self.lm_head = build.linear([head if head_rows is None else first_rows(head, head_rows)], logits=True)
         self.embed = Embedding(weights["model.embed_tokens.weight"], build,
-                               self.lm_head if config.tie_word_embeddings else None)
+                               self.lm_head if config.tie_word_embeddings and head_rows is None else None)
         self.embed_scale = embedding_scale(config.arch, config, dtype)
         # A RoPE table per (base, head size): ropes[0] the global layers' (with the scaling); a hybrid
         # model's windowed layers may have their own base, and Gemma 4's their own head size.
@@ -131,6 +140,9 @@ class DecoderModel:
 
     def logits(self, hidden: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab] (soft-capped where the model says so)."""
-        logits = self.lm_head(hidden, rows).float()
+        return self.soft_cap(self.lm_head(hidden, rows).float())
+
+    def soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 logits soft-capped where the model says so (in place)."""
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits.div_(cap)).mul_(cap)

@@ -42,6 +42,7 @@ from kvgen.runner.state_batch import StepStates, step_states
 from kvgen.scheduling.output import ScheduledChunk
 
 T = TypeVar("T")
+Head = Callable[[torch.Tensor], torch.Tensor]  # hidden states [rows, hidden] -> fp32 logits [rows, vocab]
 
 
 class BlockTables(Protocol):
@@ -116,13 +117,15 @@ class ModelRunner:
             kind.cache.copy_blocks(kind_copies)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], all_logits: set[int] = frozenset()) -> torch.Tensor:
+    def execute(self, chunks: list[ScheduledChunk], all_logits: set[int] = frozenset(),
+                head: Head | None = None) -> torch.Tensor:
         """Runs one step; returns fp32 logits in the order of `chunks`: every row of a chunk whose
-        seq_id is in `all_logits`, else one row per chunk that completes its sequence."""
-        return self.run(self.prepare(chunks, all_logits))
+        seq_id is in `all_logits`, else one row per chunk that completes its sequence. `head` turns
+        those rows' hidden states into logits (default: the model's LM head)."""
+        return self.run(self.prepare(chunks, all_logits), head)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs, head: Head | None = None) -> torch.Tensor:
         """The forward pass over a prepared step (tensor-parallel workers get theirs from rank 0)."""
         attention = self.attention_type(self.cache, inputs.meta, self.decode_kernel,
                                    [(kind.cache, meta) for kind, meta in zip(self.kinds[1:], inputs.more_metas)],
@@ -133,7 +136,7 @@ class ModelRunner:
             self.policy_tensors.collect_scores(inputs.score_targets)
             self.kept_hidden = {seq_id: (start, hidden[row : row + rows].clone())
                                 for seq_id, start, row, rows in inputs.kept}
-            return self.model.logits(hidden[inputs.logit_rows])
+            return (head or self.model.logits)(hidden[inputs.logit_rows])
 
     def prepare(self, chunks: list[ScheduledChunk], all_logits: set[int] = frozenset()) -> StepInputs:
         """Lays out the step's rows and builds every tensor of it.

@@ -20,6 +20,7 @@ a shared block is harmless; the draft's numbers only steer proposals, never the 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -27,14 +28,15 @@ import torch
 from kvgen.cache.kv_manager import KVCacheManager
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of
 from kvgen.config import EngineConfig, ModelConfig
+from kvgen.engine.speculative.draft_vocab import DraftVocabulary
 from kvgen.engine.speculative.proposer import Proposal, Proposer
 from kvgen.errors import ModelLoadError
 from kvgen.loaders import LoadedModel
 from kvgen.model.kv_storage import PagedKVCache
 from kvgen.model.kernels.paged_decode import paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
-from kvgen.model.decoder import DecoderModel
-from kvgen.runner.model_runner import ModelRunner
+from kvgen.model.decoder import DecoderModel, head_weight
+from kvgen.runner.model_runner import Head, ModelRunner
 from kvgen.sample.sampler import filtered_probs
 from kvgen.scheduling.output import ScheduledChunk
 from kvgen.scheduling.sequence import Sequence
@@ -100,8 +102,12 @@ class DraftProposer(Proposer):
     def __init__(self, loaded: LoadedModel, target: ModelConfig, config: EngineConfig, kv: KVCacheManager) -> None:
         check_vocabulary(loaded.config, target, config.draft_model)
         cfg = loaded.config
-        self.model = DecoderModel(cfg, {**loaded.weights, **loaded.quantized}, config.device, config.torch_dtype,
-                                config.draft_weights, config.fused_decode, DRAFT_ACTIVATIONS)
+        weights = {**loaded.weights, **loaded.quantized}
+        size = config.draft_vocab_size if 0 < config.draft_vocab_size < cfg.vocab_size else None
+        self.model = DecoderModel(cfg, weights, config.device, config.torch_dtype, config.draft_weights,
+                                  config.fused_decode, DRAFT_ACTIVATIONS, head_rows=size)
+        self.vocabulary = None if size is None else DraftVocabulary(self.model, head_weight(cfg, weights), size,
+                                                                     cfg.vocab_size)
         pool_dtype = STORAGE_DTYPES[config.kv_dtype]
         self.cache = PagedKVCache(cfg.num_layers, kv.num_blocks, kv.block_size, cfg.num_kv_heads, cfg.head_dim,
                                   self.model.device, pool_dtype, compute_dtype=self.model.dtype)
@@ -120,7 +126,7 @@ class DraftProposer(Proposer):
         probs: list[list[torch.Tensor]] = [[] for _ in chunks]
         passes = [(i, self._catch_up(c.seq)) for i, c in enumerate(chunks)]
         while passes:
-            logits = self.runner.execute([p for _, p in passes])  # [len(passes), vocab]
+            logits = self.runner.execute([p for _, p in passes], head=self._head([p.seq for _, p in passes]))
             tokens, q = sample_drafts(logits, [p.seq for _, p in passes])
             sure = token_probabilities(logits, tokens, q)
             following = []
@@ -134,6 +140,11 @@ class DraftProposer(Proposer):
             passes = following
         return [Proposal(d, torch.stack(q) if q and not c.seq.params.greedy else None)
                 for d, q, c in zip(drafts, probs, chunks)]
+
+    def _head(self, seqs: list[Sequence]) -> Head | None:
+        """The logits of a pass over these sequences' last rows, [len(seqs), vocab]: the draft's
+        vocabulary where it has one (DraftVocabulary), else its LM head's."""
+        return None if self.vocabulary is None else functools.partial(self.vocabulary.logits, seqs=seqs)
 
     def prefill(self, chunks: list[ScheduledChunk]) -> None:
         """Computes the draft's K/V of the target's prompt chunks (and whatever it lacks before them)."""
@@ -160,6 +171,8 @@ class DraftProposer(Proposer):
 
     def forget(self, seq_id: int) -> None:
         self.computed.pop(seq_id, None)
+        if self.vocabulary is not None:
+            self.vocabulary.forget(seq_id)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.cache.copy_blocks(copies)

@@ -1,0 +1,81 @@
+"""A draft model's logits over part of the vocabulary, as FR-Spec's and EAGLE-3's drafts: the first
+`size` token ids (byte-level BPE numbers tokens by merge order, frequent ones first) and every other
+token the sequence holds, prompt and output, so that copying a text never needs a token the draft
+cannot name.
+
+The draft's LM head is a large share of a draft step's bytes: the Qwen2.5-Coder-0.5B's output matrix
+is 145 MB of Q8_0, ~37% of what its decode step reads; its first 32,768 rows are 31 MB, and they cover
+97% of a Python file's tokens and 91% of an English story's with Qwen's tokenizer. Proposals stay
+exact whatever the draft sees: the target verifies every token. A greedy draft proposes its argmax
+over the ids it sees; a sampled draft's distribution q is zero elsewhere, which the rejection
+sampler takes as it is (the residual max(p - q, 0) keeps the target's mass there). The draft's
+confidence (draft_p_min) is its softmax over the ids it sees.
+
+The sequence's own tokens beyond the first ids are scored on their rows of the head's matrix in
+fp32 (a GGUF's blocks read from the file's map, dequantized as gguf does), a few hundred rows at most.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import gguf
+import numpy as np
+import torch
+
+from kvgen.loaders.gguf_tensors import GGUFWeight
+from kvgen.model.decoder import DecoderModel
+from kvgen.model.linear_choice import Weight
+from kvgen.scheduling.sequence import Sequence
+
+
+def weight_rows(weight: Weight, ids: list[int]) -> torch.Tensor:
+    """fp32 rows `ids` of a matrix [rows, in] -> [len(ids), in]."""
+    if isinstance(weight, GGUFWeight):
+        values = gguf.quants.dequantize(weight.raw[np.asarray(ids)], weight.ggml_type)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(len(ids), weight.shape[-1]))
+    return weight[ids].float()
+
+
+@dataclass
+class _OwnTokens:
+    """A sequence's tokens beyond the first ids: their ids and head rows, and how far its text was read."""
+
+    read: int = 0
+    ids: list[int] = field(default_factory=list)
+    rows: torch.Tensor | None = None  # [len(ids), hidden] fp32
+
+
+class DraftVocabulary:
+    def __init__(self, model: DecoderModel, head: Weight, size: int, vocab_size: int) -> None:
+        """`model`'s LM head covers ids [0, size) (DecoderModel's head_rows); `head` is the whole
+        matrix, whose other rows are read as sequences need them."""
+        self.model, self.head, self.size, self.vocab_size = model, head, size, vocab_size
+        self._own: dict[int, _OwnTokens] = {}
+
+    def logits(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """hidden [B, hidden] of one row per sequence -> fp32 logits [B, vocab]: the head's on ids
+        [0, size) and on each sequence's own tokens beyond them, -inf elsewhere."""
+        out = torch.full((len(seqs), self.vocab_size), float("-inf"), device=hidden.device)
+        out[:, : self.size] = self.model.logits(hidden)
+        for row, seq in enumerate(seqs):
+            own = self._read(seq)
+            if own.ids:
+                scores = hidden[row : row + 1].float() @ own.rows.T  # [1, len(ids)]
+                out[row, own.ids] = self.model.soft_cap(scores)[0]
+        return out
+
+    def forget(self, seq_id: int) -> None:
+        self._own.pop(seq_id, None)
+
+    def _read(self, seq: Sequence) -> _OwnTokens:
+        """The sequence's own tokens, its text read from where the last call left off."""
+        own = self._own.setdefault(seq.seq_id, _OwnTokens())
+        known = set(own.ids)
+        new = [t for t in dict.fromkeys(seq.token_ids[own.read :]) if t >= self.size and t not in known]
+        own.read = len(seq.token_ids)
+        if new:
+            rows = weight_rows(self.head, new).to(self.model.device)
+            own.rows = rows if own.rows is None else torch.cat([own.rows, rows])
+            own.ids += new
+        return own

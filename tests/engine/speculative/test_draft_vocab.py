@@ -1,0 +1,107 @@
+"""A draft vocabulary (kvgen.engine.speculative.draft_vocab) on stories260K: the draft scores the first
+ids and the text's own tokens as its whole head would, nothing else; speculation through it stays
+exact, greedy and sampled. With 64 first ids (stories260K's specials and byte tokens) every word
+the draft proposes comes from the text's own tokens."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvgen.config import EngineConfig
+from kvgen.engine.speculative.draft_vocab import DraftVocabulary, weight_rows
+from kvgen.loaders.gguf_file import load_gguf
+from kvgen.model.decoder import DecoderModel, head_weight
+from tests.engine.speculative.test_speculative import (ALPHA, STORY, _homogeneous, _second_and_third_tokens,
+                                                       assert_clean, engine, ragged_requests, spec_options)
+from tests.engine.test_continuous_batching import finished_outputs, prompts, run_all
+from kvgen.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def loaded(stories_bin):
+    from kvgen.loaders import load_model
+
+    return load_model(stories_bin)
+
+
+def vocab_options(stories_bin, k: int, size: int) -> dict:
+    return spec_options("draft", k, stories_bin) | {"draft_vocab_size": size}
+
+
+@pytest.mark.parametrize("size", [64, 300])
+def test_the_draft_scores_the_first_ids_and_the_texts_own_tokens_as_its_whole_head(loaded, size):
+    weights = {**loaded.weights, **loaded.quantized}
+    whole = DecoderModel(loaded.config, weights)
+    model = DecoderModel(loaded.config, weights, head_rows=size)
+    vocabulary = DraftVocabulary(model, head_weight(loaded.config, weights), size, loaded.config.vocab_size)
+    hidden = torch.randn(2, loaded.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = whole.logits(hidden)
+    # Either side sums `hidden_size` fp32 products in its own order: each within n * eps of sum |h w|.
+    head = weight_rows(head_weight(loaded.config, weights), list(range(loaded.config.vocab_size)))
+    bound = 2 * loaded.config.hidden_size * torch.finfo(torch.float32).eps * (hidden.abs() @ head.abs().T)
+    texts = [[5, 400, 17, 400, 311], [size - 1, 511]]
+    seqs = [SimpleNamespace(seq_id=i, token_ids=list(t)) for i, t in enumerate(texts)]
+    for grown in (False, True):
+        if grown:  # a token of its output, read on the next call
+            seqs[1].token_ids.append(290)
+        got = vocabulary.logits(hidden, seqs)
+        for row, seq in enumerate(seqs):
+            seen = sorted(set(range(size)) | set(seq.token_ids))
+            hidden_ids = sorted(set(range(loaded.config.vocab_size)) - set(seen))
+            assert ((got[row, seen] - want[row, seen]).abs() <= bound[row, seen]).all()
+            assert torch.isneginf(got[row, hidden_ids]).all()
+    assert vocabulary._own[1].ids == [511, 290][: 2 if size <= 290 else 1]
+
+
+def test_rows_of_a_gguf_matrix_are_dequantized_as_gguf_does(smollm_gguf):
+    loaded = load_gguf(smollm_gguf, tokenizer=None, device="cpu", dtype=torch.float32, keep_quantized=True)
+    weight = head_weight(loaded.config, {**loaded.weights, **loaded.quantized})
+    ids = [0, 7, 40_000, 49_151]
+    assert torch.equal(weight_rows(weight, ids), weight.dequantize()[ids])
+
+
+@pytest.mark.parametrize("size", [64, 300])
+def test_greedy_through_a_draft_vocabulary_equals_plain(loaded, stories_bin, size):
+    requests = [(p, SamplingParams(temperature=0, max_tokens=48)) for p in (STORY, "Once upon a time")]
+    want = [run_all(engine(loaded), [r])[0] for r in requests]
+    for request, tokens in zip(requests, want):
+        eng = engine(loaded, **vocab_options(stories_bin, 3, size))
+        assert run_all(eng, [request])[0] == tokens
+        assert eng.speculator.counters.accepted > 0
+        assert_clean(eng)
+        assert not eng.speculator.proposer.vocabulary._own  # forgotten with the request
+
+
+def test_a_ragged_batch_and_preemption_through_a_draft_vocabulary_equal_plain(loaded, stories_bin):
+    requests = ragged_requests(16, seed=3)
+    want = finished_outputs(engine(loaded, max_num_batched_tokens=64), requests)
+    eng = engine(loaded, max_num_batched_tokens=64, **vocab_options(stories_bin, 3, 64))
+    got = finished_outputs(eng, requests)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert_clean(eng)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tight_requests = [(t, params) for t in prompts(8, seed=4, longest=30)]
+    tight = engine(loaded, num_kv_blocks=20, block_size=8, **vocab_options(stories_bin, 4, 64))
+    assert run_all(tight, tight_requests) == run_all(engine(loaded), tight_requests)
+    assert tight.scheduler.num_preemptions > 0
+    assert_clean(tight)
+
+
+def test_sampling_through_a_draft_vocabulary_keeps_the_target_distribution(loaded, stories_bin):
+    """As test_speculative's test for the whole vocabulary: the draft's q is zero beyond its ids, and
+    the target's tokens there still come out as often as plain sampling gives them."""
+    params = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, repetition_penalty=1.1)
+    options = dict(max_num_seqs=256, max_num_batched_tokens=1024)
+    plain = _second_and_third_tokens(engine(loaded, **options), params, 1000)
+    eng = engine(loaded, **options, **vocab_options(stories_bin, 2, 300))
+    spec = _second_and_third_tokens(eng, params, 1000)
+    assert 50 < eng.speculator.counters.accepted < eng.speculator.counters.proposed
+    for want, got in zip(plain, spec):
+        assert _homogeneous(want, got) > ALPHA
+
+
+@pytest.mark.parametrize("size", [-1, True, 2.5])
+def test_a_bad_draft_vocabulary_size_is_refused(size):
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        EngineConfig(speculative_method="ngram", draft_vocab_size=size)
