@@ -5,7 +5,8 @@ once, when the weights load (kvgen.model.linear_choice):
                   the call per 32, to int8 or two int8 parts (`int8x2`, ~15 bits: 100% top-1 against
                   the fp32 model on the real Q4_1 file, 97.8-98.2% for int8). From BF16_FROM_ROWS /
                   FP32_FROM_ROWS rows (prefill, compute-bound) the weight is dequantized per call for
-                  the float kernel this CPU runs faster (kernels/many_rows_choice.py), and from
+                  the float kernel this CPU runs faster (kernels/many_rows_choice.py), unless the
+                  integer kernel measures clearly faster there too (float_from_rows), and from
                   ONEDNN_FROM_ROWS rows to row-major bf16 for oneDNN's GEMM where that measured
                   faster still (AMX hosts; docs/kernels.md).
     KQuantLinear  Q4_K / Q5_K / Q6_K in kquant.c's layout (AVX-512 VNNI or AVX2), one kernel at every row
@@ -28,7 +29,8 @@ from kvgen.model.kernels.bf16 import Bf16Tiles, bf16_kernel
 from kvgen.model.kernels.build import KernelCall
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.kquant import kquant_kernel
-from kvgen.model.kernels.many_rows_choice import INTEGER_BELOW_ROWS, integer_beats, many_rows_dtype, onednn_beats
+from kvgen.model.kernels.many_rows_choice import (INTEGER_BELOW_ROWS, PREFILL_MARGIN, PREFILL_ROWS,
+                                                  integer_beats, many_rows_dtype, onednn_beats)
 from kvgen.model.kernels.qmatmul import ACTIVATION_PARTS, kernel_name, qmatmul_kernel
 from kvgen.model.kernels.step import step_kernels
 from kvgen.model.linear import ONEDNN_FROM_ROWS, Linear, RowKernels, has_onednn_bf16, onednn_matmul
@@ -89,49 +91,53 @@ class KernelQuantLinear(QuantLinear):
         self._bf16 = bf16_kernel() if dtype == torch.bfloat16 else None
         self._f32 = f32_kernel() if dtype == torch.float32 else None
         self._tiles = many_rows.tiles if dtype is not None else None
-        self._from_rows = (None if dtype is None else BF16_FROM_ROWS if dtype == torch.bfloat16
-                           else FP32_FROM_ROWS[kernel.isa, weight.bits])
-        self._from_rows = self._from_rows and max(self._from_rows, INTEGER_BELOW_ROWS * integer_beats(dtype))
-        path = "bf16_matmul" if self._bf16 is not None else "f32_matmul"
+        self._from_rows = float_from_rows(dtype, kernel.isa, weight.bits, activations)
+        path = ("bf16_matmul" if self._bf16 is not None else "f32_matmul") if self._from_rows else "integer_matmul"
         self._onednn = (dtype is not None and many_rows.onednn and has_onednn_bf16()
                         and onednn_beats(path.replace("_matmul", " kernel")))
         many = f"; from {self._from_rows} rows {path}" if self._from_rows is not None else ""
-        many += f", from {ONEDNN_FROM_ROWS} onednn" if self._onednn else ""
+        many += f"; from {ONEDNN_FROM_ROWS} onednn" if self._onednn else ""
         self.kernel = f"{kernel_name(weight)} [{kernel.isa}] (x {activations}{many})"
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
-        whatever rows run with it, for a given side of the many-rows threshold."""
-        if self._many_rows(x):
+        whatever rows run with it, for a given side of each threshold (the float path's, ONEDNN_FROM_ROWS)."""
+        if self._onednn and x.shape[0] >= ONEDNN_FROM_ROWS:
+            out = onednn_matmul(x, self._matmul.dequantize_bf16_rows(self._tiles))
+        elif self._from_rows is not None and x.shape[0] >= self._from_rows:
             out = self._dequantized_matmul(x)
-        elif x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == self.in_features:
-            out = self._matmul.run(x)
         else:
-            out = self._matmul(x.float().contiguous())
+            out = self._matmul.run(x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous())
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if self.bias is None else out.add_(self.bias)
 
     def matmul_call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
-        """The integer kernel's call, which is what `self(x)` runs for fp32 x below the many-rows
-        threshold."""
-        if x.dtype != torch.float32 or self._many_rows(x):
+        """The integer kernel's call, which is what `self(x)` runs for fp32 x below the float path's
+        and oneDNN's thresholds."""
+        if x.dtype != torch.float32 or (self._from_rows is not None and x.shape[0] >= self._from_rows) or (
+                self._onednn and x.shape[0] >= ONEDNN_FROM_ROWS):
             return None
         return self._matmul.call(x, out)
 
-    def _many_rows(self, x: torch.Tensor) -> bool:
-        """Whether x has enough rows to run on the dequantized weight (see ManyRows)."""
-        return self._from_rows is not None and x.shape[0] >= self._from_rows
-
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] @ W^T -> fp32 [T, out]: on oneDNN's GEMM from ONEDNN_FROM_ROWS rows where it
-        measured faster (onednn_beats), else in bf16 on W^ rounded to bf16 where the bf16 kernel runs,
-        else in fp32 on W^."""
-        if self._onednn and x.shape[0] >= ONEDNN_FROM_ROWS:
-            return onednn_matmul(x, self._matmul.dequantize_bf16_rows(self._tiles))
+        """x [T, in] @ W^T -> fp32 [T, out]: in bf16 on W^ rounded to bf16 where the bf16 kernel
+        runs, else in fp32 on W^."""
         if self._bf16 is not None:
             tiles = self._matmul.dequantize_bf16(self._tiles)
             return self._bf16(x.to(torch.bfloat16).contiguous(), tiles, self.out_features, torch.float32)
         return self._f32(x.float().contiguous(), self._matmul.dequantize_f32(self._tiles), self.out_features)
+
+
+def float_from_rows(dtype: torch.dtype | None, isa: str, bits: int, activations: str) -> int | None:
+    """From how many rows a packed layer runs on its weight dequantized for the `dtype` kernel: None
+    where there is no float kernel, or where the integer kernel with the layer's activations measures
+    PREFILL_MARGIN faster even at a prefill chunk's rows (many_rows_choice.PREFILL_ROWS); else the
+    dtype's threshold, raised to INTEGER_BELOW_ROWS where the integer kernel measures faster at
+    INTEGER_ROWS."""
+    if dtype is None or integer_beats(dtype, PREFILL_ROWS, activations, PREFILL_MARGIN):
+        return None
+    first = BF16_FROM_ROWS if dtype == torch.bfloat16 else FP32_FROM_ROWS[isa, bits]
+    return max(first, INTEGER_BELOW_ROWS * integer_beats(dtype))
 
 
 class TorchQuantLinear(QuantLinear):

@@ -49,8 +49,13 @@ ROWS, IN, OUT = 256, 576, 1152  # the matmul timed: a prompt chunk through a sma
 # (Zen 4) the integer kernel (x int8x2) ran 1B-shaped Q4_0 layers (3,072 x 2,048 to 2,048 x 8,192) at
 # 16 / 64 rows in 11.8 / 47.9 ms of one core where dequantizing to bf16 took 31.2 / 57.4, both near
 # 100 ms at ~128 and bf16 ahead beyond (407 against 437 ms at 512); where the 16-row threshold was
-# measured, bf16 ran 1.3-1.9x faster than the integer kernel at 16 rows.
-INTEGER_BELOW_ROWS, INTEGER_ROWS = 128, 64
+# measured, bf16 ran 1.3-1.9x faster than the integer kernel at 16 rows. Where the integer kernel
+# with the layer's activations wins by PREFILL_MARGIN at PREFILL_ROWS too, the layers never leave it:
+# on an AMD EPYC (Zen 5, 2 threads) the llama-1b shape's 32 Q4_0 MLP matrices took 490 ms at 512
+# rows with x in one int8 part against 1,172 dequantized to bf16 (1,384 to fp32), where x in two
+# parts took 1,116, level with bf16.
+INTEGER_BELOW_ROWS, INTEGER_ROWS, PREFILL_ROWS = 128, 64, 256
+PREFILL_MARGIN = 1.2  # more than a noisy start-up timing swings
 
 
 def many_rows_dtype(requested: torch.dtype | None = None) -> torch.dtype | None:
@@ -96,22 +101,24 @@ def fp32_beats(rival: str) -> bool:
 
 
 @functools.cache
-def integer_beats(dtype: torch.dtype) -> bool:
-    """Whether the integer kernel (which must run here; x int8x2) runs INTEGER_ROWS rows through a
-    packed int4 matrix faster than dequantizing it per call for the `dtype` kernel (which must run
-    here) and running that; best of 5 alternated runs each, once per process."""
+def integer_beats(dtype: torch.dtype, rows: int = INTEGER_ROWS, activations: str = "int8x2",
+                  margin: float = 1.0) -> bool:
+    """Whether the integer kernel (which must run here; x quantized as `activations` says) runs
+    `rows` rows through a packed int4 matrix `margin` times faster than dequantizing it per call for
+    the `dtype` kernel (which must run here) and running that; best of 5 alternated runs each, once
+    per process."""
     generator = torch.Generator().manual_seed(0)
     w = quantize_int4(torch.randn(OUT, IN, generator=generator))
-    x = torch.randn(INTEGER_ROWS, IN, generator=generator)
-    bound, xb = qmatmul_kernel().bind(w, "int8x2"), x.bfloat16()
+    x = torch.randn(rows, IN, generator=generator)
+    bound, xb = qmatmul_kernel().bind(w, activations), x.bfloat16()
     runs: dict[str, Callable[[], torch.Tensor]] = {
         "integer": functools.partial(bound.run, x),
         "float": (lambda: bf16_kernel()(xb, bound.dequantize_bf16(), OUT, torch.float32)) if dtype == torch.bfloat16
         else (lambda: f32_kernel()(x, bound.dequantize_f32(), OUT))}
     best = best_times(runs)
-    log.info("%d rows of x: integer kernel %.2f ms, dequantized %s %.2f ms", INTEGER_ROWS, best["integer"] * 1e3,
-             dtype, best["float"] * 1e3)
-    return best["integer"] < best["float"]
+    log.info("%d rows of x: integer kernel (x %s) %.2f ms, dequantized %s %.2f ms", rows, activations,
+             best["integer"] * 1e3, dtype, best["float"] * 1e3)
+    return best["integer"] * margin < best["float"]
 
 
 @functools.cache
@@ -119,7 +126,8 @@ def onednn_beats(rival: str) -> bool:
     """Whether dequantizing a packed weight to row-major bf16 and running oneDNN's GEMM (which takes
     AMX where the platform grants it) runs ROWS rows ONEDNN_MARGIN times faster than `rival`, the
     packed layer's own path (which must run here): "bf16 kernel" or "fp32 kernel" (an int4 weight
-    dequantized per call for that kernel), or "K-quant kernel" (a Q4_K weight, x in one int8 part).
+    dequantized per call for that kernel), "integer kernel" (an int4 weight, x in one int8 part) or
+    "K-quant kernel" (a Q4_K weight, x in one int8 part).
     Best of 5 alternated runs each, once per process."""
     generator = torch.Generator().manual_seed(0)
     cols = IN // 256 * 256 if rival == "K-quant kernel" else IN  # whole super-blocks
@@ -130,9 +138,10 @@ def onednn_beats(rival: str) -> bool:
         bound = kernel.bind(kernel.pack(GGMLQuantizationType.Q4_K, [_q4_k_blocks(OUT, cols)]), 1)
         rival_run: Callable[[], object] = functools.partial(bound.run, x)
     else:
-        bound = qmatmul_kernel().bind(quantize_int4(torch.randn(OUT, IN, generator=generator)), "int8x2")
+        bound = qmatmul_kernel().bind(quantize_int4(torch.randn(OUT, IN, generator=generator)), "int8")
         rival_run = ((lambda: bf16_kernel()(xb, bound.dequantize_bf16(), OUT, torch.float32)) if rival == "bf16 kernel"
-                     else (lambda: f32_kernel()(x, bound.dequantize_f32(), OUT)))
+                     else (lambda: f32_kernel()(x, bound.dequantize_f32(), OUT)) if rival == "fp32 kernel"
+                     else functools.partial(bound.run, x))
     best = best_times({"onednn": lambda: F.linear(xb, bound.dequantize_bf16_rows()), rival: rival_run})
     beats = best["onednn"] * ONEDNN_MARGIN < best[rival]
     log.info("%d rows of x: oneDNN on the weight dequantized %.2f ms, %s %.2f ms: %s", ROWS, best["onednn"] * 1e3,

@@ -12,7 +12,7 @@ from kvgen.model.formats.gguf_blocks import convert
 from kvgen.model.kernels.qmatmul import BUILDS, qmatmul_build, qmatmul_kernel
 from kvgen.model.kernels.f32 import f32_kernel
 from kvgen.model.kernels.f32 import pack as pack_f32
-from kvgen.model.kernels.many_rows_choice import INTEGER_BELOW_ROWS, integer_beats, many_rows_dtype
+from kvgen.model.kernels.many_rows_choice import INTEGER_BELOW_ROWS, INTEGER_ROWS, PREFILL_ROWS, many_rows_dtype
 from kvgen.model import linear, quant_linear
 from kvgen.model.linear import ONEDNN_FROM_ROWS
 from kvgen.model.quant_linear import BF16_FROM_ROWS, FP32_FROM_ROWS, KernelQuantLinear, ManyRows
@@ -168,21 +168,44 @@ def test_prefill_rows_run_on_onednn_where_it_measures_faster(ggml_type, monkeypa
     assert torch.equal(layer(x[:ONEDNN_FROM_ROWS - 1]), own(x[:ONEDNN_FROM_ROWS - 1]))
 
 
-def from_rows(dtype: torch.dtype, rows: int) -> int:
-    """Where a packed layer leaves the integer kernel for the `dtype` kernel: `rows`, or
-    INTEGER_BELOW_ROWS where the integer kernel measures faster."""
-    return max(rows, INTEGER_BELOW_ROWS * integer_beats(dtype))
+@pytest.fixture
+def float_path(monkeypatch):
+    """The float path taken wherever its kernel runs, as on CPUs where it measures faster than the
+    integer kernel (float_from_rows): its threshold is then the dtype's own."""
+    monkeypatch.setattr(quant_linear, "integer_beats", lambda dtype, rows=INTEGER_ROWS, *_: False)
+
+
+def test_float_path_starts_where_the_integer_kernel_stops_measuring_faster(monkeypatch):
+    """None where the integer kernel wins at a prefill chunk's rows; else the dtype's threshold,
+    raised to INTEGER_BELOW_ROWS where it wins at INTEGER_ROWS; none without a float kernel."""
+    for at_prefill, at_64, want in ((True, True, None), (True, False, None), (False, True, INTEGER_BELOW_ROWS),
+                                    (False, False, BF16_FROM_ROWS)):
+        wins = {PREFILL_ROWS: at_prefill, INTEGER_ROWS: at_64}
+        monkeypatch.setattr(quant_linear, "integer_beats", lambda dtype, rows=INTEGER_ROWS, *_: wins[rows])
+        assert quant_linear.float_from_rows(torch.bfloat16, "avx512-vnni", 4, "int8x2") == want
+    assert quant_linear.float_from_rows(None, "avx512-vnni", 4, "int8x2") is None
+
+
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+def test_many_rows_stay_on_the_integer_kernel_where_it_measures_faster(activations, monkeypatch):
+    """Then a prefill chunk's rows run as a decode's do, x quantized as the layer's activations say."""
+    monkeypatch.setattr(quant_linear, "integer_beats", lambda dtype, rows=INTEGER_ROWS, *_: True)
+    w = gguf_weight(MAPPED[0], out=13)
+    layer = KernelQuantLinear(w, None, activations, ManyRows(Bf16Tiles(), onednn=False))
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(layer(x), qmatmul_kernel().bind(w, activations)(x))
+    assert "_matmul" not in layer.kernel
 
 
 @pytest.mark.parametrize("extra", [0, 54])
 @pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
-def test_many_rows_run_in_bf16_within_its_rounding(ggml_type, extra):
+def test_many_rows_run_in_bf16_within_its_rounding(ggml_type, extra, float_path):
     """x and W^ each rounded to bf16 (relative 2^-8), products exact in fp32, summed in fp32:
     |y - x W^T| <= ((1 + u)^2 - 1 + gamma(K) (1 + u)^2) sum |x| |W^|, u = 2^-8."""
     if bf16_kernel() is None:
         pytest.skip("this CPU has no AVX-512 BF16")
     w = gguf_weight(ggml_type, out=13)
-    first = from_rows(torch.bfloat16, BF16_FROM_ROWS)
+    first = BF16_FROM_ROWS
     x = torch.randn(first + extra, 512, generator=torch.Generator().manual_seed(extra))
     layer = KernelQuantLinear(w, None, "int8x2", ManyRows(Bf16Tiles(), torch.bfloat16))
     dense = dequantize(w).double()
@@ -195,13 +218,13 @@ def test_many_rows_run_in_bf16_within_its_rounding(ggml_type, extra):
 
 
 @pytest.mark.parametrize("ggml_type", MAPPED, ids=lambda t: t.name)
-def test_many_rows_run_in_fp32_within_its_rounding(ggml_type):
+def test_many_rows_run_in_fp32_within_its_rounding(ggml_type, float_path):
     """W^ exact in fp32, x in fp32, one fp32 chain of multiply-adds per output:
     |y - x W^T| <= gamma(K) sum |x| |W^|; below FP32_FROM_ROWS, the integer kernel as before."""
     if f32_kernel() is None:
         pytest.skip("this CPU has no fp32 kernel (neither AVX-512 nor AVX2)")
     w = gguf_weight(ggml_type, out=13)
-    first = from_rows(torch.float32, FP32_FROM_ROWS[qmatmul_kernel().isa, w.bits])
+    first = FP32_FROM_ROWS[qmatmul_kernel().isa, w.bits]
     x = torch.randn(first + 5, 512, generator=torch.Generator().manual_seed(3))
     layer = KernelQuantLinear(w, None, "int8x2", ManyRows(Bf16Tiles(), torch.float32))
     assert torch.equal(qmatmul_kernel().bind(w).dequantize_f32(), pack_f32(dequantize(w)))  # exact panels
@@ -215,7 +238,7 @@ def test_many_rows_run_in_fp32_within_its_rounding(ggml_type):
     assert torch.equal(below, qmatmul_kernel().bind(w, "int8x2")(x[:first - 1]))
 
 
-def test_many_rows_take_the_float_kernel_this_cpu_runs_faster():
+def test_many_rows_take_the_float_kernel_this_cpu_runs_faster(float_path):
     """Where both float kernels run, the choice is measured (and the same for every layer)."""
     chosen = many_rows_dtype()
     assert chosen in (None, torch.bfloat16, torch.float32)
