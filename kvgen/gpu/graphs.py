@@ -68,11 +68,12 @@ class GraphDecoder:
         self.replays = 0  # steps served by a graph (the bench and tests read it)
 
     @torch.inference_mode()
-    def run(self, inputs) -> torch.Tensor:
+    def run(self, inputs, head=None) -> torch.Tensor:
+        """As ModelRunner.run; a step with a head of its own (a draft's vocabulary) runs eagerly."""
         rows = inputs.token_ids.shape[0]
         size = padded_size(rows, self.sizes)
-        if size is None or not self._plain_decode(inputs) or not self._fill(inputs, rows, size):
-            return self.eager(inputs)
+        if head is not None or size is None or not self._plain_decode(inputs) or not self._fill(inputs, rows, size):
+            return self.eager(inputs, head)
         if size not in self.graphs:
             self._capture(size)
         self.graphs[size].replay()

@@ -101,13 +101,15 @@ class KernelQuantLinear(QuantLinear):
 
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
-        whatever rows run with it, for a given side of each threshold (the float path's, ONEDNN_FROM_ROWS)."""
+        whatever rows run with it, for a given side of each threshold (the float path's and oneDNN's)."""
         if self._onednn and x.shape[0] >= ONEDNN_FROM_ROWS:
             out = onednn_matmul(x, self._matmul.dequantize_bf16_rows(self._tiles))
         elif self._from_rows is not None and x.shape[0] >= self._from_rows:
             out = self._dequantized_matmul(x)
+        elif x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == self.in_features:
+            out = self._matmul.run(x)
         else:
-            out = self._matmul.run(x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous())
+            out = self._matmul(x.float().contiguous())
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if self.bias is None else out.add_(self.bias)
 
