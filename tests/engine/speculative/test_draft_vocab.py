@@ -10,18 +10,17 @@ import torch
 
 from kvgen.config import EngineConfig
 from kvgen.engine.speculative.draft_vocab import DraftVocabulary, weight_rows
+from kvgen.loaders import load_model
 from kvgen.loaders.gguf_file import load_gguf
 from kvgen.model.decoder import DecoderModel, head_weight
+from kvgen.sampling_params import SamplingParams
 from tests.engine.speculative.test_speculative import (ALPHA, STORY, _homogeneous, _second_and_third_tokens,
                                                        assert_clean, engine, ragged_requests, spec_options)
 from tests.engine.test_continuous_batching import finished_outputs, prompts, run_all
-from kvgen.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def loaded(stories_bin):
-    from kvgen.loaders import load_model
-
     return load_model(stories_bin)
 
 
