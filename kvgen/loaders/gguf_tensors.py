@@ -59,6 +59,12 @@ class GGUFWeight:
         # F32 comes back as a view of the (read-only, memory-mapped) bytes.
         return torch.from_numpy(values if values.flags.writeable else values.copy())
 
+    def dequantize_rows(self, rows: list[int]) -> torch.Tensor:
+        """float32 rows [len(rows), in] of a matrix, as `dequantize` computes them, reading only
+        those rows' blocks."""
+        values = gguf.quants.dequantize(self.raw[np.asarray(rows)], self.ggml_type)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(len(rows), self.shape[-1]))
+
     def release(self) -> None:
         """Done with `raw`: where it is the file's memory map, its pages leave this process's resident
         set (a later read maps them again; kvgen.loaders.gguf_reader.release_pages)."""

@@ -102,9 +102,10 @@ class KernelQuantLinear(QuantLinear):
     def __call__(self, x: torch.Tensor, rows: RowKernels | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype. `rows` needs nothing: each row's result is the same
         whatever rows run with it, for a given side of each threshold (the float path's and oneDNN's)."""
-        if self._onednn and x.shape[0] >= ONEDNN_FROM_ROWS:
+        path = self._path(x.shape[0])
+        if path == "onednn":
             out = onednn_matmul(x, self._matmul.dequantize_bf16_rows(self._tiles))
-        elif self._from_rows is not None and x.shape[0] >= self._from_rows:
+        elif path == "float":
             out = self._dequantized_matmul(x)
         elif x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == self.in_features:
             out = self._matmul.run(x)
@@ -116,10 +117,16 @@ class KernelQuantLinear(QuantLinear):
     def matmul_call(self, x: torch.Tensor, out: torch.Tensor) -> KernelCall | None:
         """The integer kernel's call, which is what `self(x)` runs for fp32 x below the float path's
         and oneDNN's thresholds."""
-        if x.dtype != torch.float32 or (self._from_rows is not None and x.shape[0] >= self._from_rows) or (
-                self._onednn and x.shape[0] >= ONEDNN_FROM_ROWS):
+        if x.dtype != torch.float32 or self._path(x.shape[0]) != "integer":
             return None
         return self._matmul.call(x, out)
+
+    def _path(self, rows: int) -> str:
+        """Which path a call of `rows` rows takes: "onednn", "float" (the weight dequantized for the
+        float kernel) or "integer"."""
+        if self._onednn and rows >= ONEDNN_FROM_ROWS:
+            return "onednn"
+        return "float" if self._from_rows is not None and rows >= self._from_rows else "integer"
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] @ W^T -> fp32 [T, out]: in bf16 on W^ rounded to bf16 where the bf16 kernel

@@ -60,6 +60,8 @@ def test_keep_quantized_hands_over_the_blocks(qtype, files):
         assert (weight.name, weight.ggml_type) == (name, qtype)
         assert np.array_equal(weight.raw, model[name][1]), name
         assert torch.equal(weight.dequantize(), torch.from_numpy(as_float(model[name][1], qtype, weight.shape)))
+        rows = [weight.shape[0] - 1, 0, 2, 0]  # out of order, one twice
+        assert torch.equal(weight.dequantize_rows(rows), weight.dequantize()[rows]), name
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)

@@ -13,15 +13,14 @@ sampler takes as it is (the residual max(p - q, 0) keeps the target's mass there
 confidence (draft_p_min) is its softmax over the ids it sees.
 
 The sequence's own tokens beyond the first ids are scored on their rows of the head's matrix in
-fp32 (a GGUF's blocks read from the file's map, dequantized as gguf does), a few hundred rows at most.
+fp32 (a GGUF's blocks read from the file's map, dequantized as gguf does), a few hundred rows at most,
+read once each: a pass only looks at the tokens its sequence gained since the last.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import gguf
-import numpy as np
 import torch
 
 from kvgen.loaders.gguf_tensors import GGUFWeight
@@ -32,18 +31,17 @@ from kvgen.scheduling.sequence import Sequence
 
 def weight_rows(weight: Weight, ids: list[int]) -> torch.Tensor:
     """fp32 rows `ids` of a matrix [rows, in] -> [len(ids), in]."""
-    if isinstance(weight, GGUFWeight):
-        values = gguf.quants.dequantize(weight.raw[np.asarray(ids)], weight.ggml_type)
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(len(ids), weight.shape[-1]))
-    return weight[ids].float()
+    return weight.dequantize_rows(ids) if isinstance(weight, GGUFWeight) else weight[ids].float()
 
 
 @dataclass
 class _OwnTokens:
-    """A sequence's tokens beyond the first ids: their ids and head rows, and how far its text was read."""
+    """A sequence's tokens beyond the first ids (their ids, as a list and as the logits' columns,
+    and their head rows) and how far its text was read."""
 
     read: int = 0
     ids: list[int] = field(default_factory=list)
+    columns: torch.Tensor | None = None  # [len(ids)] int64
     rows: torch.Tensor | None = None  # [len(ids), hidden] fp32
 
 
@@ -63,7 +61,7 @@ class DraftVocabulary:
             own = self._read(seq)
             if own.ids:
                 scores = hidden[row : row + 1].float() @ own.rows.T  # [1, len(ids)]
-                out[row, own.ids] = self.model.soft_cap(scores)[0]
+                out[row, own.columns] = self.model.soft_cap(scores)[0]
         return out
 
     def forget(self, seq_id: int) -> None:
@@ -72,11 +70,11 @@ class DraftVocabulary:
     def _read(self, seq: Sequence) -> _OwnTokens:
         """The sequence's own tokens, its text read from where the last call left off."""
         own = self._own.setdefault(seq.seq_id, _OwnTokens())
-        known = set(own.ids)
-        new = [t for t in dict.fromkeys(seq.token_ids[own.read :]) if t >= self.size and t not in known]
+        new = [t for t in dict.fromkeys(seq.token_ids[own.read :]) if t >= self.size and t not in own.ids]
         own.read = len(seq.token_ids)
         if new:
             rows = weight_rows(self.head, new).to(self.model.device)
             own.rows = rows if own.rows is None else torch.cat([own.rows, rows])
             own.ids += new
+            own.columns = torch.tensor(own.ids, device=self.model.device)
         return own

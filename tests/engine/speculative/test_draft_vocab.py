@@ -11,7 +11,6 @@ import torch
 from kvgen.config import EngineConfig
 from kvgen.engine.speculative.draft_vocab import DraftVocabulary, weight_rows
 from kvgen.loaders import load_model
-from kvgen.loaders.gguf_file import load_gguf
 from kvgen.model.decoder import DecoderModel, head_weight
 from kvgen.sampling_params import SamplingParams
 from tests.engine.speculative.test_speculative import (ALPHA, STORY, _homogeneous, _second_and_third_tokens,
@@ -51,13 +50,6 @@ def test_the_draft_scores_the_first_ids_and_the_texts_own_tokens_as_its_whole_he
             assert ((got[row, seen] - want[row, seen]).abs() <= bound[row, seen]).all()
             assert torch.isneginf(got[row, hidden_ids]).all()
     assert vocabulary._own[1].ids == [511, 290][: 2 if size <= 290 else 1]
-
-
-def test_rows_of_a_gguf_matrix_are_dequantized_as_gguf_does(smollm_gguf):
-    loaded = load_gguf(smollm_gguf, tokenizer=None, device="cpu", dtype=torch.float32, keep_quantized=True)
-    weight = head_weight(loaded.config, {**loaded.weights, **loaded.quantized})
-    ids = [0, 7, 40_000, 49_151]
-    assert torch.equal(weight_rows(weight, ids), weight.dequantize()[ids])
 
 
 @pytest.mark.parametrize("size", [64, 300])
@@ -104,3 +96,24 @@ def test_sampling_through_a_draft_vocabulary_keeps_the_target_distribution(loade
 def test_a_bad_draft_vocabulary_size_is_refused(size):
     with pytest.raises(ValueError, match="draft_vocab_size"):
         EngineConfig(speculative_method="ngram", draft_vocab_size=size)
+
+
+@pytest.mark.parametrize("options", [
+    dict(dtype="bfloat16", kv_cache_dtype="bfloat16"),
+    dict(kv_cache_dtype="int8", draft_quantization="none"),
+    dict(quantization="int8", draft_quantization="int8"),
+    dict(max_num_batched_tokens=4, enable_prefix_caching=True),
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_a_draft_vocabulary_meets_the_engines_other_options(loaded, stories_bin, options):
+    """With the model's dtype, KV dtypes, quantized weights and chunked prefill over prefix hits: the
+    same tokens as that engine without speculation, n = 2 included."""
+    requests = [(STORY, SamplingParams(temperature=0, max_tokens=32, n=2)),
+                (STORY + " Lily", SamplingParams(temperature=0, max_tokens=32)),
+                ("Once upon a time", SamplingParams(temperature=0, max_tokens=32))]
+    plain = {k: v for k, v in options.items() if not k.startswith("draft")}
+    want = finished_outputs(engine(loaded, **plain), requests)
+    eng = engine(loaded, **vocab_options(stories_bin, 3, 64) | options)
+    got = finished_outputs(eng, requests)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert eng.speculator.counters.accepted > 0
+    assert_clean(eng)
