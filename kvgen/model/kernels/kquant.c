@@ -52,6 +52,17 @@
 /* Rows of x per pass over a panel: unpacking a panel's codes once for 8 rows pays. On AVX2, a Q4_K
  * sub-block meets them 4 at a time (q4k_dots), and Q5_K's and Q6_K's runs go through qvec.h's dot4_rows. */
 #define XPASS 8
+/* At most this many rows in all meet a panel in one pass: on AVX-512, whose sub_block holds only the
+ * rows' outputs across rows, a K = 4 verify's 5 rows in two parts (10) or a batch of 6 decodes (12).
+ * On an AMD EPYC (Zen 5, 2 threads), 10 rows through the real Qwen2.5-Coder-1.5B's matrices took
+ * 40.7 ms in one pass and 43.8 in passes of 8 and 2; 10 rows of the llama-1b shape's Q6_K MLP 13.2
+ * rather than 16.3 (benchmarks/kquant_rows.py). More rows go XPASS at a time, as passes of 10 or
+ * 12 made 512-row prefills slower. */
+#ifdef __AVX512F__
+#define ONE_PASS 12
+#else
+#define ONE_PASS XPASS
+#endif
 /* Software prefetch into L2 (as qmatmul.c, which says why) this far ahead in the first pass over a
  * panel, a few lines with each sub-block rather than a block's 37-53 at once: with both, 1-row
  * Q4_K streamed 16 -> 21 GB/s on the Intel AMX host (docs/performance-notes.md). */
@@ -162,7 +173,7 @@ ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_
                          int64_t N, int64_t ldo, int64_t n0, const int kind, const int prefetch) {
     const int64_t blocks = K / QK;
     const int bytes = BLOCK_BYTES(kind), lines_per_sub = (bytes / 64 + 7) / 8;
-    vf y[XPASS];
+    vf y[ONE_PASS];
     UNROLL for (int r = 0; r < R; r++)
         y[r] = vf_zero();
     for (int64_t b = 0; b < blocks; b++) {
@@ -191,17 +202,22 @@ ALWAYS_INLINE void panel(const uint8_t *w, int64_t K, const struct kx *x, int64_
         vf_store_first(out + (r0 + r) * ldo + n0, y[r], N - n0 >= PANEL ? PANEL : (int)(N - n0));
 }
 
-/* Panel p against rows r0 .. r1-1 of x: XPASS at a time, then the rest in one pass (a K = 4 verify's
- * 5 rows once, where passes of 4 and 1 unpacked the codes twice); the first pass prefetches. */
+/* Panel p against rows r0 .. r1-1 of x: up to ONE_PASS rows in one pass, more XPASS at a time and
+ * the rest in one pass (a K = 4 verify's 5 rows once, where passes of 4 and 1 unpacked the codes
+ * twice); the first pass prefetches. */
 ALWAYS_INLINE void panel_rows(const uint8_t *w, int64_t K, const struct kx *x, int64_t r0, int64_t r1, float *out,
                               int64_t N, int64_t ldo, int64_t p, const int kind) {
     const uint8_t *wp = w + p * (K / QK) * BLOCK_BYTES(kind);
     int64_t r = r0;
-    for (; r + XPASS <= r1; r += XPASS)
-        panel(wp, K, x, r, XPASS, out, N, ldo, PANEL * p, kind, r == r0);
+    if (r1 - r0 > ONE_PASS)
+        for (; r + XPASS <= r1; r += XPASS)
+            panel(wp, K, x, r, XPASS, out, N, ldo, PANEL * p, kind, r == r0);
 #define REST(n) case n: panel(wp, K, x, r, n, out, N, ldo, PANEL * p, kind, r == r0); break;
     switch (r1 - r) { /* a pass of constant rows, its sums in registers */
-    REST(7) REST(6) REST(5) REST(4) REST(3) REST(2) REST(1)
+#if ONE_PASS > XPASS
+    REST(12) REST(11) REST(10) REST(9)
+#endif
+    REST(8) REST(7) REST(6) REST(5) REST(4) REST(3) REST(2) REST(1)
     default: break;
     }
 #undef REST

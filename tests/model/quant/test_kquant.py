@@ -72,11 +72,13 @@ def test_layout_holds_gguf_values_bit_for_bit(ggml_type):
 
 @needs_kernel
 @pytest.mark.parametrize("parts", [1, 2])
-@pytest.mark.parametrize("rows", [1, 3, 7, 13, 70])
+@pytest.mark.parametrize("rows", [1, 3, 5, 7, 12, 13, 70])
 @pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
 def test_kernel_equals_dequantized_matmul(ggml_type, rows, parts):
-    """A panel meets 8 rows of x a pass, then the rest in one: 7 rows are one pass, or 8 and 6 in two
-    parts; 13 are 8 and 5; 70 are two chunks of x's rows (64 + 6)."""
+    """A panel meets up to 12 rows of x in one pass (AVX-512; AVX2: 8), more 8 a pass and the rest in
+    one. Rows in two parts count twice: 7 are one pass, or 8 and 6; 5 in two parts, a K = 4
+    verify's, one pass (AVX2: 8 and 2); 12 one pass (AVX2: 8 and 4), or 8, 8 and 8; 13 are 8 and 5;
+    70 are two chunks of x's rows (64 + 6)."""
     w, raw = packed(ggml_type, seed=rows)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows)) * 2
     kernel = kquant_kernel()
@@ -119,7 +121,7 @@ def test_every_build_this_cpu_runs_gives_the_same_bits(ggml_type, parts):
     x = torch.randn(70, 512, generator=torch.Generator().manual_seed(4))
     first, *others = [kernel.pack(ggml_type, [raw]) for kernel in builds]
     assert all(torch.equal(first.data, other.data) for other in others)
-    for rows in (1, 3, 13, 70):
+    for rows in (1, 3, 5, 12, 13, 70):
         want = builds[0].bind(first, parts).run(x[:rows])
         assert all(torch.equal(kernel.bind(first, parts).run(x[:rows]), want) for kernel in builds[1:])
 
