@@ -53,11 +53,9 @@
  * sub-block meets them 4 at a time (q4k_dots), and Q5_K's and Q6_K's runs go through qvec.h's dot4_rows. */
 #define XPASS 8
 /* At most this many rows in all meet a panel in one pass: on AVX-512, whose sub_block holds only the
- * rows' outputs across rows, a K = 4 verify's 5 rows in two parts (10) or a batch of 6 decodes (12).
- * On an AMD EPYC (Zen 5, 2 threads), 10 rows through the real Qwen2.5-Coder-1.5B's matrices took
- * 40.7 ms in one pass and 43.8 in passes of 8 and 2; 10 rows of the llama-1b shape's Q6_K MLP 13.2
- * rather than 16.3 (benchmarks/kquant_rows.py). More rows go XPASS at a time, as passes of 10 or
- * 12 made 512-row prefills slower. */
+ * rows' outputs across rows, a K = 4 verify's 5 rows in two parts (10) or a batch of 6 decodes (12),
+ * whose codes passes of 8 and 2 (or 4) unpacked twice (docs/performance-notes.md, "The same Zen 5,
+ * later"). More rows go XPASS at a time: passes of 10 or 12 made 512-row prefills slower. */
 #ifdef __AVX512F__
 #define ONE_PASS 12
 #else
