@@ -67,29 +67,29 @@ class DraftChunk:
         return self.tokens
 
 
-def token_probabilities(logits: torch.Tensor, tokens: list[int], q: list[torch.Tensor | None] | None) -> list[float]:
-    """The draft's probability of each row's token: under the request's sampling where it drew it
-    (q), else under the draft's softmax, exp(logit - logsumexp) (no [rows, vocab] softmax a pass)."""
+def draft_tokens(logits: torch.Tensor, seqs: list[Sequence], ids: torch.Tensor | None = None,
+                 vocab_size: int = 0) -> tuple[list[int], list[torch.Tensor | None] | None, list[float]]:
+    """logits [B, C] over columns whose token ids are `ids` [B, C] (None: each column is its id, C the
+    vocabulary) -> per row the draft token, its q, and the draft's probability of it. A greedy request
+    takes the argmax; a sampled one draws under its temperature / top-k / top-p / min-p, and its q,
+    over the whole vocabulary of `vocab_size` ids (zero where no column names an id), is what the
+    verify's rejection sampler takes. The probability (for draft_p_min) is q's where drawn, else the
+    softmax's, exp(logit - logsumexp) (no [rows, C] softmax a pass)."""
     logits = logits.float()
-    chosen = logits.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
-    plain = (chosen - torch.logsumexp(logits, -1)).exp().tolist()
-    return [float(q[row][token]) if q is not None and q[row] is not None else plain[row]
-            for row, token in enumerate(tokens)]
-
-
-def sample_drafts(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None] | None]:
-    """logits [B, vocab] -> a draft token per row: the argmax for a greedy request, else a draw from
-    the proposer's distribution under the request's temperature / top-k / top-p / min-p (its q)."""
-    tokens = logits.argmax(dim=-1).tolist()
+    columns = logits.argmax(dim=-1)
     sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
-    if not sampled:
-        return tokens, None
-    q: list[torch.Tensor | None] = [None] * len(seqs)
-    rows = filtered_probs(logits[torch.tensor(sampled)], [seqs[i].params for i in sampled]).cpu()
-    for row, i in zip(rows, sampled):
-        tokens[i] = int(torch.multinomial(row, 1, generator=seqs[i].generator))
-        q[i] = row
-    return tokens, q
+    q: list[torch.Tensor | None] | None = None
+    if sampled:
+        q = [None] * len(seqs)
+        rows = filtered_probs(logits[torch.tensor(sampled)], [seqs[i].params for i in sampled]).cpu()
+        for row, i in zip(rows, sampled):
+            columns[i] = int(torch.multinomial(row, 1, generator=seqs[i].generator))
+            q[i] = row if ids is None else torch.zeros(vocab_size).scatter_add_(0, ids[i].cpu(), row)
+    chosen = logits.gather(-1, columns[:, None])[:, 0]
+    plain = (chosen - torch.logsumexp(logits, -1)).exp().tolist()
+    tokens = (columns if ids is None else ids.gather(-1, columns[:, None])[:, 0]).tolist()
+    sure = [float(q[i][token]) if q is not None and q[i] is not None else plain[i] for i, token in enumerate(tokens)]
+    return tokens, q, sure
 
 
 def check_vocabulary(draft: ModelConfig, target: ModelConfig, path: object) -> None:
@@ -106,8 +106,8 @@ class DraftProposer(Proposer):
         size = config.draft_vocab_size if 0 < config.draft_vocab_size < cfg.vocab_size else None
         self.model = DecoderModel(cfg, weights, config.device, config.torch_dtype, config.draft_weights,
                                   config.fused_decode, DRAFT_ACTIVATIONS, head_rows=size)
-        self.vocabulary = None if size is None else DraftVocabulary(self.model, head_weight(cfg, weights), size,
-                                                                     cfg.vocab_size)
+        self.vocabulary = None if size is None else DraftVocabulary(self.model, head_weight(cfg, weights), size)
+        self.vocab_size = cfg.vocab_size
         pool_dtype = STORAGE_DTYPES[config.kv_dtype]
         self.cache = PagedKVCache(cfg.num_layers, kv.num_blocks, kv.block_size, cfg.num_kv_heads, cfg.head_dim,
                                   self.model.device, pool_dtype, compute_dtype=self.model.dtype)
@@ -126,9 +126,10 @@ class DraftProposer(Proposer):
         probs: list[list[torch.Tensor]] = [[] for _ in chunks]
         passes = [(i, self._catch_up(c.seq)) for i, c in enumerate(chunks)]
         while passes:
-            logits = self.runner.execute([p for _, p in passes], head=self._head([p.seq for _, p in passes]))
-            tokens, q = sample_drafts(logits, [p.seq for _, p in passes])
-            sure = token_probabilities(logits, tokens, q)
+            seqs = [p.seq for _, p in passes]
+            logits = self.runner.execute([p for _, p in passes], head=self._head(seqs))
+            ids = None if self.vocabulary is None else self.vocabulary.ids(seqs)
+            tokens, q, sure = draft_tokens(logits, seqs, ids, self.vocab_size)
             following = []
             for row, (i, p) in enumerate(passes):
                 drafts[i].append(tokens[row])
@@ -142,8 +143,8 @@ class DraftProposer(Proposer):
                 for d, q, c in zip(drafts, probs, chunks)]
 
     def _head(self, seqs: list[Sequence]) -> Head | None:
-        """The logits of a pass over these sequences' last rows, [len(seqs), vocab]: the draft's
-        vocabulary where it has one (DraftVocabulary), else its LM head's."""
+        """The logits of a pass over these sequences' last rows: over the draft's vocabulary where it has
+        one (DraftVocabulary: its columns named by `ids`), else its LM head's over every id."""
         return None if self.vocabulary is None else functools.partial(self.vocabulary.logits, seqs=seqs)
 
     def prefill(self, chunks: list[ScheduledChunk]) -> None:

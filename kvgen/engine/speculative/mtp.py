@@ -29,7 +29,7 @@ import torch
 from kvgen.cache.kv_manager import KVCacheManager
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of
 from kvgen.config import EngineConfig
-from kvgen.engine.speculative.draft import DRAFT_ACTIVATIONS, DraftChunk, sample_drafts, token_probabilities
+from kvgen.engine.speculative.draft import DRAFT_ACTIVATIONS, DraftChunk, draft_tokens
 from kvgen.engine.speculative.proposer import Proposal, Proposer
 from kvgen.model.kernels.paged_decode import paged_decode_for
 from kvgen.model.kv_quant import STORAGE_DTYPES
@@ -122,8 +122,7 @@ class MTPProposer(Proposer):
         logits = self.head.logits(torch.stack([h for _, h in ready])) if ready else None  # [len(ready), vocab]
         while ready:
             seqs = [chunks[i].seq for i, _ in ready]
-            tokens, q = sample_drafts(logits, seqs)
-            sure = token_probabilities(logits, tokens, q)
+            tokens, q, sure = draft_tokens(logits, seqs)
             following = []
             for row, (i, h) in enumerate(ready):
                 drafts[i].append(tokens[row])
