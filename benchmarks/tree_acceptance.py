@@ -73,13 +73,13 @@ def accepted(ranks: np.ndarray, start: int, k: int, tree: Tree) -> int:
     return kept
 
 
-def steps(ranks: np.ndarray, k: int, tree: Tree) -> tuple[int, int]:
-    """(speculative steps, tokens) to produce every position of `ranks` with `tree`."""
+def steps(ranks: np.ndarray, k: int, tree: Tree) -> int:
+    """Speculative steps to produce every position of `ranks` with `tree`."""
     position, count = 0, 0
     while position < len(ranks):
         position += accepted(ranks, position, k, tree) + 1
         count += 1
-    return count, len(ranks)
+    return count
 
 
 def draft_ranks(draft: DecoderModel, ids: list[int], prompt_len: int) -> np.ndarray:
@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple[float, floa
         top1 = np.mean(np.concatenate(ranks) == 0)
         top2 = np.mean(np.concatenate(ranks) <= 1)
         results[task] = {}
+        tokens = sum(len(r) for r in ranks)
         for tree in shapes:
-            count = sum(steps(r, k, tree)[0] for r in ranks)
-            tokens = sum(len(r) for r in ranks)
+            count = sum(steps(r, k, tree) for r in ranks)
             step_ms = sum(drafted[r] for r in tree.draft_rows) + verify[tree.verify_rows]
             rate = tokens / (count * step_ms / 1e3)
             results[task][tree.name] = (tokens / count, rate)

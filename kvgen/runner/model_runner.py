@@ -42,7 +42,7 @@ from kvgen.runner.state_batch import StepStates, step_states
 from kvgen.scheduling.output import ScheduledChunk
 
 T = TypeVar("T")
-Head = Callable[[torch.Tensor], torch.Tensor]  # hidden states [rows, hidden] -> fp32 logits [rows, vocab]
+Head = Callable[[torch.Tensor], torch.Tensor]  # hidden states [rows, hidden] -> fp32 logits [rows, columns]
 
 
 class BlockTables(Protocol):

@@ -24,7 +24,7 @@ def test_a_tree_keeps_a_second_choice_only_where_its_shape_has_one():
 
 def test_steps_cover_every_position_with_at_most_k_plus_one_tokens_each():
     ranks = np.array([0] * 10 + [2] * 3)
-    assert steps(ranks, K, CHAIN) == (2 + 3, 13)  # 5 + 5 tokens, then one each
+    assert steps(ranks, K, CHAIN) == 2 + 3  # 5 + 5 tokens, then one each
     assert [t.verify_rows for t in (CHAIN, FORK, SPARE)] == [5, 9, 15]
     assert [len(t.draft_rows) for t in (CHAIN, FORK, SPARE)] == [K] * 3
 

@@ -12,6 +12,17 @@ ALWAYS_INLINE const int32_t *x_at(const struct kx *x, int64_t K, int64_t row, in
 }
 
 #ifdef __AVX512F__
+/* `init` + the sum over g in [g0, g0 + n) of codes c[g] by x's 4 bytes g (xr[g]), in two independent
+ * chains of vpdpbusd. */
+ALWAYS_INLINE vi row_dots(const vi *c, const int32_t *xr, const int g0, const int n, int32_t init) {
+    vi a = vi_set1_i32(init), b = vi_set1_i32(0);
+    UNROLL for (int g = g0; g < g0 + n; g += 2) {
+        a = dot4(a, c[g], vi_set1_i32(xr[g]), 4);
+        b = dot4(b, c[g + 1], vi_set1_i32(xr[g + 1]), 4);
+    }
+    return vi_add(a, b);
+}
+
 /* y[r] += sub-block `s` (codes c, scales from meta) times row r0 + r of x, for r < R. One row at a
  * time: its 8 vpdpbusd in two independent chains (per Q6_K half), then its fp32 epilogue, so that
  * only the code vectors and the rows' outputs stay live across rows. Holding every row's sums and
@@ -26,29 +37,20 @@ ALWAYS_INLINE void sub_block(const vi *c, const uint8_t *lo, const uint8_t *meta
     if (kind == 6) { /* per 16 columns */
         const vf sc[2] = {vf_mul(d, i8x16(meta + 32 * s)), vf_mul(d, i8x16(meta + 32 * s + 16))};
         UNROLL for (int r = 0; r < R; r++) {
-            const int32_t *xr = x_at(x, K, r0 + r, span), *init = x->init + 2 * ((r0 + r) * spans + span);
-            const vf sx = vf_set1(x->sx[(r0 + r) * spans + span]);
-            UNROLL for (int half = 0; half < 2; half++) {
-                vi a = vi_set1_i32(init[half]), b = vi_set1_i32(0);
-                UNROLL for (int g = 4 * half; g < 4 * half + 4; g += 2) {
-                    a = dot4(a, c[g], vi_set1_i32(xr[g]), 4);
-                    b = dot4(b, c[g + 1], vi_set1_i32(xr[g + 1]), 4);
-                }
-                y[r] = vf_fmadd(vf_mul(vi_to_vf(vi_add(a, b)), sx), sc[half], y[r]);
-            }
+            const int64_t at = (r0 + r) * spans + span;
+            const int32_t *xr = x_at(x, K, r0 + r, span);
+            const vf sx = vf_set1(x->sx[at]);
+            UNROLL for (int half = 0; half < 2; half++)
+                y[r] = vf_fmadd(vf_mul(vi_to_vf(row_dots(c, xr, 4 * half, 4, x->init[2 * at + half])), sx),
+                                sc[half], y[r]);
         }
         return;
     }
     const vf sc = vf_mul(d, u8x16(meta + 16 * s)), mn = vf_mul(neg_dmin, u8x16(meta + 128 + 16 * s));
     UNROLL for (int r = 0; r < R; r++) {
-        const int32_t *xr = x_at(x, K, r0 + r, span);
-        vi a = vi_set1_i32(0), b = vi_set1_i32(0);
-        UNROLL for (int g = 0; g < 8; g += 2) {
-            a = dot4(a, c[g], vi_set1_i32(xr[g]), 4);
-            b = dot4(b, c[g + 1], vi_set1_i32(xr[g + 1]), 4);
-        }
         const int64_t at = (r0 + r) * spans + span;
-        y[r] = vf_fmadd(vf_mul(vi_to_vf(vi_add(a, b)), vf_set1(x->sx[at])), sc, y[r]);
+        const vi dot = row_dots(c, x_at(x, K, r0 + r, span), 0, 8, 0);
+        y[r] = vf_fmadd(vf_mul(vi_to_vf(dot), vf_set1(x->sx[at])), sc, y[r]);
         y[r] = vf_fmadd(mn, vf_set1(x->xsum[at]), y[r]);
     }
 }
