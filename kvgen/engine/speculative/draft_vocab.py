@@ -76,12 +76,11 @@ class DraftVocabulary:
         these sequences (their texts as it read them); a row's -inf padding names id 0."""
         owns = [self._own[seq.seq_id] for seq in seqs]
         most = max(len(own.ids) for own in owns)
-        out = self._first_ids.repeat(len(seqs), 1)
-        if most:
-            out = torch.cat([out, out.new_zeros((len(seqs), most))], dim=1)
-            for row, own in enumerate(owns):
-                if own.ids:
-                    out[row, self.size : self.size + len(own.ids)] = own.id_tensor
+        out = self._first_ids.new_zeros((len(seqs), self.size + most))
+        out[:, : self.size] = self._first_ids
+        for row, own in enumerate(owns):
+            if own.ids:
+                out[row, self.size : self.size + len(own.ids)] = own.id_tensor
         return out
 
     def forget(self, seq_id: int) -> None:
