@@ -6,10 +6,8 @@
  *     Q6_K       y[r] = fma((dot - 32 sum q_x) * sx, sc, y[r])  per 16 columns
  */
 
-/* Row `row` of x's int8 values over sub-block `span`, as 8 groups of 4 bytes. */
-ALWAYS_INLINE const int32_t *x_at(const struct kx *x, int64_t K, int64_t row, int64_t span) {
-    return (const int32_t *)(x->q + row * K + 32 * span);
-}
+/* A span's int8 values as 8 groups of 4 bytes. */
+ALWAYS_INLINE const int32_t *words(const struct xspan *xs) { return (const int32_t *)xs->q; }
 
 #ifdef __AVX512F__
 /* `init` + the sum over g in [g0, g0 + n) of codes c[g] by x's 4 bytes g (xr[g]), in two independent
@@ -30,28 +28,26 @@ ALWAYS_INLINE vi row_dots(const vi *c, const int32_t *xr, const int g0, const in
  * (Zen 5, 2 threads) 512 rows of x through the llama-1b shape's 32 MLP matrices took 579-632 ms
  * rather than 780-841 (Q6_K) and 549-610 rather than 635-698 (Q5_K_M's mix), with the same bits. */
 ALWAYS_INLINE void sub_block(const vi *c, const uint8_t *lo, const uint8_t *meta, vf d, vf neg_dmin, int s,
-                             const struct kx *x, int64_t r0, const int R, int64_t K, int64_t span, vf *y,
+                             const struct kx *x, int64_t r0, const int R, int64_t span, vf *y,
                              const int kind) {
     (void)lo;
-    const int64_t spans = K / 32;
+    const struct xspan *xs = x_span(x, r0, span);
     if (kind == 6) { /* per 16 columns */
         const vf sc[2] = {vf_mul(d, i8x16(meta + 32 * s)), vf_mul(d, i8x16(meta + 32 * s + 16))};
         UNROLL for (int r = 0; r < R; r++) {
-            const int64_t at = (r0 + r) * spans + span;
-            const int32_t *xr = x_at(x, K, r0 + r, span);
-            const vf sx = vf_set1(x->sx[at]);
+            const int32_t *xr = words(&xs[r]);
+            const vf sx = vf_set1(xs[r].sx);
             UNROLL for (int half = 0; half < 2; half++)
-                y[r] = vf_fmadd(vf_mul(vi_to_vf(row_dots(c, xr, 4 * half, 4, x->init[2 * at + half])), sx),
+                y[r] = vf_fmadd(vf_mul(vi_to_vf(row_dots(c, xr, 4 * half, 4, xs[r].init[half])), sx),
                                 sc[half], y[r]);
         }
         return;
     }
     const vf sc = vf_mul(d, u8x16(meta + 16 * s)), mn = vf_mul(neg_dmin, u8x16(meta + 128 + 16 * s));
     UNROLL for (int r = 0; r < R; r++) {
-        const int64_t at = (r0 + r) * spans + span;
-        const vi dot = row_dots(c, x_at(x, K, r0 + r, span), 0, 8, 0);
-        y[r] = vf_fmadd(vf_mul(vi_to_vf(dot), vf_set1(x->sx[at])), sc, y[r]);
-        y[r] = vf_fmadd(mn, vf_set1(x->xsum[at]), y[r]);
+        const vi dot = row_dots(c, words(&xs[r]), 0, 8, 0);
+        y[r] = vf_fmadd(vf_mul(vi_to_vf(dot), vf_set1(xs[r].sx)), sc, y[r]);
+        y[r] = vf_fmadd(mn, vf_set1(xs[r].xsum), y[r]);
     }
 }
 #else
@@ -103,21 +99,20 @@ ALWAYS_INLINE void q4k_dots(const uint8_t *lo, const int32_t *const *xq, const i
 /* y[r] += sub-block `s` (codes c, low nibbles lo, scales from meta) times row r0 + r of x, for r < R:
  * every row's integer sums first, then their fp32 epilogues. */
 ALWAYS_INLINE void sub_block(const vi *c, const uint8_t *lo, const uint8_t *meta, vf d, vf neg_dmin, int s,
-                             const struct kx *x, int64_t r0, const int R, int64_t K, int64_t span, vf *y,
+                             const struct kx *x, int64_t r0, const int R, int64_t span, vf *y,
                              const int kind) {
-    const int64_t spans = K / 32;
     const int32_t *xq[XPASS];
     vi a[XPASS];
     UNROLL for (int r = 0; r < R; r++)
-        xq[r] = x_at(x, K, r0 + r, span);
+        xq[r] = words(x_span(x, r0 + r, span));
     if (kind == 6) { /* per 16 columns: dot - 32 sum q_x, scaled by d*sc */
         for (int half = 0; half < 2; half++) {
             const vf sc = vf_mul(d, i8x16(meta + 32 * s + 16 * half));
             UNROLL for (int r = 0; r < R; r++)
-                a[r] = vi_set1_i32(x->init[2 * ((r0 + r) * spans + span) + half]);
+                a[r] = vi_set1_i32(x_span(x, r0 + r, span)->init[half]);
             dots(c, xq, 4 * half, 4 * half + 4, R, a, kind);
             UNROLL for (int r = 0; r < R; r++)
-                y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), vf_set1(x->sx[(r0 + r) * spans + span])), sc, y[r]);
+                y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), vf_set1(x_span(x, r0 + r, span)->sx)), sc, y[r]);
         }
         return;
     }
@@ -131,9 +126,9 @@ ALWAYS_INLINE void sub_block(const vi *c, const uint8_t *lo, const uint8_t *meta
         dots(c, xq, 0, 8, R, a, kind);
     }
     UNROLL for (int r = 0; r < R; r++) {
-        const int64_t at = (r0 + r) * spans + span;
-        y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), vf_set1(x->sx[at])), sc, y[r]);
-        y[r] = vf_fmadd(mn, vf_set1(x->xsum[at]), y[r]);
+        const struct xspan *xs = x_span(x, r0 + r, span);
+        y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), vf_set1(xs->sx)), sc, y[r]);
+        y[r] = vf_fmadd(mn, vf_set1(xs->xsum), y[r]);
     }
 }
 #endif
