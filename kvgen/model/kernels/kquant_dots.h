@@ -101,18 +101,19 @@ ALWAYS_INLINE void q4k_dots(const uint8_t *lo, const int32_t *const *xq, const i
 ALWAYS_INLINE void sub_block(const vi *c, const uint8_t *lo, const uint8_t *meta, vf d, vf neg_dmin, int s,
                              const struct kx *x, int64_t r0, const int R, int64_t span, vf *y,
                              const int kind) {
+    const struct xspan *xs = x_span(x, r0, span);
     const int32_t *xq[XPASS];
     vi a[XPASS];
     UNROLL for (int r = 0; r < R; r++)
-        xq[r] = words(x_span(x, r0 + r, span));
+        xq[r] = words(&xs[r]);
     if (kind == 6) { /* per 16 columns: dot - 32 sum q_x, scaled by d*sc */
         for (int half = 0; half < 2; half++) {
             const vf sc = vf_mul(d, i8x16(meta + 32 * s + 16 * half));
             UNROLL for (int r = 0; r < R; r++)
-                a[r] = vi_set1_i32(x_span(x, r0 + r, span)->init[half]);
+                a[r] = vi_set1_i32(xs[r].init[half]);
             dots(c, xq, 4 * half, 4 * half + 4, R, a, kind);
             UNROLL for (int r = 0; r < R; r++)
-                y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), vf_set1(x_span(x, r0 + r, span)->sx)), sc, y[r]);
+                y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), vf_set1(xs[r].sx)), sc, y[r]);
         }
         return;
     }
@@ -126,9 +127,8 @@ ALWAYS_INLINE void sub_block(const vi *c, const uint8_t *lo, const uint8_t *meta
         dots(c, xq, 0, 8, R, a, kind);
     }
     UNROLL for (int r = 0; r < R; r++) {
-        const struct xspan *xs = x_span(x, r0 + r, span);
-        y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), vf_set1(xs->sx)), sc, y[r]);
-        y[r] = vf_fmadd(mn, vf_set1(xs->xsum), y[r]);
+        y[r] = vf_fmadd(vf_mul(vi_to_vf(a[r]), vf_set1(xs[r].sx)), sc, y[r]);
+        y[r] = vf_fmadd(mn, vf_set1(xs[r].xsum), y[r]);
     }
 }
 #endif
