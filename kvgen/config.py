@@ -256,6 +256,7 @@ class EngineConfig:
     draft_quantization: str = "auto"
     draft_p_min: float = 0.75  # a draft stops proposing after a token it gives less (kvgen.engine.speculative.draft)
     draft_vocab_size: int = 32768  # a draft's logits: these first ids + the text's own (speculative/draft_vocab); 0: all
+    draft_suffix_match: int = 5  # the suffix tree proposes instead where it matches this many tokens (speculative/hybrid); 0: never
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     adaptive_speculation: bool = True  # skip speculating a step where it measures slower (docs/speculative.md)
@@ -329,6 +330,10 @@ class EngineConfig:
                 or self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be a whole number >= 0 (0: the whole vocabulary), "
                              f"got {self.draft_vocab_size!r}")
+        if isinstance(self.draft_suffix_match, bool) or not isinstance(self.draft_suffix_match, int) \
+                or self.draft_suffix_match < 0:
+            raise ValueError(f"draft_suffix_match must be a whole number >= 0 (0: the draft always proposes), "
+                             f"got {self.draft_suffix_match!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min and prompt_lookup_max need 1 <= min <= max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

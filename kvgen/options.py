@@ -87,6 +87,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                    help="the draft stops proposing after a token it gives less probability than this (0: never)")
     s.add_argument("--draft-vocab-size", type=int, default=32768,
                    help="the draft scores the first this many token ids and the text's own tokens (0: all)")
+    s.add_argument("--draft-suffix-match", type=int, default=5,
+                   help="a sequence takes suffix decoding's proposal instead of the draft's where the suffix tree "
+                        "matches its last this many tokens or more (default: 5; 0: never)")
     s.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram prompt lookup matches")
     s.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram prompt lookup matches")
     s.add_argument("--no-adaptive-speculation", action="store_true",
@@ -113,7 +116,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
         draft_quantization=args.draft_quantization, draft_p_min=args.draft_p_min,
-        draft_vocab_size=args.draft_vocab_size,
+        draft_vocab_size=args.draft_vocab_size, draft_suffix_match=args.draft_suffix_match,
         prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max, adaptive_speculation=not args.no_adaptive_speculation,
         fused_decode=not args.no_fused_decode, enforce_eager=getattr(args, "enforce_eager", False),

@@ -26,6 +26,7 @@ from kvgen.bench.system import KvgenSystem, PeerUnavailable, System
 from kvgen.bench.tasks import CODE_TASK_TOKENS, MIN_PASSAGE_TOKENS, TASKS
 from kvgen.cache.sizing import parse_bytes
 from kvgen.config import DTYPES
+from kvgen.engine.speculative.hybrid import SuffixFirst
 from kvgen.llm import open_engine
 from kvgen.loaders.residency import freeze_live_objects
 from kvgen.options import add_engine_options, config_only, engine_config
@@ -196,10 +197,14 @@ def _with_speculation(report: Report, kvgen: KvgenSystem) -> Report:
         return report
     counters = speculator.counters.as_dict()
     report.data["speculative"] = counters | {"adaptive": speculator.switch.table() if speculator.switch else None}
+    paired = ""
+    if isinstance(speculator.proposer, SuffixFirst):
+        report.data["speculative"]["from_suffix"] = speculator.proposer.from_suffix
+        paired = f"; the suffix tree proposed at {speculator.proposer.from_suffix} of those steps"
     report.notes.append(f"kvgen speculative ({kvgen.engine.config.speculative_method}, K = {speculator.k}): "
                         f"{counters['proposed']} proposed, {counters['accepted']} accepted "
                         f"({counters['acceptance_rate']:.0%}), mean accepted length "
-                        f"{counters['mean_accepted_length']:.2f} tokens per verifying step")
+                        f"{counters['mean_accepted_length']:.2f} tokens per verifying step{paired}")
     return report
 
 

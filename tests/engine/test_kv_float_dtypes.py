@@ -175,7 +175,8 @@ def test_a_draft_model_over_half_pools_changes_no_bit(kv_dtype):
     params = greedy(48)
     plain = LLM(enable_prefix_caching=False, kv_cache_dtype=kv_dtype).generate(TEXTS, params)
     llm = LLM(enable_prefix_caching=False, kv_cache_dtype=kv_dtype, speculative_method="draft",
-              draft_model=str(DEFAULT_MODEL), draft_quantization="int4", num_speculative_tokens=4)
+              draft_model=str(DEFAULT_MODEL), draft_quantization="int4", num_speculative_tokens=4,
+              draft_suffix_match=0)
     spec = llm.generate(TEXTS, params)
     assert llm.engine.speculator.proposer.cache.k[0].dtype == getattr(torch, kv_dtype)
     assert llm.engine.stats().spec_accepted > 0

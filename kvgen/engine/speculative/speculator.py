@@ -18,6 +18,7 @@ from kvgen.cache.kv_manager import KVCacheManager
 from kvgen.config import EngineConfig, ModelConfig
 from kvgen.engine.speculative.adaptive import AdaptiveSwitch
 from kvgen.engine.speculative.draft import DraftProposer
+from kvgen.engine.speculative.hybrid import SuffixFirst
 from kvgen.engine.speculative.mtp import MTPProposer
 from kvgen.engine.speculative.ngram import NgramProposer
 from kvgen.engine.speculative.proposer import Proposer
@@ -191,6 +192,8 @@ def build_speculator(config: EngineConfig, target: ModelConfig, kv: KVCacheManag
         raise ValueError("speculative_method 'draft' needs its draft model loaded (kvgen.llm.build_engine does)")
     else:
         proposer = DraftProposer(draft, target, config, kv)
+        if config.draft_suffix_match:
+            proposer = SuffixFirst(proposer, config.draft_suffix_match)
     k = config.num_speculative_tokens
     if k > MAX_EXACT_TOKENS:
         log.warning("num_speculative_tokens %d: a sequence verifies at most %d tokens a step (%d rows; from %d "

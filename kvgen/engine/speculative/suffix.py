@@ -32,6 +32,7 @@ child's count is refreshed by moving it last), so a text that repeats its latest
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 from kvgen.engine.speculative.proposer import Proposal, Proposer
 from kvgen.scheduling.output import ScheduledChunk
@@ -195,6 +196,13 @@ class _Tail:
         return 0, 0
 
 
+class Found(NamedTuple):
+    """A lookup's proposal and the length of the context's suffix it continues (0: nothing found)."""
+
+    tokens: list[int]
+    match: int
+
+
 class SuffixProposer(Proposer):
     """Found while scheduling (only what is proposed is reserved, as prompt lookup), handed out after.
     Finished sequences' outputs go into the global tree when the engine forgets them."""
@@ -210,30 +218,30 @@ class SuffixProposer(Proposer):
         self._found: dict[int, list[int]] = {}
 
     def reserve(self, seq: Sequence, k: int) -> int:
-        found = self.lookup(seq, k)
+        found = self.find(seq, k).tokens
         self._found[seq.seq_id] = found
         return len(found)
 
-    def lookup(self, seq: Sequence, k: int) -> list[int]:
+    def find(self, seq: Sequence, k: int) -> Found:
+        """The better of the two trees' proposals of up to `k` tokens for `seq` (its tree caught up)."""
         tail = self._tails.get(seq.seq_id)
         if tail is None:
             tail = self._tails[seq.seq_id] = _Tail(self.depth)
         self._seqs[seq.seq_id] = seq
         token_ids = seq.token_ids
         tail.catch_up(token_ids)
-        best: list[int] = []
-        best_score = 0.0
+        best, best_score = Found([], 0), 0.0
         for tree, (node, length) in ((tail.tree, tail.match()), (self.global_tree, self.global_tree.match(token_ids))):
             if length == 0:
                 continue
             limit = min(k, max(1, int(self.factor * length)))
             tokens, score = tree.continuation(node, length, token_ids, limit, self.min_prob)
             if score > best_score:
-                best, best_score = tokens, score
+                best, best_score = Found(tokens, length), score
         return best
 
     def guess(self, seq: Sequence) -> int | None:
-        found = self.lookup(seq, 1)
+        found = self.find(seq, 1).tokens
         return found[0] if found else None
 
     def propose(self, chunks: list[ScheduledChunk]) -> list[Proposal]:

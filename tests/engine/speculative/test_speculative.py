@@ -38,9 +38,13 @@ def loaded(stories_bin):
 
 
 def spec_options(method: str, k: int, stories_bin) -> dict:
-    options = dict(speculative_method=method, num_speculative_tokens=k, adaptive_speculation=False)
-    if method == "draft":  # self-speculation: a 4-bit copy of the fp32 target
-        options |= dict(draft_model=str(stories_bin), draft_quantization="int4")
+    """method: "ngram", "draft" (the draft model alone) or "draft+suffix" (the engine's default for a
+    draft: the suffix tree proposes where it matches, kvgen/engine/speculative/hybrid.py)."""
+    name, _, paired = method.partition("+")
+    options = dict(speculative_method=name, num_speculative_tokens=k, adaptive_speculation=False)
+    if name == "draft":  # self-speculation: a 4-bit copy of the fp32 target
+        options |= dict(draft_model=str(stories_bin), draft_quantization="int4",
+                        draft_suffix_match=EngineConfig.draft_suffix_match if paired else 0)
     return options
 
 
@@ -67,7 +71,7 @@ def assert_clean(eng: LLMEngine) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft+suffix"])
 def test_greedy_alone_equals_plain(loaded, stories_bin, method, k):
     requests = [(p, SamplingParams(temperature=0, max_tokens=64)) for p in (STORY, "Once upon a time", "")]
     plain = [run_all(engine(loaded), [r])[0] for r in requests]
@@ -81,7 +85,7 @@ def test_greedy_alone_equals_plain(loaded, stories_bin, method, k):
 
 @pytest.mark.skipif(f32_kernel() is None or paged_decode_for("auto", CPU, torch.float32) is None,
                     reason="needs kvgen's fp32 matmul (AVX-512) and attention kernels")
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft+suffix"])
 def test_greedy_speculation_keeps_the_plain_log_probabilities_bit_for_bit(stories_bin, method):
     """A verify chunk's queries attend in place, each as the decode of its token would, and the fp32
     matmuls give a row the same bits whatever rows are beside it: so speculation changes not only
@@ -97,7 +101,7 @@ def test_greedy_speculation_keeps_the_plain_log_probabilities_bit_for_bit(storie
         assert got.outputs[0].logprobs == want.outputs[0].logprobs  # floats compared exactly
 
 
-@pytest.mark.parametrize("method, k", [("ngram", 3), ("draft", 3),
+@pytest.mark.parametrize("method, k", [("ngram", 3), ("draft", 3), ("draft+suffix", 3),
                                        *(pytest.param(m, k, marks=pytest.mark.slow)
                                          for m, k in (("ngram", 1), ("ngram", 8), ("draft", 1), ("draft", 8)))])
 def test_greedy_ragged_batch_of_32_equals_plain(loaded, stories_bin, method, k):
@@ -114,7 +118,7 @@ def test_greedy_ragged_batch_of_32_equals_plain(loaded, stories_bin, method, k):
     assert all(o.metrics.spec_proposed == 0 for o in opted_out)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft+suffix"])
 def test_greedy_under_preemption_equals_plain_and_leaks_nothing(loaded, stories_bin, method):
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     requests = [(t, params) for t in prompts(12, seed=1, longest=40)]
@@ -233,7 +237,8 @@ def test_a_drafts_weights_default_to_int4_on_the_cpu(loaded, stories_bin):
     steer proposals), here a float checkpoint's; a mode asked for is kept."""
     assert EngineConfig().draft_weights == "int4"
     assert EngineConfig(draft_quantization="none").draft_weights == "none"
-    eng = engine(loaded, speculative_method="draft", draft_model=str(stories_bin), num_speculative_tokens=3)
+    eng = engine(loaded, speculative_method="draft", draft_model=str(stories_bin), num_speculative_tokens=3,
+                 draft_suffix_match=0)
     kernels = eng.speculator.proposer.model.kernels()
     kernels.pop("down")  # 172 columns, not a multiple of 32: stays float
     assert all(kernel.startswith("qmatmul_u4") for kernel, _ in kernels.values()), kernels

@@ -67,18 +67,18 @@ def test_proposes_the_continuation_of_the_longest_match_and_follows_new_tokens()
     proposer = SuffixProposer()
     passage = list(range(100, 140))
     seq = FakeSeq(1, [1, 2] + passage + [3], passage[:5])
-    assert proposer.lookup(seq, 8) == passage[5:10]  # a 5-token match proposes at most 5 (FACTOR)
+    assert proposer.find(seq, 8) == (passage[5:10], 5)  # a 5-token match proposes at most 5 (FACTOR)
     seq.output_token_ids += passage[5:20]  # appended incrementally
-    assert proposer.lookup(seq, 32) == passage[20:]  # 20 (the match length): past the tree's depth
+    assert proposer.find(seq, 32).tokens == passage[20:]  # 20 (the match length): past the tree's depth
     assert proposer._tails[1].length == len(seq.token_ids)
-    assert proposer.lookup(FakeSeq(2, [7, 8, 9], [10]), 8) == []  # nothing to follow
+    assert proposer.find(FakeSeq(2, [7, 8, 9], [10]), 8) == ([], 0)  # nothing to follow
 
 
 def test_guesses_the_first_token_it_would_propose():
     proposer = SuffixProposer()
     passage = list(range(100, 140))
     seq = FakeSeq(1, [1, 2] + passage + [3], passage[:5])
-    assert proposer.guess(seq) == passage[5] == proposer.lookup(seq, 8)[0]
+    assert proposer.guess(seq) == passage[5] == proposer.find(seq, 8).tokens[0]
     assert proposer.guess(FakeSeq(2, [7, 8, 9], [10])) is None
 
 
@@ -87,7 +87,7 @@ def test_frequency_picks_the_most_common_continuation_and_stops_when_unlikely():
     # the longest match "0 5 6" is followed by 7 twice and 8 once: 7; "0 5 6 7" by 9 and 1 once each:
     # the latest (1) wins the tie
     prompt = [5, 6, 7, 9, 0, 5, 6, 7, 9, 0, 5, 6, 8, 0, 5, 6, 7, 1, 0]
-    got = proposer.lookup(FakeSeq(1, prompt, [5, 6]), 8)
+    got = proposer.find(FakeSeq(1, prompt, [5, 6]), 8).tokens
     assert got[:2] == [7, 1]
     tree = SuffixTree()
     tree.insert([1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 1, 2, 7])
@@ -100,11 +100,11 @@ def test_global_cache_serves_other_requests_and_is_bounded_lru():
     proposer = SuffixProposer(global_tokens=100)
     output = list(range(200, 260))
     seq = FakeSeq(1, [1, 2, 3], output)
-    proposer.lookup(seq, 4)
+    proposer.find(seq, 4)
     proposer.forget(1)  # finished: its output enters the global tree
     assert proposer.cached_tokens == 60
     other = FakeSeq(2, [9, 9, 9], output[:6])
-    assert proposer.lookup(other, 10) == output[6:12]  # a 6-token match: 6 tokens
+    assert proposer.find(other, 10) == (output[6:12], 6)  # a 6-token match: 6 tokens
     proposer.cache_output(3, list(range(300, 360)))  # 120 tokens > 100: the oldest goes
     assert proposer.cached_tokens == 60 and proposer.global_tree.match(output[:6]) == (0, 0)
     proposer.cache_output(3, list(range(300, 310)))  # the same key replaces its earlier output
