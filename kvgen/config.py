@@ -256,7 +256,7 @@ class EngineConfig:
     draft_quantization: str = "auto"
     draft_p_min: float = 0.75  # a draft stops proposing after a token it gives less (kvgen.engine.speculative.draft)
     draft_vocab_size: int = 32768  # a draft's logits: these first ids + the text's own (speculative/draft_vocab); 0: all
-    draft_suffix_match: int = 5  # the suffix tree proposes instead where it matches this many tokens (speculative/hybrid); 0: never
+    draft_suffix_match: int = 5  # the suffix tree proposes where it matches this many tokens (speculative/hybrid)
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     adaptive_speculation: bool = True  # skip speculating a step where it measures slower (docs/speculative.md)
