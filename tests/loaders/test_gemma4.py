@@ -295,4 +295,4 @@ def test_attention_k_eq_v_from_the_gguf(k_eq_v, tmp_path):
     from tests.loaders.arch_fixtures import convert
 
     path, want = k_eq_v
-    check_k_eq_v(convert(path, tmp_path / "k_eq_v.gguf"), want)
+    check_k_eq_v(convert("gemma4", path, tmp_path / "k_eq_v.gguf", "f32"), want)
