@@ -358,5 +358,6 @@ def test_latency_on_generated_smollm2(tmp_path):
     data = bench(tmp_path, "latency", "--prompt-len", "32", "--gen-len", "8", "--repeats", "1",
                  "--bandwidth-size", "64MiB", "--compare", "hf")
     assert data["settings"]["model"] == "smollm2-135m"
-    assert 500e6 < data["decode_bytes_per_token"]["weights"] < 600e6  # 135M fp32 parameters
+    # 135M fp32 parameters, 28 bits each where kvgen's coded fp32 kernel runs (kvgen/model/kernels/coded.py)
+    assert 450e6 < data["decode_bytes_per_token"]["weights"] < 600e6
     assert positive(data["results"]["hf"]["decode_tokens_per_s"])
