@@ -196,7 +196,9 @@ def test_sinks_generate_far_past_the_context(loaded):
 def test_sinks_20000_tokens_in_constant_time_and_memory(loaded):
     _, _, times = run_long_sinks(loaded, 20_000)
     second, last = statistics.median(times[1000:2000]), statistics.median(times[-1000:])
-    assert last <= 1.25 * second, (second, last)
+    # Attention growing with the text would make a step at 20,000 tokens ~150x one over the 128 kept;
+    # 2x leaves room for a shared machine's drift (beside another test worker: 0.76 -> 0.95 ms).
+    assert last <= 2 * second, (second, last)
 
 
 @pytest.mark.parametrize("policy", ["full", "window:128", "h2o:4,124"])
