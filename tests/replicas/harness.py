@@ -202,7 +202,7 @@ def kill_one_mid_load(url: str, front_end: int, model: str, max_tokens: int, pro
     # round-robin gave each replica two: replica 0's complete, replica 1's end with an error event
     ends = sorted("completed" if '"finish_reason":"length"' in lines[-2] else
                   "failed" if failure in lines[-2] else lines[-2] for lines in results.values())
-    assert ends == ["completed", "completed", "failed", "failed"]
+    assert ends == ["completed", "completed", "failed", "failed"], ends
     failed_after = max(ended[i] - killed_at for i, lines in results.items() if failure in lines[-2])
     assert failed_after < 5, "the dead replica's requests did not fail within 5 s"
 
