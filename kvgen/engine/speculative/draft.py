@@ -28,7 +28,7 @@ import torch
 from kvgen.cache.kv_manager import KVCacheManager
 from kvgen.cache.sizing import format_bytes, kv_bytes_per_token_of
 from kvgen.config import EngineConfig, ModelConfig
-from kvgen.engine.speculative.draft_vocab import DraftVocabulary
+from kvgen.engine.speculative.draft_vocab import Columns, DraftVocabulary
 from kvgen.engine.speculative.proposer import Proposal, Proposer
 from kvgen.errors import ModelLoadError
 from kvgen.loaders import LoadedModel
@@ -67,27 +67,28 @@ class DraftChunk:
         return self.tokens
 
 
-def draft_tokens(logits: torch.Tensor, seqs: list[Sequence], ids: torch.Tensor | None = None,
+def draft_tokens(logits: torch.Tensor, seqs: list[Sequence], columns: Columns | None = None,
                  vocab_size: int = 0) -> tuple[list[int], list[torch.Tensor | None] | None, list[float]]:
-    """logits [B, C] over columns whose token ids are `ids` [B, C] (None: each column is its id, C the
+    """logits [B, C] over columns whose token ids `columns` names (None: each column is its id, C the
     vocabulary) -> per row the draft token, its q, and the draft's probability of it. A greedy request
     takes the argmax; a sampled one draws under its temperature / top-k / top-p / min-p, and its q,
     over the whole vocabulary of `vocab_size` ids (zero where no column names an id), is what the
     verify's rejection sampler takes. The probability (for draft_p_min) is q's where drawn, else the
     softmax's, exp(logit - logsumexp) (no [rows, C] softmax a pass)."""
     logits = logits.float()
-    columns = logits.argmax(dim=-1)
+    picked = logits.argmax(dim=-1)
     sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     q: list[torch.Tensor | None] | None = None
     if sampled:
         q = [None] * len(seqs)
         rows = filtered_probs(logits[torch.tensor(sampled)], [seqs[i].params for i in sampled]).cpu()
         for row, i in zip(rows, sampled):
-            columns[i] = int(torch.multinomial(row, 1, generator=seqs[i].generator))
-            q[i] = row if ids is None else torch.zeros(vocab_size).scatter_add_(0, ids[i].cpu(), row)
-    chosen = logits.gather(-1, columns[:, None])[:, 0]
+            picked[i] = int(torch.multinomial(row, 1, generator=seqs[i].generator))
+            q[i] = row if columns is None else columns.spread(i, row, vocab_size)
+    chosen = logits.gather(-1, picked[:, None])[:, 0]
     plain = (chosen - torch.logsumexp(logits, -1)).exp().tolist()
-    tokens = (columns if ids is None else ids.gather(-1, columns[:, None])[:, 0]).tolist()
+    picked_columns = picked.tolist()
+    tokens = picked_columns if columns is None else [columns.token(i, c) for i, c in enumerate(picked_columns)]
     sure = [float(q[i][token]) if q is not None and q[i] is not None else plain[i] for i, token in enumerate(tokens)]
     return tokens, q, sure
 
@@ -128,8 +129,8 @@ class DraftProposer(Proposer):
         while passes:
             seqs = [p.seq for _, p in passes]
             logits = self.runner.execute([p for _, p in passes], head=self._head(seqs))
-            ids = None if self.vocabulary is None else self.vocabulary.ids(seqs)
-            tokens, q, sure = draft_tokens(logits, seqs, ids, self.vocab_size)
+            columns = None if self.vocabulary is None else self.vocabulary.columns(seqs)
+            tokens, q, sure = draft_tokens(logits, seqs, columns, self.vocab_size)
             following = []
             for row, (i, p) in enumerate(passes):
                 drafts[i].append(tokens[row])
@@ -144,7 +145,7 @@ class DraftProposer(Proposer):
 
     def _head(self, seqs: list[Sequence]) -> Head | None:
         """The logits of a pass over these sequences' last rows: over the draft's vocabulary where it has
-        one (DraftVocabulary: its columns named by `ids`), else its LM head's over every id."""
+        one (DraftVocabulary: its columns named by `columns`), else its LM head's over every id."""
         return None if self.vocabulary is None else functools.partial(self.vocabulary.logits, seqs=seqs)
 
     def prefill(self, chunks: list[ScheduledChunk]) -> None:

@@ -36,13 +36,34 @@ def weight_rows(weight: Weight, ids: list[int]) -> torch.Tensor:
 
 @dataclass
 class _OwnTokens:
-    """A sequence's tokens beyond the first ids (their ids, as a list and as a tensor, and their head
-    rows) and how far its text was read."""
+    """A sequence's tokens beyond the first ids (their ids and their head rows) and how far its text
+    was read."""
 
     read: int = 0
     ids: list[int] = field(default_factory=list)
-    id_tensor: torch.Tensor | None = None  # [len(ids)] int64
     rows: torch.Tensor | None = None  # [len(ids), hidden] fp32
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Which token each column of `DraftVocabulary.logits` names: column c < size is id c, column
+    size + j of row r is own[r][j]; the rest of a row is -inf padding, naming none."""
+
+    size: int
+    own: list[list[int]]
+
+    def token(self, row: int, column: int) -> int:
+        return column if column < self.size else self.own[row][column - self.size]
+
+    def spread(self, row: int, probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Row `row`'s probabilities over its columns [C] -> over the whole vocabulary [vocab_size],
+        zero at the ids no column names."""
+        out = torch.zeros(vocab_size, dtype=probs.dtype)
+        out[: self.size] = probs[: self.size]
+        own = self.own[row]
+        if own:
+            out[torch.tensor(own)] = probs[self.size : self.size + len(own)]
+        return out
 
 
 class DraftVocabulary:
@@ -51,14 +72,13 @@ class DraftVocabulary:
         matrix, whose other rows are read as sequences need them."""
         self.model, self.head, self.size = model, head, size
         self._own: dict[int, _OwnTokens] = {}
-        self._first_ids = torch.arange(size, device=model.device)[None]  # [1, size]
 
     def logits(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """hidden [B, hidden] of one row per sequence -> fp32 logits [B, size + M] over the ids the draft
         sees, not the whole vocabulary (an argmax and a logsumexp over the Qwen2.5-Coder-0.5B's 151,936
         ids took ~0.7 ms a pass, over its first 32,768 a fifth of it): the head's on ids [0, size), then
         each sequence's own tokens beyond them, M the most any of them holds (the others' last columns
-        -inf). `ids(seqs)` names each column's token."""
+        -inf). `columns(seqs)` names each column's token."""
         owns = [self._read(seq) for seq in seqs]
         first = self.model.logits(hidden)  # [B, size]
         most = max(len(own.ids) for own in owns)
@@ -71,17 +91,10 @@ class DraftVocabulary:
                 out[row, self.size : self.size + len(own.ids)] = self.model.soft_cap(scores)[0]
         return out
 
-    def ids(self, seqs: list[Sequence]) -> torch.Tensor:
-        """int64 [B, size + M]: the token id of each column of the logits `logits(hidden, seqs)` gave for
-        these sequences (their texts as it read them); a row's -inf padding names id 0."""
-        owns = [self._own[seq.seq_id] for seq in seqs]
-        most = max(len(own.ids) for own in owns)
-        out = self._first_ids.new_zeros((len(seqs), self.size + most))
-        out[:, : self.size] = self._first_ids
-        for row, own in enumerate(owns):
-            if own.ids:
-                out[row, self.size : self.size + len(own.ids)] = own.id_tensor
-        return out
+    def columns(self, seqs: list[Sequence]) -> Columns:
+        """The token each column of the logits `logits(hidden, seqs)` gave names (their texts as it
+        read them)."""
+        return Columns(self.size, [self._own[seq.seq_id].ids for seq in seqs])
 
     def forget(self, seq_id: int) -> None:
         self._own.pop(seq_id, None)
@@ -95,5 +108,4 @@ class DraftVocabulary:
             rows = weight_rows(self.head, new).to(self.model.device)
             own.rows = rows if own.rows is None else torch.cat([own.rows, rows])
             own.ids += new
-            own.id_tensor = torch.tensor(own.ids, device=self.model.device)
         return own

@@ -10,7 +10,7 @@ import torch
 
 from kvgen.config import EngineConfig
 from kvgen.engine.speculative.draft import draft_tokens
-from kvgen.engine.speculative.draft_vocab import DraftVocabulary, weight_rows
+from kvgen.engine.speculative.draft_vocab import Columns, DraftVocabulary, weight_rows
 from kvgen.loaders import load_model
 from kvgen.model.decoder import DecoderModel, head_weight
 from kvgen.sampling_params import SamplingParams
@@ -46,12 +46,12 @@ def test_the_draft_scores_the_first_ids_and_the_texts_own_tokens_as_its_whole_he
     for grown in (False, True):
         if grown:  # a token of its output, read on the next call
             seqs[1].token_ids.append(290)
-        got, ids = vocabulary.logits(hidden, seqs), vocabulary.ids(seqs)
-        assert got.shape == ids.shape
+        got, columns = vocabulary.logits(hidden, seqs), vocabulary.columns(seqs)
+        assert got.shape[1] == size + max(len(own) for own in columns.own)
         for row, seq in enumerate(seqs):
             seen = sorted(set(range(size)) | set(seq.token_ids))
-            named = ids[row, : len(seen)]                      # the columns that score an id
-            assert sorted(named.tolist()) == seen and (ids[row, :size] == torch.arange(size)).all()
+            named = [columns.token(row, c) for c in range(len(seen))]  # the columns that score an id
+            assert sorted(named) == seen and named[:size] == list(range(size))
             assert ((got[row, : len(seen)] - want[row, named]).abs() <= bound[row, named]).all()
             assert torch.isneginf(got[row, len(seen):]).all()  # the shorter text's padding
     assert vocabulary._own[1].ids == [511, 290][: 2 if size <= 290 else 1]
@@ -59,18 +59,18 @@ def test_the_draft_scores_the_first_ids_and_the_texts_own_tokens_as_its_whole_he
 
 def test_draft_tokens_on_named_columns_are_ids_and_q_spans_the_whole_vocabulary():
     """A greedy row's token is the id its best column names, with that column's softmax probability; a
-    sampled row's q is over all 10 ids, zero where no column names one (the padding's id 0 gets none)."""
+    sampled row's q is over all 10 ids, zero where no column names one (the padding names none)."""
     logits = torch.tensor([[0.0, 2.0, 1.0, float("-inf")], [1.0, 0.5, 3.0, 0.0]])
-    ids = torch.tensor([[0, 1, 7, 0], [0, 1, 9, 4]])
+    columns = Columns(2, [[7], [9, 4]])  # ids 0 and 1, then each row's own
     greedy = SimpleNamespace(params=SamplingParams(temperature=0))
     sampled = SimpleNamespace(params=SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(3))
-    tokens, q, sure = draft_tokens(logits, [greedy, sampled], ids, vocab_size=10)
+    tokens, q, sure = draft_tokens(logits, [greedy, sampled], columns, vocab_size=10)
     assert tokens[0] == 1 and sure[0] == pytest.approx(logits[0].softmax(-1)[1].item())
     assert q[0] is None and q[1].shape == (10,) and q[1].sum().item() == pytest.approx(1.0)
     want = torch.zeros(10)
     want[[0, 1, 9, 4]] = logits[1].softmax(-1)
     assert torch.allclose(q[1], want) and tokens[1] in (0, 1, 9, 4) and sure[1] == q[1][tokens[1]].item()
-    assert draft_tokens(logits[1:], [greedy])[0] == [2]  # without ids a column is its id
+    assert draft_tokens(logits[1:], [greedy])[0] == [2]  # without columns named a column is its id
 
 
 @pytest.mark.parametrize("size", [64, 300])
